@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs everything podmeter's lab and tests need on a fresh Debian 12 machine, idempotently:
+# system packages (clang, libbpf, bpftool, etcd, iproute2), the bpffs mount, a venv with the package
+# and its dev tools, and the BPF object. Safe to run again: each step checks before it acts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v clang >/dev/null || need_apt+=(clang)
+[ -f /usr/include/bpf/bpf_helpers.h ] || need_apt+=(libbpf-dev)
+command -v bpftool >/dev/null || need_apt+=(bpftool)
+command -v etcd >/dev/null || need_apt+=(etcd-server)
+command -v ip >/dev/null || need_apt+=(iproute2)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    echo "setup: installing ${need_apt[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  else
+    echo "setup: not root, cannot install ${need_apt[*]}; eBPF and etcd tests will be skipped" >&2
+  fi
+fi
+
+if [ "$(id -u)" -eq 0 ] && ! mount | grep -q ' /sys/fs/bpf type bpf'; then
+  mount -t bpf bpf /sys/fs/bpf || echo "setup: could not mount bpffs at /sys/fs/bpf" >&2
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.stamp-$(sha1sum pyproject.toml | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  .venv/bin/pip install -q --upgrade pip >/dev/null
+  .venv/bin/pip install -q -e '.[dev]'
+  rm -f .venv/.stamp-*
+  touch "$stamp"
+fi
+
+if command -v clang >/dev/null; then
+  make -s bpf
+fi

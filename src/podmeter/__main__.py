@@ -1,0 +1,3 @@
+from podmeter.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""podmeter.model."""
