@@ -1,0 +1,16 @@
+"""`podmeter inspect`: not built yet."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser("inspect", help="(not built yet)")
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    print("podmeter inspect: not built yet")
+    return 2
