@@ -1,0 +1,83 @@
+"""An in-memory datapath with the kernel's semantics, for tests, the lab's memory mode and benchmarks.
+
+Like the kernel's LPM trie it has a fixed capacity and fails an insert into a full map with ENOSPC; like
+the kernel's batch operations it applies elements in order, stops at the first error and reports how many
+it applied. Faults can be injected (:meth:`MemoryDatapath.fail_next`) to exercise the writer's error paths,
+and entries can be planted or removed behind the writer's back to simulate drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from podmeter.model.datapath import BatchResult, DatapathError, Direction, FilterFull, Traffic
+
+
+class MemoryDatapath:
+    """Invariant: ``len(entries) <= capacity``; counters exist only for IPs that saw traffic."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self._capacity = capacity
+        self.entries: set[str] = set()
+        self.counters: dict[tuple[str, Direction], Traffic] = {}
+        self._faults: list[DatapathError] = []
+        self.calls = 0  # batch operations performed, for tests that bound work
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def fail_next(self, error: DatapathError, times: int = 1) -> None:
+        """Make the next ``times`` element operations fail with ``error``."""
+        self._faults.extend([error] * times)
+
+    def insert(self, ips: Sequence[str]) -> BatchResult:
+        self.calls += 1
+        for applied, ip in enumerate(ips):
+            error = self._fault() or self._insert_error(ip)
+            if error is not None:
+                return BatchResult(applied, error)
+            self.entries.add(ip)
+        return BatchResult(len(ips))
+
+    def delete(self, ips: Sequence[str]) -> BatchResult:
+        self.calls += 1
+        for applied, ip in enumerate(ips):
+            error = self._fault()
+            if error is None and ip not in self.entries:
+                error = DatapathError("ENOENT", f"{ip} is not in the filter")
+            if error is not None:
+                return BatchResult(applied, error)
+            self.entries.discard(ip)
+        return BatchResult(len(ips))
+
+    def contents(self) -> set[str]:
+        return set(self.entries)
+
+    def read_counters(self) -> dict[tuple[str, Direction], Traffic]:
+        return dict(self.counters)
+
+    def take_counters(self, ips: Iterable[str]) -> dict[tuple[str, Direction], Traffic]:
+        taken: dict[tuple[str, Direction], Traffic] = {}
+        for ip in ips:
+            for direction in Direction:
+                value = self.counters.pop((ip, direction), None)
+                if value is not None:
+                    taken[(ip, direction)] = value
+        return taken
+
+    def count(self, ip: str, direction: Direction, packets: int, size: int) -> None:
+        """Account traffic as the kernel program would: only for IPs in the filter."""
+        if ip in self.entries:
+            key = (ip, direction)
+            self.counters[key] = self.counters.get(key, Traffic()) + Traffic(packets, size)
+
+    def _insert_error(self, ip: str) -> DatapathError | None:
+        if ip not in self.entries and len(self.entries) >= self._capacity:
+            return FilterFull()
+        return None
+
+    def _fault(self) -> DatapathError | None:
+        return self._faults.pop(0) if self._faults else None

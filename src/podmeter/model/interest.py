@@ -1,0 +1,37 @@
+"""Which pods count: eligibility (can the pod be in the filter at all) and interest (did users ask).
+
+observed(pod) = eligible(pod) and not excluded(ns) and (included(ns) or annotated(pod) or annotated(ns))
+
+* eligible: not hostNetwork (its IP is the node's), has at least one IP, not terminal
+  (Succeeded/Failed: its IP may already belong to another pod), and bound to this node when the view is
+  node-scoped. A pod that is being deleted (deletionTimestamp set) still runs and still sends traffic, so
+  it stays eligible until it is gone.
+* annotated: ``podmeter.io/observe: "true"`` on the pod or its namespace, counted only while the
+  MetricsConfiguration allows annotations (``spec.annotations``, default true; true without any object).
+* included / excluded: the ``default`` MetricsConfiguration's include list, or with an empty include list
+  its exclude list (every namespace but these). Both lists empty: only annotations count.
+"""
+
+from __future__ import annotations
+
+from podmeter.model.configuration import Interest
+from podmeter.model.records import TERMINAL_PHASES, Namespace, Pod
+
+
+def eligible(pod: Pod, node_name: str | None) -> bool:
+    if pod.host_network or not pod.ips or pod.phase in TERMINAL_PHASES:
+        return False
+    return node_name is None or pod.node_name == node_name
+
+
+def observed(pod: Pod, namespace: Namespace | None, interest: Interest, node_name: str | None) -> bool:
+    if not eligible(pod, node_name):
+        return False
+    ns = pod.namespace
+    if ns in interest.exclude:
+        return False
+    if ns in interest.include or (interest.exclude and not interest.include):
+        return True
+    if not interest.annotations:
+        return False
+    return pod.observe or (namespace is not None and namespace.observe)

@@ -1,0 +1,290 @@
+"""Slim records decoded with msgspec straight from Kubernetes JSON bytes.
+
+Only the fields podmeter uses are decoded; everything else (managedFields, the pod spec's containers,
+other annotations) is skipped by the decoder without building Python objects, which is what keeps a stored
+pod small (see ``bench/core.py`` for bytes per pod). Every record is immutable: a new state of an object is a
+new record, so a record held by the store is never changed behind the core's back.
+
+Malformed input raises :class:`DecodeError`, which names the object (kind, namespace/name when they can be
+read) and the offending field. Callers log and count it and keep the last good record of that object.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import sys
+from typing import Annotated, Any, Final, TypeVar
+
+import msgspec
+
+OBSERVE_ANNOTATION: Final = "podmeter.io/observe"
+TERMINAL_PHASES: Final = frozenset({"Succeeded", "Failed"})
+
+# Kubernetes limits: names are DNS subdomains (253), label values 63, label keys 253 + "/" + 63.
+_Name = Annotated[str, msgspec.Meta(max_length=253)]
+_Uid = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+_RV = Annotated[str, msgspec.Meta(max_length=64)]
+_LabelKey = Annotated[str, msgspec.Meta(max_length=317)]
+_LabelValue = Annotated[str, msgspec.Meta(max_length=63)]
+_Labels = Annotated[dict[_LabelKey, _LabelValue], msgspec.Meta(max_length=256)]
+_ShortText = Annotated[str, msgspec.Meta(max_length=64)]
+_IPText = Annotated[str, msgspec.Meta(max_length=64)]
+
+_T = TypeVar("_T")
+
+_DNS1123_LABEL: Final = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class DecodeError(ValueError):
+    """One object could not be decoded or validated. ``field`` is a JSON path like ``$.status.podIP``."""
+
+    def __init__(self, kind: str, name: str, field: str, reason: str) -> None:
+        super().__init__(f"{kind} {name or '<unnamed>'}: {field}: {reason}")
+        self.kind = kind
+        self.name = name
+        self.field = field
+        self.reason = reason
+
+
+# --- wire shapes: what the decoder reads (unknown fields are skipped) -------------------------------
+
+
+class _Annotations(msgspec.Struct):
+    observe: Annotated[str, msgspec.Meta(max_length=64)] | None = msgspec.field(
+        default=None, name=OBSERVE_ANNOTATION
+    )
+
+
+class _OwnerRef(msgspec.Struct):
+    kind: _ShortText = ""
+    name: _Name = ""
+    controller: bool = False
+
+
+class _Meta(msgspec.Struct):
+    uid: _Uid
+    name: _Name = ""
+    namespace: _Name = ""
+    resourceVersion: _RV = ""
+    labels: _Labels | None = None
+    annotations: _Annotations | None = None
+    deletionTimestamp: _ShortText | None = None
+    ownerReferences: Annotated[list[_OwnerRef], msgspec.Meta(max_length=64)] | None = None
+
+
+class _PodSpec(msgspec.Struct):
+    nodeName: _Name = ""
+    hostNetwork: bool = False
+
+
+class _PodIP(msgspec.Struct):
+    ip: _IPText
+
+
+class _PodStatus(msgspec.Struct):
+    phase: _ShortText = ""
+    podIP: _IPText = ""
+    podIPs: Annotated[list[_PodIP], msgspec.Meta(max_length=4)] | None = None
+
+
+class _PodWire(msgspec.Struct):
+    metadata: _Meta
+    spec: _PodSpec | None = None
+    status: _PodStatus | None = None
+
+
+class _NamespaceStatus(msgspec.Struct):
+    phase: _ShortText = ""
+
+
+class _NamespaceWire(msgspec.Struct):
+    metadata: _Meta
+    status: _NamespaceStatus | None = None
+
+
+class _NameOnlyMeta(msgspec.Struct):
+    name: Any = ""
+    namespace: Any = ""
+
+
+class _NameOnly(msgspec.Struct):
+    metadata: _NameOnlyMeta | None = None
+
+
+# --- records: what the store keeps ------------------------------------------------------------------
+
+
+class Pod(msgspec.Struct, frozen=True, gc=False):
+    """A pod as podmeter needs it. ``ips`` are canonical strings (see :func:`canonical_ip`), v4 and/or v6.
+
+    ``labels`` is a flat tuple ``(k1, v1, k2, v2, ...)`` sorted by key, with interned strings: label sets
+    repeat across replicas, and a flat tuple is the smallest container that keeps them.
+    """
+
+    uid: str
+    namespace: str
+    name: str
+    node_name: str
+    ips: tuple[str, ...]
+    host_network: bool
+    phase: str
+    deleting: bool
+    observe: bool
+    labels: tuple[str, ...]
+    resource_version: str
+    owner_kind: str = ""
+    owner_name: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def label_dict(self) -> dict[str, str]:
+        return dict(zip(self.labels[::2], self.labels[1::2], strict=True))
+
+
+class Namespace(msgspec.Struct, frozen=True, gc=False):
+    """A namespace as podmeter needs it."""
+
+    name: str
+    uid: str
+    observe: bool
+    phase: str
+    labels: tuple[str, ...]
+    resource_version: str
+
+
+# --- decoding ----------------------------------------------------------------------------------------
+
+_pod_decoder: Final = msgspec.json.Decoder(_PodWire)
+_ns_decoder: Final = msgspec.json.Decoder(_NamespaceWire)
+_name_decoder: Final = msgspec.json.Decoder(_NameOnly)
+
+
+def canonical_ip(text: str) -> str:
+    """The one spelling of an IP podmeter uses everywhere. Raises ValueError for anything but an address."""
+    address = ipaddress.ip_address(text)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
+def decode_pod(data: bytes | dict[str, Any]) -> Pod:
+    """Decode a Pod from JSON bytes (or an already-parsed dict, for the lab and tests)."""
+    wire = _decode_wire("Pod", data, _pod_decoder, _PodWire)
+    meta, spec = wire.metadata, wire.spec or _PodSpec()
+    status = wire.status or _PodStatus()
+    name = f"{meta.namespace}/{meta.name}"
+    owner_kind, owner_name = _controller(meta.ownerReferences)
+    return Pod(
+        uid=meta.uid,
+        namespace=sys.intern(meta.namespace),
+        name=meta.name,
+        node_name=sys.intern(spec.nodeName),
+        ips=_pod_ips(status, name),
+        host_network=spec.hostNetwork,
+        phase=sys.intern(status.phase),
+        deleting=meta.deletionTimestamp is not None,
+        observe=_observed(meta.annotations),
+        labels=_flat_labels(meta.labels),
+        resource_version=meta.resourceVersion,
+        owner_kind=sys.intern(owner_kind),
+        owner_name=sys.intern(owner_name),
+    )
+
+
+def decode_namespace(data: bytes | dict[str, Any]) -> Namespace:
+    """Decode a Namespace from JSON bytes (or a parsed dict)."""
+    wire = _decode_wire("Namespace", data, _ns_decoder, _NamespaceWire)
+    meta = wire.metadata
+    if not meta.name:
+        raise DecodeError("Namespace", "", "$.metadata.name", "missing")
+    return Namespace(
+        name=sys.intern(meta.name),
+        uid=meta.uid,
+        observe=_observed(meta.annotations),
+        phase=(wire.status or _NamespaceStatus()).phase,
+        labels=_flat_labels(meta.labels),
+        resource_version=meta.resourceVersion,
+    )
+
+
+def _decode_wire(
+    kind: str, data: bytes | dict[str, Any], decoder: msgspec.json.Decoder[_T], typ: type[_T]
+) -> _T:
+    try:
+        if isinstance(data, dict):
+            return msgspec.convert(data, typ)
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        field, reason = _split_msgspec_error(str(exc))
+        raise DecodeError(kind, _best_effort_name(data), field, reason) from None
+    except msgspec.DecodeError as exc:
+        raise DecodeError(kind, "", "$", f"malformed JSON: {exc}") from None
+
+
+def _split_msgspec_error(message: str) -> tuple[str, str]:
+    # msgspec says "Expected `str`, got `int` - at `$.metadata.name`".
+    reason, sep, where = message.rpartition(" - at ")
+    if not sep:
+        return "$", message
+    return where.strip("`"), reason
+
+
+def _best_effort_name(data: bytes | dict[str, Any]) -> str:
+    try:
+        named = msgspec.convert(data, _NameOnly) if isinstance(data, dict) else _name_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return ""
+    meta = named.metadata
+    if meta is None or not isinstance(meta.name, str):
+        return ""
+    ns = meta.namespace if isinstance(meta.namespace, str) else ""
+    return f"{ns}/{meta.name}"[:300] if ns else meta.name[:300]
+
+
+def _pod_ips(status: _PodStatus, name: str) -> tuple[str, ...]:
+    if status.podIPs:
+        raw = [entry.ip for entry in status.podIPs]
+        field = "$.status.podIPs"
+    elif status.podIP:
+        raw = [status.podIP]
+        field = "$.status.podIP"
+    else:
+        return ()
+    ips: list[str] = []
+    for text in raw:
+        try:
+            ip = canonical_ip(text)
+        except ValueError:
+            raise DecodeError("Pod", name, field, f"invalid IP address {text[:64]!r}") from None
+        if ip not in ips:
+            ips.append(ip)
+    return tuple(ips)
+
+
+def _observed(annotations: _Annotations | None) -> bool:
+    return annotations is not None and annotations.observe == "true"
+
+
+def _flat_labels(labels: dict[str, str] | None) -> tuple[str, ...]:
+    if not labels:
+        return ()
+    flat: list[str] = []
+    for key in sorted(labels):
+        flat.append(sys.intern(key))
+        flat.append(sys.intern(labels[key]))
+    return tuple(flat)
+
+
+def _controller(refs: list[_OwnerRef] | None) -> tuple[str, str]:
+    for ref in refs or ():
+        if ref.controller:
+            return ref.kind, ref.name
+    return "", ""
+
+
+def is_dns1123_label(name: str) -> bool:
+    """A valid namespace name: a DNS-1123 label of at most 63 characters."""
+    return len(name) <= 63 and _DNS1123_LABEL.match(name) is not None

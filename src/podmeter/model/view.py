@@ -1,0 +1,164 @@
+"""The agent's view of its node: the stored objects and the desired filter derived from them.
+
+This is the level-triggered core. The store mirrors the API server (pods by UID, namespaces by name, the
+interest configuration); the desired filter is a pure function of the store, maintained incrementally:
+each change re-evaluates only the pods it can affect (one pod; the pods of one namespace; all pods for a
+configuration change) and :meth:`NodeView.recompute` rebuilds it from scratch for checks.
+
+Nothing here depends on the history of events: a delete needs only the UID, a duplicate upsert of an
+identical record is a no-op, and a relist (:meth:`NodeView.replace_pods`) turns vanished objects into
+deletes and leaves unchanged ones alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from podmeter.model.compaction import PeakTracker
+from podmeter.model.configuration import NO_CONFIGURATION, Interest
+from podmeter.model.desired import DesiredFilter
+from podmeter.model.interest import observed
+from podmeter.model.records import Namespace, Pod
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaceResult:
+    """What a relist changed: objects added, updated (new resourceVersion) and deleted (vanished)."""
+
+    added: int = 0
+    updated: int = 0
+    deleted: int = 0
+
+
+class NodeView:
+    """Stored pods and namespaces, the interest configuration, and the desired filter.
+
+    Invariants:
+    * a UID is in ``pods`` iff it is in ``pods_by_namespace[pod.namespace]``; no UID is stored twice;
+    * ``desired.contributions[uid] == pod.ips`` iff the pod is observed under the current namespaces and
+      interest, else ``uid`` has no contribution; so ``desired`` == :meth:`recompute` at every moment.
+    """
+
+    def __init__(self, node_name: str | None = None) -> None:
+        self.node_name = node_name
+        self.pods: dict[str, Pod] = {}
+        self.pods_by_namespace: dict[str, set[str]] = {}
+        self.namespaces: dict[str, Namespace] = {}
+        self.interest: Interest = NO_CONFIGURATION
+        self.desired = DesiredFilter()
+        self._pods_peak = PeakTracker()
+
+    # --- pods ---------------------------------------------------------------------------------
+
+    def upsert_pod(self, pod: Pod) -> bool:
+        """Store ``pod``; False (and no work) if an identical record is already stored."""
+        old = self.pods.get(pod.uid)
+        if old == pod:
+            return False
+        if old is not None and old.namespace != pod.namespace:
+            self._unindex(old)
+        self.pods[pod.uid] = pod
+        self._pods_peak.grew_to(len(self.pods))
+        self.pods_by_namespace.setdefault(pod.namespace, set()).add(pod.uid)
+        self._evaluate(pod)
+        return True
+
+    def delete_pod(self, uid: str) -> bool:
+        """Forget the pod with ``uid``; False if it was not stored."""
+        pod = self.pods.pop(uid, None)
+        if pod is None:
+            return False
+        self._unindex(pod)
+        self.desired.set_contribution(uid, ())
+        if self._pods_peak.should_rebuild(len(self.pods)):
+            self.pods = dict(self.pods)
+        return True
+
+    def replace_pods(self, pods: Iterable[Pod]) -> ReplaceResult:
+        """Make the stored pods exactly ``pods`` (a relist): vanished ones are deleted."""
+        listed: dict[str, Pod] = {pod.uid: pod for pod in pods}
+        vanished = [uid for uid in self.pods if uid not in listed]
+        for uid in vanished:
+            self.delete_pod(uid)
+        added = updated = 0
+        for pod in listed.values():
+            known = pod.uid in self.pods
+            if self.upsert_pod(pod):
+                updated += known
+                added += not known
+        return ReplaceResult(added, updated, len(vanished))
+
+    # --- namespaces and configuration ---------------------------------------------------------
+
+    def upsert_namespace(self, namespace: Namespace) -> bool:
+        old = self.namespaces.get(namespace.name)
+        if old == namespace:
+            return False
+        self.namespaces[namespace.name] = namespace
+        if old is None or old.observe != namespace.observe:
+            self._evaluate_namespace(namespace.name)
+        return True
+
+    def delete_namespace(self, name: str) -> bool:
+        if self.namespaces.pop(name, None) is None:
+            return False
+        self._evaluate_namespace(name)
+        return True
+
+    def replace_namespaces(self, namespaces: Iterable[Namespace]) -> ReplaceResult:
+        listed = {ns.name: ns for ns in namespaces}
+        vanished = [name for name in self.namespaces if name not in listed]
+        for name in vanished:
+            self.delete_namespace(name)
+        added = updated = 0
+        for ns in listed.values():
+            known = ns.name in self.namespaces
+            if self.upsert_namespace(ns):
+                updated += known
+                added += not known
+        return ReplaceResult(added, updated, len(vanished))
+
+    def set_interest(self, interest: Interest) -> bool:
+        """Apply a new (already validated) configuration; re-evaluates every pod when it changed."""
+        if interest == self.interest:
+            return False
+        self.interest = interest
+        for pod in self.pods.values():
+            self._evaluate(pod)
+        return True
+
+    # --- derived state ------------------------------------------------------------------------
+
+    def is_observed(self, pod: Pod) -> bool:
+        return observed(pod, self.namespaces.get(pod.namespace), self.interest, self.node_name)
+
+    def recompute(self) -> dict[str, frozenset[str]]:
+        """The desired filter computed from scratch: IP -> UIDs of the observed pods holding it."""
+        result: dict[str, set[str]] = {}
+        for pod in self.pods.values():
+            if self.is_observed(pod):
+                for ip in pod.ips:
+                    result.setdefault(ip, set()).add(pod.uid)
+        return {ip: frozenset(uids) for ip, uids in result.items()}
+
+    def owners(self, ip: str) -> list[Pod]:
+        """The stored pods that hold ``ip`` in the desired filter."""
+        return [self.pods[uid] for uid in self.desired.holders.get(ip, ()) if uid in self.pods]
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _evaluate(self, pod: Pod) -> None:
+        self.desired.set_contribution(pod.uid, pod.ips if self.is_observed(pod) else ())
+
+    def _evaluate_namespace(self, name: str) -> None:
+        for uid in self.pods_by_namespace.get(name, ()):
+            self._evaluate(self.pods[uid])
+
+    def _unindex(self, pod: Pod) -> None:
+        members = self.pods_by_namespace.get(pod.namespace)
+        if members is None:
+            return
+        members.discard(pod.uid)
+        if not members:
+            del self.pods_by_namespace[pod.namespace]
