@@ -1,0 +1,103 @@
+// SPDX-License-Identifier: GPL-2.0
+/* podmeter's packet counter, attached to the host side of each pod veth.
+ *
+ * On the host-side end of a pod's veth, tc ingress sees packets leaving the pod and tc egress sees
+ * packets entering it. So pm_from_pod (tc ingress) counts direction EGRESS keyed on the source address,
+ * and pm_to_pod (tc egress) counts direction INGRESS keyed on the destination address. Only addresses
+ * present in the `filter` map are counted. Both programs return TC_ACT_UNSPEC: they never change a
+ * verdict, so tc filters of other tools after them keep running (under TCX, TC_ACT_OK would stop them).
+ *
+ * Map layouts are documented in docs/datapath.md; userspace encodes the same structs in
+ * podmeter/adapters/datapath/ebpf/layout.py. Change one, change both (and the docs).
+ */
+#include "podmeter_parse.h"
+
+#define PM_DIR_INGRESS 0 /* into the pod */
+#define PM_DIR_EGRESS 1	 /* out of the pod */
+
+struct filter_key {
+	__u32 prefixlen; /* always 128: one host address per entry */
+	struct pm_addr addr;
+};
+
+struct counter_key {
+	struct pm_addr addr;
+	__u32 direction; /* PM_DIR_INGRESS or PM_DIR_EGRESS */
+};
+
+struct counter_value {
+	__u64 packets;
+	__u64 bytes; /* skb->len at the hook: the whole frame including its Ethernet header */
+};
+
+/* max_entries here are defaults; the loader sets them from --filter-map-size before loading. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 255);
+	__type(key, struct filter_key);
+	__type(value, __u8);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} filter SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 510);
+	__type(key, struct counter_key);
+	__type(value, struct counter_value);
+} counters SEC(".maps");
+
+static __always_inline void pm_count(struct __sk_buff *skb, const struct pm_addr *addr, __u32 direction)
+{
+	struct filter_key fkey = { .prefixlen = 128, .addr = *addr };
+	struct counter_key ckey = { .addr = *addr, .direction = direction };
+	struct counter_value *value;
+	struct counter_value first = { .packets = 1, .bytes = skb->len };
+
+	if (!bpf_map_lookup_elem(&filter, &fkey))
+		return;
+	value = bpf_map_lookup_elem(&counters, &ckey);
+	if (value) {
+		/* Per-CPU value and tc runs with preemption off: a plain add is race-free. */
+		value->packets += 1;
+		value->bytes += skb->len;
+		return;
+	}
+	if (bpf_map_update_elem(&counters, &ckey, &first, BPF_NOEXIST) == 0) {
+		/* Userspace removes an IP in two steps: delete from filter, then take (read+delete) its
+		 * counters. If both happened between our filter lookup and this insert, the entry we just
+		 * made would outlive the pod and be attributed to the next owner of the IP. Re-check the
+		 * filter: if the IP has gone, drop the entry (losing one packet of a deleted pod). */
+		if (!bpf_map_lookup_elem(&filter, &fkey))
+			bpf_map_delete_elem(&counters, &ckey);
+		return;
+	}
+	/* EEXIST: another CPU created the entry meanwhile; our CPU's slot exists now. E2BIG (map
+	 * full) leaves the packet uncounted. */
+	value = bpf_map_lookup_elem(&counters, &ckey);
+	if (value) {
+		value->packets += 1;
+		value->bytes += skb->len;
+	}
+}
+
+SEC("tc")
+int pm_from_pod(struct __sk_buff *skb)
+{
+	struct pm_addrs addrs;
+
+	if (pm_parse(skb, &addrs) == 0)
+		pm_count(skb, &addrs.src, PM_DIR_EGRESS);
+	return TC_ACT_UNSPEC;
+}
+
+SEC("tc")
+int pm_to_pod(struct __sk_buff *skb)
+{
+	struct pm_addrs addrs;
+
+	if (pm_parse(skb, &addrs) == 0)
+		pm_count(skb, &addrs.dst, PM_DIR_INGRESS);
+	return TC_ACT_UNSPEC;
+}
+
+char LICENSE[] SEC("license") = "GPL";
