@@ -1,1 +1,5 @@
-"""podmeter.adapters.identity."""
+"""Identity backends: where label-set identities are allocated (``memory`` or ``etcd``)."""
+
+from podmeter.adapters.identity.base import IdentityBackend, IdentityBackendError
+
+__all__ = ["IdentityBackend", "IdentityBackendError"]
