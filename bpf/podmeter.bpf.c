@@ -46,38 +46,47 @@ struct {
 	__type(value, struct counter_value);
 } counters SEC(".maps");
 
+static __always_inline void pm_add(struct counter_value *value, struct __sk_buff *skb)
+{
+	/* Per-CPU value and tc runs with preemption off: plain adds are race-free. */
+	value->packets += 1;
+	value->bytes += skb->len;
+}
+
+/* Count one packet for addr if addr is in the filter.
+ *
+ * Invariant (kept together with userspace): a counters entry exists only while its IP is in the filter.
+ * Userspace removes an IP in two steps, delete from filter then take (read and delete) its counters,
+ * and this program never creates an entry for an IP that has left the filter. So the hot path of an
+ * observed IP is a single hash lookup; the LPM trie is consulted only when no entry exists yet. Packets
+ * counted between the two userspace steps belong to the leaving pod and are part of what it takes. */
 static __always_inline void pm_count(struct __sk_buff *skb, const struct pm_addr *addr, __u32 direction)
 {
-	struct filter_key fkey = { .prefixlen = 128, .addr = *addr };
 	struct counter_key ckey = { .addr = *addr, .direction = direction };
-	struct counter_value *value;
+	struct filter_key fkey = { .prefixlen = 128, .addr = *addr };
 	struct counter_value first = { .packets = 1, .bytes = skb->len };
+	struct counter_value *value;
 
-	if (!bpf_map_lookup_elem(&filter, &fkey))
-		return;
 	value = bpf_map_lookup_elem(&counters, &ckey);
 	if (value) {
-		/* Per-CPU value and tc runs with preemption off: a plain add is race-free. */
-		value->packets += 1;
-		value->bytes += skb->len;
+		pm_add(value, skb);
 		return;
 	}
+	if (!bpf_map_lookup_elem(&filter, &fkey))
+		return;
 	if (bpf_map_update_elem(&counters, &ckey, &first, BPF_NOEXIST) == 0) {
-		/* Userspace removes an IP in two steps: delete from filter, then take (read+delete) its
-		 * counters. If both happened between our filter lookup and this insert, the entry we just
-		 * made would outlive the pod and be attributed to the next owner of the IP. Re-check the
-		 * filter: if the IP has gone, drop the entry (losing one packet of a deleted pod). */
+		/* If userspace deleted the IP and took its counters between our filter lookup and this
+		 * insert, the new entry would outlive the pod (and break the invariant). Re-check the
+		 * filter and drop the entry if the IP has gone: one packet of a deleted pod is lost. */
 		if (!bpf_map_lookup_elem(&filter, &fkey))
 			bpf_map_delete_elem(&counters, &ckey);
 		return;
 	}
-	/* EEXIST: another CPU created the entry meanwhile; our CPU's slot exists now. E2BIG (map
-	 * full) leaves the packet uncounted. */
+	/* EEXIST: another CPU created the entry meanwhile and our CPU's slot exists now. E2BIG (map full)
+	 * leaves the packet uncounted. */
 	value = bpf_map_lookup_elem(&counters, &ckey);
-	if (value) {
-		value->packets += 1;
-		value->bytes += skb->len;
-	}
+	if (value)
+		pm_add(value, skb);
 }
 
 SEC("tc")

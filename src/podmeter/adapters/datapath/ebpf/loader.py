@@ -1,0 +1,224 @@
+"""Loading the BPF object against the pinned maps: reuse, create, or resize-and-migrate each map.
+
+For each map the object declares, the loader finds one of three cases:
+* a pin with the same layout and size: the program is loaded against it (counters continue);
+* no pin: libbpf creates the map at the configured size and it is pinned after the load;
+* a pin with the same layout and another ``max_entries`` (``--filter-map-size`` changed): a new map is
+  created at the new size, every entry is copied across, then the pin is swapped atomically (the
+  kernel refuses to load against a pin of another size, and losing the filter would be worse).
+A pin with another layout (type, key or value size, flags) is refused with :class:`PinMismatch`.
+
+After loading, the loader keeps duplicates of the program and map descriptors and closes the libbpf
+object, so their lifetimes are independent of libbpf's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from podmeter.adapters.datapath.ebpf.errors import LoadFailed, PinMismatch
+from podmeter.adapters.datapath.ebpf.libbpf import BpfCallError, Libbpf, TestRunOpts, libbpf
+from podmeter.adapters.datapath.ebpf.maps import BpfMap, MapShape
+from podmeter.adapters.datapath.ebpf.pins import PinDir
+
+log = logging.getLogger("podmeter.datapath.ebpf")
+
+
+@dataclass(frozen=True, slots=True)
+class TestRun:
+    """Result of BPF_PROG_TEST_RUN: the program's return value and the mean ns per repetition."""
+
+    __test__ = False  # not a pytest class
+    retval: int
+    duration_ns: int
+
+
+class Program:
+    """A loaded BPF program (owns its fd)."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd = fd
+        self.name = name
+
+    def test_run(self, frame: bytes, repeat: int = 1) -> TestRun:
+        """Run the program on ``frame`` with the live maps (BPF_PROG_TEST_RUN); it counts like a packet."""
+        data = ctypes.create_string_buffer(frame, len(frame))
+        opts = TestRunOpts(sz=ctypes.sizeof(TestRunOpts))
+        opts.data_in = ctypes.cast(data, ctypes.c_void_p)
+        opts.data_size_in = len(frame)
+        opts.repeat = repeat
+        libbpf().call("bpf_prog_test_run_opts", self.fd, ctypes.byref(opts))
+        return TestRun(ctypes.c_int32(opts.retval).value, opts.duration)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class BpfObject:
+    """An opened (then loaded) libbpf ``bpf_object``; close it once the fds you need are duplicated."""
+
+    def __init__(self, path: Path) -> None:
+        self._lib = libbpf()
+        self.path = path
+        self._obj = self._lib.pointer(
+            "bpf_object__open_file", self._lib.lib.bpf_object__open_file(os.fsencode(path), None)
+        )
+
+    def _map(self, name: str) -> int:
+        handle = self._lib.lib.bpf_object__find_map_by_name(self._obj, name.encode())
+        if not handle:
+            raise LoadFailed(f"{self.path} declares no map {name!r}: rebuild it with `make bpf`")
+        return int(handle)
+
+    def map_shape(self, name: str) -> MapShape:
+        """The layout the object declares for map ``name`` (max_entries as currently set)."""
+        lib, handle = self._lib.lib, self._map(name)
+        return MapShape(
+            lib.bpf_map__type(handle),
+            lib.bpf_map__key_size(handle),
+            lib.bpf_map__value_size(handle),
+            lib.bpf_map__map_flags(handle),
+            lib.bpf_map__max_entries(handle),
+        )
+
+    def set_max_entries(self, name: str, entries: int) -> None:
+        self._lib.call("bpf_map__set_max_entries", self._map(name), entries)
+
+    def reuse(self, name: str, bpf_map: BpfMap) -> None:
+        """Load against an existing map instead of creating one (libbpf dups the fd)."""
+        self._lib.call("bpf_map__reuse_fd", self._map(name), bpf_map.fd)
+
+    def load(self) -> None:
+        self._lib.recent_warnings.clear()
+        ret = self._lib.lib.bpf_object__load(self._obj)
+        if ret < 0:
+            raise LoadFailed(_load_failure(self.path, -ret, self._lib))
+
+    def take_map(self, name: str) -> BpfMap:
+        """A map of the loaded object, on a duplicated fd that outlives the object."""
+        fd = self._lib.call("bpf_map__fd", self._map(name))
+        return BpfMap(os.dup(fd), name, self._lib)
+
+    def take_program(self, name: str) -> Program:
+        handle = self._lib.lib.bpf_object__find_program_by_name(self._obj, name.encode())
+        if not handle:
+            raise LoadFailed(f"{self.path} has no program {name!r}: rebuild it with `make bpf`")
+        fd = self._lib.call("bpf_program__fd", handle)
+        return Program(os.dup(fd), name)
+
+    def close(self) -> None:
+        if self._obj:
+            self._lib.lib.bpf_object__close(self._obj)
+            self._obj = 0
+
+
+@dataclass
+class Loaded:
+    """What a load produced: every map (pinned) and every program asked for, each owning its fd."""
+
+    maps: dict[str, BpfMap]
+    programs: dict[str, Program]
+
+    def close(self) -> None:
+        for bpf_map in self.maps.values():
+            bpf_map.close()
+        for program in self.programs.values():
+            program.close()
+
+
+def load(path: Path, pins: PinDir | None, sizes: dict[str, int], programs: list[str]) -> Loaded:
+    """Load the object at ``path`` with each map in ``sizes`` at that size, pinned in ``pins``.
+
+    With ``pins=None`` nothing is reused or pinned (benchmarks, the parse-only program).
+    """
+    obj = BpfObject(path)
+    old: dict[str, BpfMap] = {}
+    try:
+        try:
+            migrate = _plan(obj, pins, sizes, old)
+            obj.load()
+            loaded = _take(obj, list(sizes), programs)
+        finally:
+            obj.close()
+        if pins is not None:
+            try:
+                _pin_new_maps(pins, loaded.maps, old, migrate)
+            except BaseException:
+                loaded.close()
+                raise
+        return loaded
+    finally:
+        for bpf_map in old.values():
+            bpf_map.close()
+
+
+def _take(obj: BpfObject, maps: list[str], programs: list[str]) -> Loaded:
+    loaded = Loaded({}, {})
+    try:
+        loaded.maps.update((name, obj.take_map(name)) for name in maps)
+        loaded.programs.update((name, obj.take_program(name)) for name in programs)
+    except BaseException:
+        loaded.close()
+        raise
+    return loaded
+
+
+def _plan(obj: BpfObject, pins: PinDir | None, sizes: dict[str, int], old: dict[str, BpfMap]) -> set[str]:
+    """Size every map, reuse matching pins; fill ``old`` with the pins found; return maps to migrate."""
+    migrate: set[str] = set()
+    for name, entries in sizes.items():
+        obj.set_max_entries(name, entries)
+        if pins is None or not pins.has(name):
+            continue
+        pinned = old[name] = pins.open(name)
+        wanted = obj.map_shape(name)
+        if not pinned.shape.compatible(wanted):
+            raise PinMismatch(
+                f"pinned map {pins.pin_path(name)} has layout {pinned.shape} but this podmeter needs "
+                f"{wanted}: it was left by another version. Remove it (`rm {pins.pin_path(name)}`, its "
+                "entries are lost) and start again"
+            )
+        if pinned.shape.max_entries == entries:
+            obj.reuse(name, pinned)
+        else:
+            migrate.add(name)
+    return migrate
+
+
+def _pin_new_maps(pins: PinDir, maps: dict[str, BpfMap], old: dict[str, BpfMap], migrate: set[str]) -> None:
+    for name, bpf_map in maps.items():
+        if name in migrate:
+            copied, dropped = copy_entries(old[name], bpf_map)
+            log.warning(
+                "map %s resized from %d to %d entries: %d entries migrated, %d did not fit",
+                name,
+                old[name].shape.max_entries,
+                bpf_map.shape.max_entries,
+                copied,
+                dropped,
+            )
+            pins.install(bpf_map, name)
+        elif name not in old:
+            pins.install(bpf_map, name)
+
+
+def copy_entries(source: BpfMap, target: BpfMap) -> tuple[int, int]:
+    """Copy every entry of ``source`` into ``target``; return (copied, did not fit)."""
+    items = source.collect_items()
+    outcome = target.update_batch([k for k, _ in items], [v for _, v in items])
+    return outcome.applied, len(items) - outcome.applied
+
+
+def _load_failure(path: Path, err: int, lib: Libbpf) -> str:
+    reason = BpfCallError("bpf_object__load", err)
+    detail = "\n".join(list(lib.recent_warnings)[-12:])
+    hint = ""
+    if err in (1, 13):  # EPERM, EACCES
+        hint = " Run as root (CAP_BPF and CAP_NET_ADMIN)."
+    return f"loading {path} failed: {reason}.{hint}" + (f"\nlibbpf said:\n{detail}" if detail else "")

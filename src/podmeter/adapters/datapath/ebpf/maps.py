@@ -1,0 +1,211 @@
+"""A BPF map seen through a file descriptor: raw byte keys and values, batch operations with counts.
+
+Keys and values here are ``bytes`` in the kernel's layout; :mod:`.layout` encodes and decodes them.
+For per-CPU maps a value is the kernel's whole per-CPU array: ``stride * possible_cpus`` bytes, where
+``stride = round_up(value_size, 8)``; a lookup writes that many bytes, so buffers are always that size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from podmeter.adapters.datapath.ebpf.libbpf import (
+    BPF_ANY,
+    BPF_MAP_TYPE_PERCPU_HASH,
+    BpfCallError,
+    Libbpf,
+    MapBatchOpts,
+    MapInfo,
+    libbpf,
+)
+
+# Map types whose values are per-CPU arrays (hash, array, LRU hash, cgroup storage).
+_PER_CPU_TYPES = frozenset({BPF_MAP_TYPE_PERCPU_HASH, 6, 10, 21})
+
+
+@dataclass(frozen=True, slots=True)
+class MapShape:
+    """What makes two maps interchangeable: type, sizes, flags; and how many entries fit."""
+
+    type: int
+    key_size: int
+    value_size: int
+    map_flags: int
+    max_entries: int
+
+    def compatible(self, other: MapShape) -> bool:
+        """Same layout (a resize changes only ``max_entries``)."""
+        return (self.type, self.key_size, self.value_size, self.map_flags) == (
+            other.type,
+            other.key_size,
+            other.value_size,
+            other.map_flags,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutcome:
+    """The first ``applied`` elements took effect; ``error`` (an errno) stopped the rest, if any."""
+
+    applied: int
+    error: BpfCallError | None = None
+
+
+class BpfMap:
+    """Owns one map file descriptor (closed by :meth:`close`). Not thread-safe; one user at a time."""
+
+    def __init__(self, fd: int, name: str, lib: Libbpf | None = None) -> None:
+        self.fd = fd
+        self.name = name
+        self._lib = lib or libbpf()
+        self.shape = self._read_shape()
+        per_cpu = self.shape.type in _PER_CPU_TYPES
+        stride = (self.shape.value_size + 7) // 8 * 8
+        self.value_bytes = stride * self._lib.possible_cpus if per_cpu else self.shape.value_size
+        self.per_cpu = per_cpu
+
+    @classmethod
+    def open_pinned(cls, path: str) -> BpfMap:
+        """Open a map pinned at ``path`` (raises BpfCallError, e.g. ENOENT)."""
+        lib = libbpf()
+        fd = lib.call("bpf_obj_get", os.fsencode(path))
+        try:
+            return cls(fd, os.path.basename(path), lib)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def pin(self, path: str) -> None:
+        self._lib.call("bpf_obj_pin", self.fd, os.fsencode(path))
+
+    # --- single elements -----------------------------------------------------------------------
+
+    def lookup(self, key: bytes) -> bytes | None:
+        value = ctypes.create_string_buffer(self.value_bytes)
+        ret = self._lib.lib.bpf_map_lookup_elem(self.fd, self._key(key), value)
+        if ret == -errno.ENOENT:
+            return None
+        self._lib.check("bpf_map_lookup_elem", ret)
+        return value.raw
+
+    def update(self, key: bytes, value: bytes, flags: int = BPF_ANY) -> None:
+        self._check_value(value)
+        self._lib.call("bpf_map_update_elem", self.fd, self._key(key), value, flags)
+
+    def delete(self, key: bytes) -> bool:
+        """Delete one key; False if it was absent."""
+        ret = self._lib.lib.bpf_map_delete_elem(self.fd, self._key(key))
+        if ret == -errno.ENOENT:
+            return False
+        self._lib.check("bpf_map_delete_elem", ret)
+        return True
+
+    def take(self, key: bytes) -> bytes | None:
+        """Read and delete one key atomically (no increment lands between the read and the delete)."""
+        value = ctypes.create_string_buffer(self.value_bytes)
+        ret = self._lib.lib.bpf_map_lookup_and_delete_elem(self.fd, self._key(key), value)
+        if ret == -errno.ENOENT:
+            return None
+        self._lib.check("bpf_map_lookup_and_delete_elem", ret)
+        return value.raw
+
+    # --- whole map ------------------------------------------------------------------------------
+
+    def collect_keys(self) -> list[bytes]:
+        """Every key, collected before anyone acts on them.
+
+        ``get_next_key`` restarts from the first key when the current one was deleted meanwhile, so
+        callers that delete must do it after this returns; duplicates from concurrent changes are
+        dropped here.
+        """
+        size = self.shape.key_size
+        current = ctypes.create_string_buffer(size)
+        following = ctypes.create_string_buffer(size)
+        seen: dict[bytes, None] = {}
+        previous = None  # NULL: start from the first key
+        while True:
+            ret = self._lib.lib.bpf_map_get_next_key(self.fd, previous, following)
+            if ret == -errno.ENOENT:
+                return list(seen)
+            self._lib.check("bpf_map_get_next_key", ret)
+            ctypes.memmove(current, following, size)
+            seen[current.raw] = None
+            previous = current
+            if len(seen) > self.shape.max_entries * 2:  # a map changing under us faster than we read
+                return list(seen)
+
+    def collect_items(self) -> list[tuple[bytes, bytes]]:
+        """Every (key, value) present at the time of its lookup."""
+        out = []
+        for key in self.collect_keys():
+            value = self.lookup(key)
+            if value is not None:
+                out.append((key, value))
+        return out
+
+    # --- batches --------------------------------------------------------------------------------
+
+    def update_batch(
+        self, keys: Sequence[bytes], values: Sequence[bytes], flags: int = BPF_ANY
+    ) -> BatchOutcome:
+        """Write elements in order; the kernel stops at the first error and says how many it wrote."""
+        if len(keys) != len(values):
+            raise ValueError("update_batch needs one value per key")
+        if not keys:
+            return BatchOutcome(0)
+        for value in values:
+            self._check_value(value)
+        count = ctypes.c_uint32(len(keys))
+        opts = MapBatchOpts(ctypes.sizeof(MapBatchOpts), flags, 0)
+        ret = self._lib.lib.bpf_map_update_batch(
+            self.fd, self._keys(keys), b"".join(values), ctypes.byref(count), ctypes.byref(opts)
+        )
+        return self._outcome("bpf_map_update_batch", ret, count.value, len(keys))
+
+    def delete_batch(self, keys: Sequence[bytes]) -> BatchOutcome:
+        """Delete elements in order; an absent key stops the batch with ENOENT."""
+        if not keys:
+            return BatchOutcome(0)
+        count = ctypes.c_uint32(len(keys))
+        opts = MapBatchOpts(ctypes.sizeof(MapBatchOpts), 0, 0)
+        ret = self._lib.lib.bpf_map_delete_batch(
+            self.fd, self._keys(keys), ctypes.byref(count), ctypes.byref(opts)
+        )
+        return self._outcome("bpf_map_delete_batch", ret, count.value, len(keys))
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _outcome(self, function: str, ret: int, applied: int, asked: int) -> BatchOutcome:
+        if ret >= 0:
+            return BatchOutcome(asked)
+        # On error the kernel reports the elements processed before the failing one.
+        return BatchOutcome(min(applied, asked), BpfCallError(function, -ret))
+
+    def _key(self, key: bytes) -> bytes:
+        if len(key) != self.shape.key_size:
+            raise ValueError(f"map {self.name}: key of {len(key)} bytes, expected {self.shape.key_size}")
+        return key
+
+    def _keys(self, keys: Sequence[bytes]) -> bytes:
+        for key in keys:
+            self._key(key)
+        return b"".join(keys)
+
+    def _check_value(self, value: bytes) -> None:
+        if len(value) != self.value_bytes:
+            raise ValueError(f"map {self.name}: value of {len(value)} bytes, expected {self.value_bytes}")
+
+    def _read_shape(self) -> MapShape:
+        info = MapInfo()
+        length = ctypes.c_uint32(ctypes.sizeof(info))
+        self._lib.call("bpf_obj_get_info_by_fd", self.fd, ctypes.byref(info), ctypes.byref(length))
+        return MapShape(info.type, info.key_size, info.value_size, info.map_flags, info.max_entries)
