@@ -1,0 +1,241 @@
+"""The operator's identity reconciliation: prior-art items 12-14 as tests, on memory and on a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import msgspec
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from etcd_server import EtcdServer, etcd
+from podmeter.adapters.identity.base import IdentityBackend
+from podmeter.adapters.identity.etcd import EtcdIdentityBackend
+from podmeter.adapters.identity.memory import MemoryIdentityBackend
+from podmeter.model.identity import IdentityKey
+from podmeter.model.records import Pod
+from podmeter.runtime.operator import Operator, OperatorSettings
+
+__all__ = ["etcd"]
+
+APPS = ("report", "backup", "etl")
+
+
+def pod(uid: str, ns: str = "batch", labels: dict[str, str] | None = None, **kw: Any) -> Pod:
+    flat = tuple(x for k in sorted(labels or {}) for x in (k, (labels or {})[k]))
+    fields: dict[str, Any] = {
+        "uid": uid, "namespace": ns, "name": f"p-{uid}", "node_name": "n1", "ips": ("10.0.0.1",),
+        "host_network": False, "phase": "Running", "deleting": False, "observe": False, "labels": flat,
+        "resource_version": "1",
+    }
+    return Pod(**(fields | kw))
+
+
+def job_pod(i: int) -> Pod:
+    """A CronJob run's pod: a stable app label plus labels unique to the run."""
+    app = APPS[i % len(APPS)]
+    return pod(f"u{i}", labels={
+        "app": app, "job-name": f"{app}-{i}", "controller-uid": f"cu-{i}",
+        "batch.kubernetes.io/job-name": f"{app}-{i}", "batch.kubernetes.io/controller-uid": f"cu-{i}",
+    })
+
+
+class StoreSource:
+    """The pod-source interface over an in-process store: ``apply`` updates the store, then yields."""
+
+    def __init__(self) -> None:
+        self.store: dict[str, Pod] = {}
+        self.queue: asyncio.Queue[tuple[str, Pod] | None] = asyncio.Queue()
+
+    def apply(self, event: str, p: Pod, *, deliver: bool = True) -> None:
+        if event == "DELETED":
+            self.store.pop(p.uid, None)
+        else:
+            self.store[p.uid] = p
+        if deliver:
+            self.queue.put_nowait((event, p))
+
+    async def events(self) -> AsyncIterator[tuple[str, Pod]]:
+        while (item := await self.queue.get()) is not None:
+            yield item
+
+    def pods(self) -> Iterable[Pod]:
+        return list(self.store.values())
+
+
+async def settle(op: Operator, source: StoreSource) -> None:
+    for _ in range(500):
+        if source.queue.empty() and op.reconciler.idle:
+            await asyncio.sleep(0.01)
+            if source.queue.empty() and op.reconciler.idle:
+                return
+        await asyncio.sleep(0.01)
+    raise AssertionError("operator did not settle")
+
+
+def metric(op: Operator, name: str, labels: dict[str, str] | None = None) -> float:
+    value = op.metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def make_backend(request: pytest.FixtureRequest) -> Callable[[], IdentityBackend]:
+    if request.param == "memory":
+        return MemoryIdentityBackend
+    server: EtcdServer = request.getfixturevalue("etcd")
+    return lambda: EtcdIdentityBackend([server.endpoint], lease_ttl=3)
+
+
+async def stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_450_job_pods_leave_no_identities(make_backend: Callable[[], IdentityBackend]) -> None:
+    """The reported reproduction: 450 short Job pods with unique labels, created and deleted."""
+    source, backend = StoreSource(), make_backend()
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=0.3, gc_period=0.3))
+    task = asyncio.create_task(op.run())
+    peak = 0
+    for i in range(450):
+        source.apply("ADDED", job_pod(i))
+        source.apply("MODIFIED", job_pod(i))  # a status update: no key change
+        if i >= 30:
+            source.apply("DELETED", job_pod(i - 30))
+        if i % 50 == 0:
+            await settle(op, source)
+            peak = max(peak, len(backend.held()))
+    await settle(op, source)
+    assert set(backend.held()) == {IdentityKey("batch", ("app", a)) for a in APPS}
+    for i in range(420, 450):
+        source.apply("DELETED", job_pod(i))
+    await settle(op, source)
+    await asyncio.sleep(1.0)  # sweeps and two GC rounds run meanwhile
+    assert peak <= len(APPS)
+    assert metric(op, "podmeter_identity_acquired_total") == len(APPS)
+    assert dict(backend.held()) == {}
+    assert metric(op, "podmeter_identities") == 0
+    assert metric(op, "podmeter_identity_gc_released_total") == 0  # no event was lost
+    assert await backend.identities() == {}
+    assert len(op.reconciler.refs) == 0
+    await stop(task)
+
+
+async def test_missed_deletes_are_released_by_the_sweep(make_backend: Callable[[], IdentityBackend]) -> None:
+    source, backend = StoreSource(), make_backend()
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=0.3))
+    task = asyncio.create_task(op.run())
+    for i in range(6):
+        source.apply("ADDED", pod(f"u{i}", labels={"app": f"a{i}"}))
+    await settle(op, source)
+    assert len(backend.held()) == 6
+    for i in range(4):  # a watch gap: deletes that never arrive as events
+        source.apply("DELETED", pod(f"u{i}"), deliver=False)
+    for _ in range(100):
+        if len(backend.held()) == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert set(backend.held()) == {IdentityKey("batch", ("app", "a4")), IdentityKey("batch", ("app", "a5"))}
+    assert metric(op, "podmeter_identity_gc_released_total") == 4
+    await stop(task)
+
+
+async def test_relist_synthetic_deletes_release_without_gc() -> None:
+    source, backend = StoreSource(), MemoryIdentityBackend()
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=0.2))
+    task = asyncio.create_task(op.run())
+    for i in range(3):
+        source.apply("ADDED", pod(f"u{i}", labels={"app": f"a{i}"}))
+    source.apply("ADDED", pod("u0", labels={"app": "a0"}))  # a replayed ADDED: a no-op
+    await settle(op, source)
+    for i in range(3):  # what a relist yields for objects that vanished during the gap
+        source.apply("DELETED", pod(f"u{i}"))
+    await settle(op, source)
+    await asyncio.sleep(0.5)
+    assert dict(backend.held()) == {}
+    assert metric(op, "podmeter_identity_acquired_total") == 3
+    assert metric(op, "podmeter_identity_gc_released_total") == 0
+    await stop(task)
+
+
+async def test_missed_add_is_repaired_and_counted() -> None:
+    source, backend = StoreSource(), MemoryIdentityBackend()
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=0.2))
+    task = asyncio.create_task(op.run())
+    source.apply("ADDED", pod("u1", labels={"app": "x"}), deliver=False)
+    for _ in range(100):
+        if backend.held():
+            break
+        await asyncio.sleep(0.05)
+    assert set(backend.held()) == {IdentityKey("batch", ("app", "x"))}
+    assert metric(op, "podmeter_drift_repaired_total", {"kind": "identity_missing"}) == 1
+    await stop(task)
+
+
+async def test_terminal_and_host_network_pods_hold_no_identity() -> None:
+    source, backend = StoreSource(), MemoryIdentityBackend()
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=60))
+    task = asyncio.create_task(op.run())
+    source.apply("ADDED", pod("u1", labels={"app": "x"}))
+    source.apply("ADDED", pod("u2", labels={"app": "h"}, host_network=True))
+    await settle(op, source)
+    assert set(backend.held()) == {IdentityKey("batch", ("app", "x"))}
+    source.apply("MODIFIED", pod("u1", labels={"app": "x"}, phase="Succeeded"))
+    await settle(op, source)
+    assert dict(backend.held()) == {}
+    await stop(task)
+
+
+async def test_exhaustion_is_counted_and_recovers() -> None:
+    source, backend = StoreSource(), MemoryIdentityBackend(first=256, last=257)
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=60))
+    task = asyncio.create_task(op.run())
+    for i in range(3):
+        source.apply("ADDED", pod(f"u{i}", labels={"app": f"a{i}"}))
+    await asyncio.sleep(0.2)
+    assert len(backend.held()) == 2
+    assert metric(op, "podmeter_identity_errors_total", {"op": "acquire", "reason": "exhausted"}) >= 1
+    assert metric(op, "podmeter_identity_exhausted") == 1
+    waiting = next(f"u{i}" for i in range(3) if IdentityKey("batch", ("app", f"a{i}")) not in backend.held())
+    gone = next(f"u{i}" for i in range(3) if f"u{i}" != waiting)
+    source.apply("DELETED", pod(gone))
+    await settle(op, source)
+    assert set(backend.held()) == {op.reconciler.refs.key_of(u) for u in source.store}
+    assert metric(op, "podmeter_identity_exhausted") == 0
+    assert not task.done()
+    await stop(task)
+
+
+async def test_bad_labels_are_counted_not_fatal() -> None:
+    source, backend = StoreSource(), MemoryIdentityBackend()
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=60))
+    task = asyncio.create_task(op.run())
+    source.apply("ADDED", msgspec.structs.replace(pod("u1"), labels=("a", "1", "a", "2")))
+    source.apply("ADDED", pod("u2", labels={"app": "ok"}))
+    await settle(op, source)
+    assert set(backend.held()) == {IdentityKey("batch", ("app", "ok"))}
+    assert metric(op, "podmeter_identity_errors_total", {"op": "key", "reason": "bad_labels"}) == 1
+    await stop(task)
+
+
+async def test_http_endpoints() -> None:
+    source, backend = StoreSource(), MemoryIdentityBackend()
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=60))
+    task = asyncio.create_task(op.run())
+    source.apply("ADDED", pod("u1", labels={"app": "web"}))
+    source.apply("ADDED", pod("u2", labels={"app": "web", "pod-template-hash": "abc"}))
+    await settle(op, source)
+    async with TestClient(TestServer(op.http_app())) as client:
+        assert (await (await client.get("/healthz")).text()) == "ok\n"
+        assert (await client.get("/readyz")).status == 200
+        text = await (await client.get("/metrics")).text()
+        assert "podmeter_identities 1.0" in text
+        assert "podmeter_identity_gc_released_total 0.0" in text
+        debug = json.loads(await (await client.get("/debug/identities")).text())
+    assert debug["identities"] == [{"id": 256, "namespace": "batch", "labels": {"app": "web"}, "pods": 2}]
+    assert debug["store"] == {"256": "batch:{app=web}"}
+    await stop(task)
