@@ -32,6 +32,7 @@ from podmeter.model.records import Pod
 from podmeter.runtime.operator import IdentityReconciler, OperatorMetrics
 
 APPS = ("report", "backup", "etl", "sync", "index")
+GC_RELEASED = "podmeter_identity_gc_released_total"
 
 
 def rss_mib() -> float:
@@ -83,7 +84,7 @@ async def churn(pods: int, live: int) -> dict[str, float]:
     gc.collect()
     return {"baseline": baseline, "warm": warm, "end": end, "after_delete": rss_mib(),
             "identities_end": held_at_end, "identities_after_delete": len(backend.held()),
-            "gc_released": rec.metrics.registry.get_sample_value("podmeter_identity_gc_released_total") or 0.0}
+            "gc_released": rec.metrics.registry.get_sample_value(GC_RELEASED) or 0.0}
 
 
 async def warm_up(rec: IdentityReconciler, live: int) -> None:
