@@ -1,0 +1,409 @@
+"""The aiohttp application: routing of Kubernetes REST paths, auth, fault injection, counters, admin API.
+
+Request path: authenticate (401) → count → injected failure (fail fault) → route → verb handler. Every
+:class:`ApiError` becomes a ``Status`` body with its code and headers; anything unexpected becomes a 500
+``InternalError`` Status, and the server stays up.
+
+Admin endpoints live under ``/_lab/`` (same bearer token, never counted, never failed by faults):
+``GET /_lab/stats``, ``GET /_lab/requests``, ``POST /_lab/requests/reset``, ``POST /_lab/faults/<knob>``
+(``close-watches``, ``compact``, ``stall``, ``unstall``, ``fail``, ``restart``) and the test-only
+``POST /_lab/inject`` (see docs/apiserver.md).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from podmeter.lab.apiserver import discovery, errors, options
+from podmeter.lab.apiserver.errors import ApiError
+from podmeter.lab.apiserver.faults import Faults
+from podmeter.lab.apiserver.registry import PATCH_TYPES, Registry, WriteContext
+from podmeter.lab.apiserver.resources import BY_KEY, NAMESPACES, ResourceType, lookup
+from podmeter.lab.apiserver.store import ADDED, MODIFIED, Store, decode, encode
+from podmeter.lab.apiserver.watching import WatchHub
+
+log = logging.getLogger("podmeter.lab.apiserver")
+
+MAX_BODY = 3 * 1024 * 1024  # the real server's request body limit
+JSON = "application/json"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class Settings:
+    token: str
+    history: int = 10_000
+    bookmark_interval: float = 60.0
+    graceful_pod_deletion: bool = False
+    too_large_wait: float = 3.0
+    watch_queue_limit: int = 100_000
+    server_address: str = "127.0.0.1:6443"
+
+
+@dataclass
+class Route:
+    """A parsed REST path."""
+
+    resource: ResourceType
+    namespace: str | None
+    name: str | None
+    subresource: str | None
+
+
+@dataclass
+class RequestLog:
+    """Counters by (verb, resource, code) and the last requests, for tests that count reconnects."""
+
+    counts: Counter[tuple[str, str, int]] = field(default_factory=Counter)
+    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=2000))
+
+    def add(self, verb: str, resource: str, code: int, request: web.Request) -> None:
+        self.counts[(verb, resource, code)] += 1
+        self.recent.append({"time": time.time(), "verb": verb, "resource": resource, "code": code,
+                            "method": request.method, "path": request.path, "query": dict(request.query)})
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [{"verb": v, "resource": r, "code": c, "count": n} for (v, r, c), n in sorted(self.counts.items())]
+
+
+class LabApiServer:
+    """State shared by all requests: store, registry, watch hub, faults, counters."""
+
+    def __init__(self, settings: Settings, store: Store | None = None) -> None:
+        self.settings = settings
+        self.store = store or Store(history=settings.history)
+        self.registry = Registry(self.store, settings.too_large_wait)
+        self.faults = Faults()
+        self.hub = WatchHub(self.store, self.faults, settings.bookmark_interval, settings.watch_queue_limit,
+                            settings.too_large_wait)
+        self.requests = RequestLog()
+        self.restart_hook: Callable[[float], Awaitable[None]] | None = None
+        self.started = time.time()
+        if not self.store.objects[NAMESPACES.key]:
+            for name in ("default", "kube-system", "kube-public", "kube-node-lease"):
+                self.registry.create(NAMESPACES, None, {"metadata": {"name": name}}, WriteContext())
+
+    # --- aiohttp wiring --------------------------------------------------------------------------------
+    def make_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY + 1)
+        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        verb, resource = _classify(request)
+        admin = request.path.startswith("/_lab/")
+        try:
+            self._authenticate(request)
+            if not admin:
+                injected = self.faults.take_failure(verb)
+                if injected is not None:
+                    raise injected
+            response = await handler(request)
+        except ApiError as err:
+            response = status_response(err)
+        except Exception as exc:  # a bug must not take the server down: answer 500 and log it
+            log.exception("internal error on %s %s", request.method, request.path)
+            response = status_response(errors.internal(f"{type(exc).__name__}: {exc}"))
+        if not admin:
+            self.requests.add(verb, resource, response.status, request)
+        return response
+
+    def _authenticate(self, request: web.Request) -> None:
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 self.settings.token.encode()):
+            raise errors.unauthorized()
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        if path.startswith("/_lab/"):
+            return await self._admin(request)
+        static = self._static(path)
+        if static is not None:
+            return static
+        route = _parse_route(path)
+        if route is None:
+            raise ApiError(404, "NotFound", "the server could not find the requested resource",
+                           {"causes": [{"reason": "UnexpectedServerResponse", "message": "404 page not found"}]})
+        return await self._resource(request, route)
+
+    def _static(self, path: str) -> web.Response | None:
+        path = path.rstrip("/") or "/"
+        doc: Any = None
+        if path == "/version":
+            doc = discovery.VERSION
+        elif path == "/api":
+            doc = discovery.api_versions(self.settings.server_address)
+        elif path == "/apis":
+            doc = discovery.api_group_list()
+        elif path == "/openapi/v3":
+            doc = discovery.openapi_root()
+        elif path.startswith("/openapi/v3/"):
+            gv = path.removeprefix("/openapi/v3/").split("/")
+            if gv[0] == "api" and len(gv) == 2:
+                doc = discovery.openapi_gv("", gv[1])
+            elif gv[0] == "apis" and len(gv) == 3:
+                doc = discovery.openapi_gv(gv[1], gv[2])
+            if doc is None:
+                raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
+        elif path in ("/healthz", "/livez", "/readyz"):
+            return web.Response(text="ok", content_type="text/plain")
+        else:
+            parts = path.strip("/").split("/")
+            if parts[0] == "api" and len(parts) == 2:
+                doc = discovery.resource_list("", parts[1])
+            elif parts[0] == "apis" and len(parts) == 2:
+                doc = discovery.api_group(parts[1])
+            elif parts[0] == "apis" and len(parts) == 3:
+                doc = discovery.resource_list(parts[1], parts[2])
+            discovery_path = (parts[0] == "api" and len(parts) == 2) or (parts[0] == "apis" and len(parts) in (2, 3))
+            if doc is None and discovery_path:
+                raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
+        return None if doc is None else json_response(encode(doc))
+
+    # --- resources -------------------------------------------------------------------------------------
+    async def _resource(self, request: web.Request, route: Route) -> web.StreamResponse:
+        method, r = request.method, route.resource
+        if route.subresource not in (None, "status") or (route.subresource == "status" and not r.has_status):
+            raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
+        if route.name is None:
+            if method == "GET":
+                if options.is_watch(request.query):
+                    opts = options.parse_watch(r, request.query, route.namespace)
+                    return await self.hub.serve(request, r, opts)
+                list_opts = options.parse_list(r, request.query)
+                return json_response(await self.registry.list(r, route.namespace, list_opts))
+            if method == "POST":
+                ctx = _context(request)
+                body = await _read_json(request, r)
+                created = self.registry.create(r, route.namespace, body, ctx)
+                return json_response(created, 201, ctx)
+            raise errors.method_not_allowed()
+        if method == "GET":
+            return json_response(self.registry.get(r, route.namespace, route.name))
+        ctx = _context(request)
+        if method == "PUT":
+            body = await _read_json(request, r)
+            updated = self.registry.update(r, route.namespace, route.name, body, route.subresource, ctx)
+            return json_response(updated, 200, ctx)
+        if method == "PATCH":
+            content_type = request.content_type
+            if content_type not in PATCH_TYPES:
+                raise errors.unsupported_media_type(content_type)
+            patch = await _read_json(request, r)
+            patched = self.registry.patch(r, route.namespace, route.name, content_type, patch,
+                                          route.subresource, ctx)
+            return json_response(patched, 200, ctx)
+        if method == "DELETE" and route.subresource is None:
+            raw = await _read_body(request)
+            body = _parse_json(raw, r) if raw.strip() else {}
+            delete_opts = body if isinstance(body, dict) else {}
+            grace = request.query.get("gracePeriodSeconds")
+            if grace is not None and grace.lstrip("-").isdigit():
+                delete_opts["gracePeriodSeconds"] = int(grace)
+            deleted = self.registry.delete(r, route.namespace, route.name, delete_opts,
+                                           self.settings.graceful_pod_deletion, ctx)
+            return json_response(deleted, 200, ctx)
+        raise errors.method_not_allowed()
+
+    # --- admin -----------------------------------------------------------------------------------------
+    async def _admin(self, request: web.Request) -> web.Response:
+        path = request.path.rstrip("/")
+        body = await _admin_body(request)
+        if path == "/_lab/stats" and request.method == "GET":
+            return _plain_json(self.stats())
+        if path == "/_lab/requests" and request.method == "GET":
+            return _plain_json(self._requests(request))
+        if path == "/_lab/requests/reset" and request.method == "POST":
+            self.requests = RequestLog()
+            return _plain_json({"reset": True})
+        if path == "/_lab/inject" and request.method == "POST":
+            return _plain_json(self._inject(body))
+        knob = path.removeprefix("/_lab/faults/")
+        if request.method == "POST" and knob != path:
+            return _plain_json(await self.fault(knob, body))
+        raise ApiError(404, "NotFound", f"no admin endpoint {request.method} {path}")
+
+    async def fault(self, knob: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Apply one fault knob; returns what it did."""
+        if knob == "close-watches":
+            return {"closed": self.hub.close_all("fault")}
+        if knob == "compact":
+            return {"floor": self.store.compact()}
+        if knob == "stall":
+            seconds = body.get("seconds")
+            self.faults.stall(float(seconds) if seconds else None, bool(body.get("includeNew", False)))
+            return {"stalled": len(self.hub.open)}
+        if knob == "unstall":
+            self.faults.unstall()
+            return {"stalled": 0}
+        if knob == "fail":
+            count, code = int(body.get("count", 1)), int(body.get("code", 500))
+            try:
+                self.faults.set_fail(count, code, int(body.get("retryAfter", 1)), body.get("verb"))
+            except ValueError as exc:
+                raise errors.bad_request(str(exc)) from exc
+            return {"failing": count, "code": code}
+        if knob == "restart":
+            if self.restart_hook is None:
+                raise errors.bad_request("restart is only available when the server owns its listener")
+            down = float(body.get("downSeconds", 0.5))
+            closed = self.hub.close_all("restart", abort=True)
+            import asyncio
+
+            task = asyncio.get_running_loop().create_task(self.restart_hook(down))
+            self._background = task
+            return {"closed": closed, "downSeconds": down}
+        raise ApiError(404, "NotFound", f"unknown fault {knob!r}")
+
+    def _inject(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Test-only: put an object into the store (and watch streams) without validation, or a raw line."""
+        resource = BY_KEY.get(str(body.get("resource", "")))
+        if resource is None:
+            raise errors.bad_request(f"unknown resource {body.get('resource')!r}; one of {sorted(BY_KEY)}")
+        if "rawLine" in body:
+            line = str(body["rawLine"]).encode()
+            return {"watchers": self.hub.inject_line(resource, line if line.endswith(b"\n") else line + b"\n")}
+        obj = body.get("object")
+        meta = obj.get("metadata") if isinstance(obj, dict) else None
+        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+            raise errors.bad_request("inject needs object.metadata.name (a string)")
+        if resource.namespaced and not isinstance(meta.get("namespace"), str):
+            raise errors.bad_request("inject needs object.metadata.namespace (a string) for this resource")
+        key = f"{meta['namespace']}/{meta['name']}" if resource.namespaced else meta["name"]
+        event_type = MODIFIED if self.store.get(resource, key) is not None else ADDED
+        meta.setdefault("uid", f"injected-{self.store.rv + 1}")
+        stored = self.store.commit(resource, event_type, obj)
+        return {"type": event_type, "resourceVersion": str(stored.rv)}
+
+    def _requests(self, request: web.Request) -> dict[str, Any]:
+        verb, resource = request.query.get("verb"), request.query.get("resource")
+        recent = [r for r in self.requests.recent
+                  if (verb is None or r["verb"] == verb) and (resource is None or r["resource"] == resource)]
+        return {"counts": self.requests.to_json(), "recent": recent}
+
+    def stats(self) -> dict[str, Any]:
+        by_verb: Counter[str] = Counter()
+        for (verb, _, _), n in self.requests.counts.items():
+            by_verb[verb] += n
+        return {
+            **self.store.stats(),
+            "openWatches": len(self.hub.open),
+            "watchesClosed": dict(self.hub.closed_by_reason),
+            "requests": self.requests.to_json(),
+            "requestsByVerb": dict(by_verb),
+            "faults": {"failRemaining": self.faults.fail.remaining if self.faults.fail else 0,
+                       "stalled": self.faults.stalled, "injectedFailures": self.faults.injected_failures},
+            "uptimeSeconds": round(time.time() - self.started, 3),
+        }
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+def json_response(body: bytes, status: int = 200, ctx: WriteContext | None = None) -> web.Response:
+    headers = {"Cache-Control": "no-cache, private"}
+    if ctx is not None and ctx.warnings:
+        headers["Warning"] = ", ".join('299 - "' + w.replace('"', '\\"') + '"' for w in ctx.warnings)
+    return web.Response(body=body, status=status, content_type=JSON, headers=headers)
+
+
+def status_response(err: ApiError) -> web.Response:
+    return web.Response(body=encode(err.status()), status=err.code, content_type=JSON,
+                        headers={"Cache-Control": "no-cache, private", **err.headers})
+
+
+def _plain_json(doc: Any) -> web.Response:
+    return web.Response(body=encode(doc), content_type=JSON)
+
+
+def _context(request: web.Request) -> WriteContext:
+    manager = request.query.get("fieldManager") or request.headers.get("User-Agent", "unknown").split("/")[0]
+    validation = request.query.get("fieldValidation", "Warn")
+    if validation not in ("Strict", "Warn", "Ignore"):
+        raise errors.bad_request(f"fieldValidation parameter unsupported: {validation}")
+    return WriteContext(manager=manager or "unknown", field_validation=validation,
+                        dry_run=bool(request.query.getall("dryRun", [])))
+
+
+async def _read_body(request: web.Request) -> bytes:
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise errors.too_large(MAX_BODY)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise errors.too_large(MAX_BODY) from exc
+
+
+def _parse_json(raw: bytes, resource: ResourceType) -> Any:
+    try:
+        return decode(raw)
+    except Exception as exc:  # msgspec.DecodeError, UnicodeDecodeError
+        summary = raw[:30].decode("utf-8", "replace") + ("..." if len(raw) > 30 else "")
+        raise errors.bad_request(f"the object provided is unrecognized (must be of type {resource.kind}): "
+                                 f"couldn't get version/kind; json parse error: {exc} ({summary})") from exc
+
+
+async def _read_json(request: web.Request, resource: ResourceType) -> Any:
+    return _parse_json(await _read_body(request), resource)
+
+
+async def _admin_body(request: web.Request) -> dict[str, Any]:
+    if request.method != "POST" or not request.can_read_body:
+        return {}
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = decode(raw)
+    except Exception as exc:
+        raise errors.bad_request(f"admin body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise errors.bad_request("admin body must be a JSON object")
+    return body
+
+
+def _parse_route(path: str) -> Route | None:
+    """``/api/v1/...`` and ``/apis/<group>/<version>/...`` → resource, namespace, name, subresource."""
+    parts = [p for p in path.split("/") if p]
+    if len(parts) >= 2 and parts[0] == "api":
+        group, version, rest = "", parts[1], parts[2:]
+    elif len(parts) >= 3 and parts[0] == "apis":
+        group, version, rest = parts[1], parts[2], parts[3:]
+    else:
+        return None
+    namespace = None
+    if len(rest) >= 3 and rest[0] == "namespaces" and rest[2] not in ("status", "finalize"):
+        namespace, rest = rest[1], rest[2:]
+    if not rest or len(rest) > 3:
+        return None
+    resource = lookup(group, version, rest[0])
+    if resource is None:
+        return None
+    if namespace is not None and not resource.namespaced:
+        return None
+    name = rest[1] if len(rest) > 1 else None
+    return Route(resource, namespace, name, rest[2] if len(rest) > 2 else None)
+
+
+def _classify(request: web.Request) -> tuple[str, str]:
+    """(verb, resource) for counters and the fail fault."""
+    route = _parse_route(request.path)
+    if route is None:
+        return ("admin" if request.path.startswith("/_lab/") else "discovery"), request.path
+    method = request.method
+    if route.name is None:
+        verb = {"GET": "watch" if options.is_watch(request.query) else "list", "POST": "create",
+                "DELETE": "deletecollection"}.get(method, method.lower())
+    else:
+        verb = {"GET": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method, method.lower())
+    return verb, route.resource.key + (f"/{route.subresource}" if route.subresource else "")

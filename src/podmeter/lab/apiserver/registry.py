@@ -1,0 +1,443 @@
+"""The verbs: get, list, create, update, patch, delete, with the real server's semantics.
+
+Every write is all-or-nothing: the new object is computed and validated completely before the single
+``Store.commit`` that makes it visible, so a rejected request leaves no trace (no RV consumed, no event).
+Server-owned metadata (uid, creationTimestamp, generation, resourceVersion, deletionTimestamp) is never
+taken from the client. An update that changes nothing is a no-op: same RV, no event, like the real server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from podmeter.lab.apiserver import errors, patching, validation
+from podmeter.lab.apiserver.defaults import record_manager, sync_pod_ips
+from podmeter.lab.apiserver.errors import ApiError, Cause
+from podmeter.lab.apiserver.options import EXACT, ListOptions, encode_continue
+from podmeter.lab.apiserver.resources import LEASES, NAMESPACES, PODS, ResourceType, drop_fields, unknown_fields
+from podmeter.lab.apiserver.store import ADDED, DELETED, MODIFIED, Store, Stored, object_bytes
+
+_NAME_CHARS = "bcdfghjklmnpqrstvwxz2456789"
+_PROTECTED_NAMESPACES = ("default", "kube-system", "kube-public")
+PATCH_TYPES = ("application/merge-patch+json", "application/json-patch+json",
+               "application/strategic-merge-patch+json")
+
+
+def now_text() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class WriteContext:
+    """Per-request write settings: field manager, ``fieldValidation``, ``dryRun``; collects warnings."""
+
+    manager: str = "unknown"
+    field_validation: str = "Warn"
+    dry_run: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+
+def _meta(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict):
+        raise errors.bad_request("metadata must be an object")
+    return meta
+
+
+def _kind_check(resource: ResourceType, obj: Any) -> dict[str, Any]:
+    """The decode step: a JSON object of this kind and group/version (400 otherwise)."""
+    if not isinstance(obj, dict):
+        raise errors.bad_request(f"the object provided is unrecognized (must be of type {resource.kind}): "
+                                 "couldn't get version/kind; json parse error: expected an object")
+    kind, api_version = obj.get("kind", resource.kind), obj.get("apiVersion", resource.api_version)
+    if api_version != resource.api_version:
+        raise errors.bad_request(f"the API version in the data ({api_version}) does not match the expected API "
+                                 f"version ({resource.api_version})")
+    if kind != resource.kind:
+        raise errors.bad_request(f'{kind} in version "{resource.version}" cannot be handled as a {resource.kind}: '
+                                 f"converting ({resource.version}.{kind}) to ({resource.kind}): unknown conversion")
+    obj.setdefault("metadata", {})
+    for path, want, go in (("metadata", dict, "ObjectMeta"), ("spec", dict, f"{resource.kind}Spec"),
+                           ("status", dict, f"{resource.kind}Status")):
+        if path in obj and obj[path] is not None and not isinstance(obj[path], want):
+            raise _type_error(resource, obj[path], f"{resource.kind}.{path}", go)
+    meta = obj["metadata"]
+    for mapping in ("labels", "annotations"):
+        value = meta.get(mapping)
+        if value is not None and (not isinstance(value, dict)
+                                  or not all(isinstance(v, str) for v in value.values())):
+            bad = value if not isinstance(value, dict) else next(v for v in value.values() if not isinstance(v, str))
+            raise _type_error(resource, bad, f"ObjectMeta.metadata.{mapping}",
+                              "map[string]string" if not isinstance(value, dict) else "string")
+    spec = obj.get("spec")
+    if resource is PODS and isinstance(spec, dict) and "containers" in spec and not isinstance(
+            spec["containers"], list | type(None)):
+        raise _type_error(resource, spec["containers"], "PodSpec.spec.containers", "[]v1.Container")
+    return obj
+
+
+def _type_error(resource: ResourceType, value: Any, where: str, go_type: str) -> ApiError:
+    json_type = {str: "string", int: "number", float: "number", bool: "bool", list: "array", dict: "object"}.get(
+        type(value), "value")
+    return errors.bad_request(f'{resource.kind} in version "{resource.version}" cannot be handled as a '
+                              f"{resource.kind}: json: cannot unmarshal {json_type} into Go struct field {where} "
+                              f"of type {go_type}")
+
+
+class Registry:
+    """The API semantics over one :class:`Store`."""
+
+    def __init__(self, store: Store, too_large_wait: float = 3.0) -> None:
+        self.store = store
+        self.too_large_wait = too_large_wait
+
+    # --- helpers ---------------------------------------------------------------------------------------
+    def _key(self, resource: ResourceType, namespace: str | None, name: str) -> str:
+        return f"{namespace}/{name}" if resource.namespaced else name
+
+    def _existing(self, resource: ResourceType, namespace: str | None, name: str) -> Stored:
+        stored = self.store.get(resource, self._key(resource, namespace, name))
+        if stored is None:
+            raise errors.not_found(resource.plural, name, resource.group)
+        return stored
+
+    def full(self, resource: ResourceType, stored: Stored) -> bytes:
+        return object_bytes(resource, stored.body)
+
+    def _check_fields(self, resource: ResourceType, obj: dict[str, Any], ctx: WriteContext) -> None:
+        unknown = unknown_fields(obj, resource.schema)
+        if not unknown:
+            return
+        if ctx.field_validation == "Strict":
+            detail = ", ".join(f'unknown field "{p.lstrip(".")}"' for p in unknown)
+            raise errors.bad_request(f'{resource.kind} in version "{resource.version}" cannot be handled as a '
+                                     f"{resource.kind}: strict decoding error: {detail}")
+        if ctx.field_validation != "Ignore":
+            ctx.warnings += [f'unknown field "{p.lstrip(".")}"' for p in unknown]
+        drop_fields(obj, unknown)
+
+    def _validate(self, resource: ResourceType, obj: dict[str, Any], name: str) -> None:
+        meta = obj["metadata"]
+        causes = validation.validate_metadata(meta) + resource.validate(obj)
+        if causes:
+            raise errors.invalid(resource.kind, name, causes, resource.group)
+
+    # --- reads -----------------------------------------------------------------------------------------
+    def get(self, resource: ResourceType, namespace: str | None, name: str) -> bytes:
+        return self.full(resource, self._existing(resource, namespace, name))
+
+    async def wait_for_rv(self, rv: int) -> None:
+        """A read at an RV newer than the server's waits up to ~3 s for it, then 504 (list-too-large-rv-504)."""
+        if rv <= self.store.rv:
+            return
+        deadline = time.monotonic() + self.too_large_wait
+        while self.store.rv < rv and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.store.rv < rv:
+            raise errors.rv_too_large(rv, self.store.rv)
+
+    async def list(self, resource: ResourceType, namespace: str | None, opts: ListOptions) -> bytes:
+        if opts.resource_version not in ("", "0"):
+            await self.wait_for_rv(int(opts.resource_version))
+        if opts.continue_rv is not None:
+            rv = opts.continue_rv
+            if rv < self.store.floor:
+                raise errors.expired("The provided continue parameter is too old to display a consistent list "
+                                     "result. You can start a new list without the continue parameter, or use the "
+                                     "continue token in this response to retrieve the remainder of the results. "
+                                     "Continuing with the provided token results in an inconsistent list - objects "
+                                     "that were created, modified, or deleted between the time the first chunk "
+                                     "was returned and now may show up in the list.")
+        elif opts.match == EXACT:
+            rv = int(opts.resource_version)
+        else:
+            rv = self.store.rv
+        table = self.store.snapshot(resource, rv)
+        keys = sorted(table)
+        if opts.continue_key is not None:
+            import bisect
+
+            keys = keys[bisect.bisect_right(keys, opts.continue_key):]
+        items: list[bytes] = []
+        last_key, scanned = None, 0
+        selective = not (opts.labels.empty and opts.fields.empty)
+        for key in keys:
+            stored = table[key]
+            scanned += 1
+            if namespace is not None and stored.namespace != namespace:
+                continue
+            if opts.labels.matches(stored.labels) and opts.fields.matches(stored.fields):
+                items.append(stored.body)
+                last_key = key
+                if opts.limit and len(items) >= opts.limit:
+                    break
+        meta = b'"resourceVersion":"' + str(rv).encode() + b'"'
+        remaining = [k for k in keys[scanned:] if namespace is None or table[k].namespace == namespace]
+        if opts.limit and remaining and last_key is not None:
+            meta += b',"continue":"' + encode_continue(rv, last_key).encode() + b'"'
+            if not selective:
+                meta += b',"remainingItemCount":' + str(len(remaining)).encode()
+        return (b'{"kind":"' + resource.list_kind.encode() + b'","apiVersion":"' + resource.api_version.encode()
+                + b'","metadata":{' + meta + b'},"items":[' + b",".join(items) + b"]}")
+
+    # --- create ----------------------------------------------------------------------------------------
+    def create(self, resource: ResourceType, namespace: str | None, body: Any, ctx: WriteContext) -> bytes:
+        obj = _kind_check(resource, body)
+        self._check_fields(resource, obj, ctx)
+        meta = _meta(obj)
+        if resource.namespaced:
+            ns = meta.get("namespace") or namespace
+            if namespace is not None and ns != namespace:
+                raise errors.bad_request("the namespace of the provided object does not match the namespace sent "
+                                         "on the request")
+            meta["namespace"] = ns
+        else:
+            meta.pop("namespace", None)
+        if not meta.get("name") and isinstance(meta.get("generateName"), str) and meta["generateName"]:
+            meta["name"] = meta["generateName"] + "".join(random.choice(_NAME_CHARS) for _ in range(5))
+        name = meta.get("name")
+        name_causes = validation.validate_name(name, resource.dns_label_names)
+        if name_causes:
+            labels_causes = validation.validate_metadata(meta)
+            raise errors.invalid(resource.kind, str(name or ""), name_causes + labels_causes, resource.group)
+        assert isinstance(name, str)
+        if resource.namespaced:
+            self._require_namespace(resource, str(meta["namespace"]), name)
+        if self.store.get(resource, self._key(resource, meta.get("namespace"), name)) is not None:
+            raise errors.already_exists(resource.plural, name, resource.group)
+        now = now_text()
+        fresh = {"name": name}
+        for key in ("generateName", "namespace"):
+            if key in meta:
+                fresh[key] = meta[key]
+        fresh["uid"] = str(uuid.uuid4())
+        fresh["resourceVersion"] = ""
+        if resource.keeps_generation:
+            fresh["generation"] = 1
+        fresh["creationTimestamp"] = now
+        for key in ("labels", "annotations", "ownerReferences", "finalizers"):
+            if meta.get(key):
+                fresh[key] = meta[key]
+        requested = copy.deepcopy(obj)
+        obj = {"metadata": fresh, **{k: v for k, v in obj.items() if k not in ("metadata", "kind", "apiVersion")}}
+        if resource.has_status and resource is not NAMESPACES:
+            obj.pop("status", None)
+        resource.default(obj)
+        record_manager(obj, ctx.manager, resource.api_version, now, requested)
+        if resource is NAMESPACES:
+            record_manager(obj, ctx.manager, resource.api_version, now,
+                           {"metadata": {"labels": obj["metadata"]["labels"]}})
+        self._validate(resource, obj, name)
+        if ctx.dry_run:
+            obj["metadata"]["resourceVersion"] = str(self.store.rv)
+            return object_bytes(resource, _encode(obj))
+        return self.full(resource, self.store.commit(resource, ADDED, obj))
+
+    def _require_namespace(self, resource: ResourceType, namespace: str, name: str) -> None:
+        ns = self.store.get(NAMESPACES, namespace)
+        if ns is None:
+            raise errors.not_found("namespaces", namespace)
+        if ns.fields.get("status.phase") == "Terminating":
+            raise errors.forbidden(f'{resource.plural} "{name}" is forbidden: unable to create new content in '
+                                   f"namespace {namespace} because it is being terminated", resource.plural, name,
+                                   resource.group)
+
+    # --- update and patch ------------------------------------------------------------------------------
+    def update(self, resource: ResourceType, namespace: str | None, name: str, body: Any,
+               subresource: str | None, ctx: WriteContext) -> bytes:
+        obj = _kind_check(resource, body)
+        self._check_fields(resource, obj, ctx)
+        meta = _meta(obj)
+        if meta.get("name") not in (None, name):
+            raise errors.bad_request(f"the name of the object ({meta.get('name')}) does not match the name on the "
+                                     f"URL ({name})")
+        if resource.namespaced and meta.get("namespace") not in (None, "", namespace):
+            raise errors.bad_request("the namespace of the provided object does not match the namespace sent on "
+                                     "the request")
+        current = self._existing(resource, namespace, name)
+        rv = meta.get("resourceVersion")
+        if not rv and not resource.unconditional_update and subresource is None:
+            raise errors.invalid(resource.kind, name, [Cause(
+                "FieldValueInvalid", "Invalid value: 0x0: must be specified for an update",
+                "metadata.resourceVersion")], resource.group)
+        if rv and str(rv) != str(current.rv):
+            raise errors.conflict(resource.plural, name, resource.group)
+        return self._replace(resource, current, obj, subresource, ctx, obj)
+
+    def patch(self, resource: ResourceType, namespace: str | None, name: str, patch_type: str, patch: Any,
+              subresource: str | None, ctx: WriteContext) -> bytes:
+        current = self._existing(resource, namespace, name)
+        base = {"kind": resource.kind, "apiVersion": resource.api_version, **current.decode()}
+        try:
+            if patch_type == "application/json-patch+json":
+                patched = patching.json_patch(base, patch)
+            elif patch_type == "application/merge-patch+json":
+                if not isinstance(patch, dict):
+                    raise patching.PatchError("merge patch must be a JSON object")
+                patched = patching.merge_patch(base, patch)
+            else:
+                if resource.group == "podmeter.io":
+                    raise errors.unsupported_media_type(patch_type)
+                patched = patching.strategic_merge_patch(base, patch)
+        except patching.PatchError as exc:
+            if exc.code == 422:
+                raise errors.invalid(resource.kind, name, [Cause("FieldValueInvalid", str(exc))],
+                                     resource.group) from exc
+            raise errors.bad_request(str(exc)) from exc
+        obj = _kind_check(resource, patched)
+        self._check_fields(resource, obj, ctx)
+        meta = _meta(obj)
+        if meta.get("name") != name:
+            raise errors.bad_request(f"the name of the object ({meta.get('name')}) does not match the name on the "
+                                     f"URL ({name})")
+        rv = meta.get("resourceVersion")
+        if rv and str(rv) != str(current.rv):
+            raise errors.conflict(resource.plural, name, resource.group)
+        touched = patch if isinstance(patch, dict) else obj
+        return self._replace(resource, current, obj, subresource, ctx, touched)
+
+    def _replace(self, resource: ResourceType, current: Stored, requested: dict[str, Any],
+                 subresource: str | None, ctx: WriteContext, touched: Any) -> bytes:
+        """The shared tail of update and patch: merge with server-owned state, validate, commit."""
+        old = current.decode()
+        old_meta = old["metadata"]
+        if subresource == "status":
+            new = copy.deepcopy(old)
+            if "status" in requested:
+                new["status"] = requested["status"]
+            if isinstance(new.get("status"), dict) and resource is PODS:
+                sync_pod_ips(new["status"])
+        else:
+            new = {k: v for k, v in requested.items() if k not in ("kind", "apiVersion")}
+            meta = dict(new["metadata"])
+            for key in ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds",
+                        "generation", "namespace", "name"):
+                if key in old_meta:
+                    meta[key] = old_meta[key]
+                else:
+                    meta.pop(key, None)
+            meta.setdefault("managedFields", old_meta.get("managedFields", []))
+            new["metadata"] = {k: meta[k] for k in _meta_order(meta)}
+            if resource.has_status:
+                if "status" in old:
+                    new["status"] = old["status"]
+                else:
+                    new.pop("status", None)
+            if resource is NAMESPACES:
+                new["spec"] = old.get("spec", {})
+            if resource is PODS:
+                causes = validation.validate_pod_spec_update(old.get("spec") or {}, new.get("spec") or {})
+                if causes:
+                    raise errors.invalid(resource.kind, current.name, causes)
+            if resource.keeps_generation and new.get("spec") != old.get("spec"):
+                new["metadata"]["generation"] = int(old_meta.get("generation", 1)) + 1
+        new["metadata"]["resourceVersion"] = old_meta.get("resourceVersion")
+        if _same(new, old):
+            return self.full(resource, current)
+        section = {"status": touched.get("status")} if subresource == "status" and isinstance(touched, dict) \
+            else touched
+        record_manager(new, ctx.manager, resource.api_version, now_text(),
+                       section if isinstance(section, dict) else {}, subresource)
+        self._validate(resource, new, current.name)
+        if ctx.dry_run:
+            return object_bytes(resource, _encode(new))
+        return self.full(resource, self.store.commit(resource, MODIFIED, new))
+
+    # --- delete ----------------------------------------------------------------------------------------
+    def delete(self, resource: ResourceType, namespace: str | None, name: str, options: dict[str, Any],
+               graceful_pods: bool, ctx: WriteContext) -> bytes:
+        current = self._existing(resource, namespace, name)
+        pre = options.get("preconditions") if isinstance(options.get("preconditions"), dict) else {}
+        if pre.get("uid") and pre["uid"] != current.uid:
+            raise errors.conflict(resource.plural, name, resource.group,
+                                  f"Precondition failed: UID in precondition: {pre['uid']}, UID in object meta: "
+                                  f"{current.uid}")
+        if pre.get("resourceVersion") and str(pre["resourceVersion"]) != str(current.rv):
+            raise errors.conflict(resource.plural, name, resource.group,
+                                  f"Precondition failed: ResourceVersion in precondition: "
+                                  f"{pre['resourceVersion']}, ResourceVersion in object meta: {current.rv}")
+        if ctx.dry_run:
+            return self.full(resource, current)
+        if resource is NAMESPACES:
+            return self._delete_namespace(current)
+        if resource is PODS:
+            return self._delete_pod(current, options, graceful_pods)
+        final = current.decode()
+        return self.full(resource, self.store.commit(resource, DELETED, final))
+
+    def _delete_pod(self, current: Stored, options: dict[str, Any], graceful: bool) -> bytes:
+        """Unbound pods go at once; bound ones get MODIFIED (deletionTimestamp) then DELETED, unless the
+        server runs with graceful deletion and the grace period is positive: then only the MODIFIED, and a
+        later delete with grace 0 (what a kubelet sends) finishes it."""
+        pod = current.decode()
+        if not current.fields.get("spec.nodeName"):
+            return self.full(PODS, self.store.commit(PODS, DELETED, pod))
+        grace = options.get("gracePeriodSeconds")
+        if not isinstance(grace, int):
+            spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
+            grace = int(spec.get("terminationGracePeriodSeconds", 30) or 0) if graceful else 0
+        meta = pod["metadata"]
+        if meta.get("deletionTimestamp") is None or grace < int(meta.get("deletionGracePeriodSeconds", 0) or 0):
+            if meta.get("deletionTimestamp") is None:
+                meta["generation"] = int(meta.get("generation", 1)) + 1
+            meta["deletionTimestamp"] = now_text()
+            meta["deletionGracePeriodSeconds"] = grace
+            meta_order = {k: meta[k] for k in _meta_order(meta)}
+            pod["metadata"] = meta_order
+            current = self.store.commit(PODS, MODIFIED, pod)
+            pod = current.decode()
+        if graceful and grace > 0:
+            return self.full(PODS, current)
+        self.store.commit(PODS, DELETED, pod)
+        return self.full(PODS, current)
+
+    def _delete_namespace(self, current: Stored) -> bytes:
+        """Terminating (MODIFIED), then its contents go, then the namespace itself (DELETED)."""
+        name = current.name
+        if name in _PROTECTED_NAMESPACES:
+            raise errors.forbidden(f'namespaces "{name}" is forbidden: this namespace may not be deleted',
+                                   "namespaces", name)
+        ns = current.decode()
+        if ns["metadata"].get("deletionTimestamp") is None:
+            ns["metadata"]["deletionTimestamp"] = now_text()
+            ns["metadata"] = {k: ns["metadata"][k] for k in _meta_order(ns["metadata"])}
+            ns["status"] = {"phase": "Terminating"}
+            current = self.store.commit(NAMESPACES, MODIFIED, ns)
+        response = self.full(NAMESPACES, current)
+        for resource in (PODS, LEASES):
+            for stored in list(self.store.items(resource, name)):
+                final = stored.decode()
+                self.store.commit(resource, DELETED, final)
+        self.store.commit(NAMESPACES, DELETED, current.decode())
+        return response
+
+
+_META_ORDER = ("name", "generateName", "namespace", "selfLink", "uid", "resourceVersion", "generation",
+               "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels", "annotations",
+               "ownerReferences", "finalizers", "managedFields")
+
+
+def _meta_order(meta: dict[str, Any]) -> list[str]:
+    known = [k for k in _META_ORDER if k in meta]
+    return known + [k for k in meta if k not in _META_ORDER]
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Equal apart from managedFields (a no-op write changes nothing a watcher could see)."""
+    def strip(o: dict[str, Any]) -> dict[str, Any]:
+        return {**o, "metadata": {k: v for k, v in o["metadata"].items() if k != "managedFields"}}
+    return strip(a) == strip(b)
+
+
+def _encode(obj: dict[str, Any]) -> bytes:
+    from podmeter.lab.apiserver.store import encode
+
+    body = {"metadata": obj["metadata"], **{k: v for k, v in obj.items() if k != "metadata"}}
+    return encode(body)

@@ -1,0 +1,275 @@
+"""Watch streams: the initial burst, replay from history, live fan-out, bookmarks, timeout, faults.
+
+A :class:`Watcher` is subscribed to the store; ``offer`` turns each committed event into this watcher's
+view of it (ADDED when an object starts matching the selectors, DELETED with the previous content when it
+stops, as the real cacher does) and queues the line. The stream loop drains the queue, sends a BOOKMARK
+every ``bookmark_interval`` and once shortly before ``timeoutSeconds`` when the client allowed them, and
+ends the response cleanly (EOF) at the timeout or when closed by a fault. A bookmark is only sent when the
+queue is empty, so its RV is always safe to resume from.
+
+A watcher whose queue exceeds its limit is closed, like the real server drops a watcher that cannot keep up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from podmeter.lab.apiserver.errors import ApiError
+from podmeter.lab.apiserver.faults import Faults
+from podmeter.lab.apiserver.resources import ResourceType
+from podmeter.lab.apiserver.selectors import Selector
+from podmeter.lab.apiserver.store import ADDED, DELETED, MODIFIED, Event, Store, Stored, encode, event_line
+
+INITIAL_EVENTS_END = "k8s.io/initial-events-end"
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """Parsed, validated watch parameters."""
+
+    resource_version: str
+    labels: Selector
+    fields: Selector
+    namespace: str | None
+    bookmarks: bool
+    timeout: float
+    send_initial_events: bool | None
+
+
+def bookmark_line(resource: ResourceType, rv: int, initial_end: bool = False) -> bytes:
+    meta: dict[str, object] = {"resourceVersion": str(rv)}
+    if initial_end:
+        meta["annotations"] = {INITIAL_EVENTS_END: "true"}
+    obj = {"metadata": meta, **resource.bookmark_skeleton}
+    return event_line("BOOKMARK", resource, encode(obj))
+
+
+def error_line(err: ApiError) -> bytes:
+    return b'{"type":"ERROR","object":' + encode(err.status()) + b"}\n"
+
+
+class Watcher:
+    """One open watch: its filter, its pending lines and why it was closed (if it was)."""
+
+    def __init__(self, resource: ResourceType, opts: WatchOptions, limit: int, epoch: int) -> None:
+        self.resource = resource
+        self.opts = opts
+        self.limit = limit
+        self.epoch = epoch
+        self.pending: deque[bytes] = deque()
+        self.wake = asyncio.Event()
+        self.closed: str | None = None
+        self.abort = False
+
+    def matches(self, stored: Stored) -> bool:
+        if self.opts.namespace is not None and stored.namespace != self.opts.namespace:
+            return False
+        return self.opts.labels.matches(stored.labels) and self.opts.fields.matches(stored.fields)
+
+    def view(self, event: Event) -> str | None:
+        """This watcher's event type for ``event``, or None if it does not concern it."""
+        if event.type == ADDED:
+            return ADDED if self.matches(event.obj) else None
+        was = event.prev is not None and self.matches(event.prev)
+        if event.type == DELETED:
+            return DELETED if was else None
+        now = self.matches(event.obj)
+        if now:
+            return MODIFIED if was else ADDED
+        return DELETED if was else None
+
+    def offer(self, event: Event) -> None:
+        if self.closed is not None:
+            return
+        kind = self.view(event)
+        if kind is None:
+            return
+        if len(self.pending) >= self.limit:
+            self.close("overflow")
+            return
+        self.pending.append(event.line(kind))
+        self.wake.set()
+
+    def push_raw(self, line: bytes) -> None:
+        """Test-only: queue a line verbatim (see the inject fault)."""
+        if self.closed is None:
+            self.pending.append(line)
+            self.wake.set()
+
+    def close(self, reason: str, abort: bool = False) -> None:
+        if self.closed is None:
+            self.closed = reason
+            self.abort = abort
+        self.wake.set()
+
+
+class WatchHub:
+    """The open watchers, for the fault knobs and the admin counters."""
+
+    def __init__(self, store: Store, faults: Faults, bookmark_interval: float, queue_limit: int = 100_000,
+                 too_large_wait: float = 3.0) -> None:
+        self.store = store
+        self.faults = faults
+        self.bookmark_interval = bookmark_interval
+        self.queue_limit = queue_limit
+        self.too_large_wait = too_large_wait
+        self.open: set[Watcher] = set()
+        self.closed_by_reason: dict[str, int] = {}
+
+    def close_all(self, reason: str, abort: bool = False) -> int:
+        watchers = list(self.open)
+        for w in watchers:
+            w.close(reason, abort)
+        return len(watchers)
+
+    def inject_line(self, resource: ResourceType, line: bytes) -> int:
+        count = 0
+        for w in self.open:
+            if w.resource is resource:
+                w.push_raw(line)
+                count += 1
+        return count
+
+    async def serve(self, request: web.Request, resource: ResourceType, opts: WatchOptions) -> web.StreamResponse:
+        """Answer one watch request (HTTP 200 from here on; errors become an ERROR event)."""
+        response = web.StreamResponse(status=200, headers={"Content-Type": "application/json",
+                                                           "Cache-Control": "no-cache, private"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        error = await self._await_rv(opts)
+        if error is not None:
+            await response.write(error_line(error))
+            await response.write_eof()
+            return response
+        watcher = Watcher(resource, opts, self.queue_limit, self.faults.stall_epoch)
+        try:
+            initial = self._start(watcher)
+        except ApiError as err:
+            await response.write(error_line(err))
+            await response.write_eof()
+            return response
+        self.open.add(watcher)
+        try:
+            await self._stream(request, response, watcher, initial)
+        finally:
+            self.open.discard(watcher)
+            self.store.unsubscribe(resource, watcher)
+            reason = watcher.closed or "client"
+            self.closed_by_reason[reason] = self.closed_by_reason.get(reason, 0) + 1
+        if watcher.abort and request.transport is not None:
+            request.transport.close()
+            return response
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await response.write_eof()
+        return response
+
+    async def _await_rv(self, opts: WatchOptions) -> ApiError | None:
+        """A watch from an RV the server has not reached yet waits for it, then fails like the real one."""
+        rv = _int_rv(opts.resource_version)
+        if rv is None or rv <= self.store.rv:
+            return None
+        deadline = time.monotonic() + self.too_large_wait
+        while self.store.rv < rv and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.store.rv >= rv:
+            return None
+        from podmeter.lab.apiserver.errors import rv_too_large
+
+        return rv_too_large(rv, self.store.rv)
+
+    def _start(self, watcher: Watcher) -> list[bytes]:
+        """Initial lines and subscription, in one synchronous step (see store.py's invariant)."""
+        opts, store, resource = watcher.opts, self.store, watcher.resource
+        rv = _int_rv(opts.resource_version)
+        initial: list[bytes] = []
+        synthetic = opts.send_initial_events is True or (opts.send_initial_events is None and rv in (None, 0))
+        if synthetic:
+            for stored in store.items(resource, opts.namespace):
+                if watcher.matches(stored):
+                    initial.append(event_line(ADDED, resource, stored.body))
+            if opts.bookmarks:
+                initial.append(bookmark_line(resource, store.rv, initial_end=True))
+        elif rv not in (None, 0):
+            if rv < store.floor:
+                from podmeter.lab.apiserver.errors import too_old_watch
+
+                raise too_old_watch(rv, store.floor + 1)
+            for event in store.events_since(rv):
+                if event.resource is resource:
+                    kind = watcher.view(event)
+                    if kind is not None:
+                        initial.append(event.line(kind))
+        store.subscribe(resource, watcher)
+        return initial
+
+    async def _stream(self, request: web.Request, response: web.StreamResponse, watcher: Watcher,
+                      initial: list[bytes]) -> None:
+        opts = watcher.opts
+        start = time.monotonic()
+        deadline = start + opts.timeout
+        next_bookmark = start + self.bookmark_interval if opts.bookmarks else None
+        final_bookmark = deadline - 1.0 if opts.bookmarks and opts.timeout > 1.5 else None
+        watcher.pending.extendleft(reversed(initial))
+        while True:
+            now = time.monotonic()
+            if watcher.closed is not None or now >= deadline or _client_gone(request):
+                return
+            if self.faults.is_stalled(watcher.epoch):
+                await _wait(watcher.wake, 0.2)
+                watcher.wake.clear()
+                continue
+            if watcher.pending:
+                chunk = b"".join(watcher.pending)
+                watcher.pending.clear()
+                watcher.wake.clear()
+                if not await _write(response, chunk):
+                    return
+                continue
+            if next_bookmark is not None and now >= next_bookmark:
+                next_bookmark = now + self.bookmark_interval
+                if not await _write(response, bookmark_line(watcher.resource, self.store.rv)):
+                    return
+                continue
+            if final_bookmark is not None and now >= final_bookmark:
+                final_bookmark = None
+                if not await _write(response, bookmark_line(watcher.resource, self.store.rv)):
+                    return
+                continue
+            wake_at = min(t for t in (deadline, next_bookmark, final_bookmark, now + 1.0) if t is not None)
+            watcher.wake.clear()
+            if not watcher.pending and watcher.closed is None:
+                await _wait(watcher.wake, max(0.0, wake_at - now))
+
+
+def _int_rv(text: str) -> int | None:
+    return int(text) if text else None
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)
+
+
+async def _write(response: web.StreamResponse, data: bytes) -> bool:
+    try:
+        await response.write(data)
+    except (ConnectionError, RuntimeError):
+        return False
+    return True
+
+
+def random_timeout() -> float:
+    """The real server's default when no timeoutSeconds is given: between 30 and 60 minutes."""
+    return random.uniform(1800, 3600)
