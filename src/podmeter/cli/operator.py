@@ -1,16 +1,151 @@
-"""`podmeter operator`: not built yet."""
+"""`podmeter operator`: cluster-wide label-set identities (memory or etcd), leader-elected housekeeping.
+
+See docs/operator.md. Every long option can also come from ``PODMETER_<NAME>``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
 from typing import Any
+
+from aiohttp import web
+
+from podmeter.adapters.identity.base import IdentityBackend
+from podmeter.adapters.identity.etcd import EtcdIdentityBackend
+from podmeter.adapters.identity.memory import MemoryIdentityBackend
+from podmeter.model.identity import LabelFilter
+from podmeter.runtime.leadership import KubeLeaseStore, LeaderElector
+from podmeter.runtime.operator import KubeConfigApi, Operator, OperatorSettings, PodSource
+
+log = logging.getLogger("podmeter.operator")
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser("operator", help="(not built yet)")
-    parser.set_defaults(func=_run)
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "operator", help="allocate label-set identities for the cluster's pods", description=__doc__
+    )
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, then in-cluster)")
+    p.add_argument("--identity-backend", choices=("memory", "etcd"), default="memory")
+    p.add_argument("--etcd-endpoints", default="http://127.0.0.1:2379", help="comma-separated URLs")
+    p.add_argument("--etcd-lease-ttl", type=int, default=10, help="seconds a dead operator's references live")
+    p.add_argument("--identity-range", default="256-65535", help="FIRST-LAST (inclusive)")
+    p.add_argument("--exclude-label", action="append", default=[],
+                   help="label key (or prefix ending in *) left out of identities, besides the defaults")
+    p.add_argument("--include-label", action="append", default=[],
+                   help="label key to take out of the default exclusions")
+    p.add_argument("--listen", default="127.0.0.1:9966", help="HOST:PORT for /metrics, /healthz, /debug")
+    p.add_argument("--debug-anywhere", action="store_true", help="answer /debug/* on every address")
+    p.add_argument("--lease-namespace", default="kube-system")
+    p.add_argument("--lease-name", default="podmeter-operator")
+    p.add_argument("--holder-identity", default="", help="default: HOSTNAME-PID")
+    p.add_argument("--lease-duration", type=float, default=15.0)
+    p.add_argument("--renew-deadline", type=float, default=10.0)
+    p.add_argument("--retry-period", type=float, default=2.0)
+    p.add_argument("--sweep-period", type=float, default=30.0)
+    p.add_argument("--gc-period", type=float, default=30.0)
+    p.add_argument("--config-period", type=float, default=5.0)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_run)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition("-")
+    try:
+        lo, hi = int(first), int(last)
+    except ValueError:
+        lo = hi = 0
+    if not sep or not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"--identity-range {text!r}: expected FIRST-LAST, 0 < FIRST <= LAST")
+    return lo, hi
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"--listen {text!r}: expected HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def make_backend(args: argparse.Namespace) -> IdentityBackend:
+    first, last = parse_range(args.identity_range)
+    if args.identity_backend == "memory":
+        return MemoryIdentityBackend(first, last)
+    endpoints = [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()]
+    return EtcdIdentityBackend(endpoints, lease_ttl=args.etcd_lease_ttl, first=first, last=last,
+                               owner=args.holder_identity or None)
+
+
+def kube_client(kubeconfig: str | None) -> Any:
+    from lightkube import AsyncClient
+    from lightkube.config.kubeconfig import KubeConfig
+
+    path = kubeconfig or os.environ.get("KUBECONFIG")
+    config = KubeConfig.from_file(path) if path else KubeConfig.from_service_account()
+    return AsyncClient(config=config)
+
+
+def pod_source(client: Any) -> PodSource:
+    """The cluster's pods, from the kube reflector (``podmeter.adapters.kube``)."""
+    try:
+        from podmeter.adapters.kube import cluster_pod_source  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise SystemExit(f"podmeter operator: the kube reflector is not available: {exc}") from None
+    source: PodSource = cluster_pod_source(client)
+    return source
+
+
+def build(args: argparse.Namespace) -> tuple[Operator, Any]:
+    holder = args.holder_identity or f"{socket.gethostname()}-{os.getpid()}"
+    client = kube_client(args.kubeconfig)
+    elector = LeaderElector(
+        KubeLeaseStore(client, args.lease_namespace, args.lease_name), holder,
+        lease_duration=args.lease_duration, renew_deadline=args.renew_deadline,
+        retry_period=args.retry_period,
+    )
+    settings = OperatorSettings(sweep_period=args.sweep_period, gc_period=args.gc_period,
+                                config_period=args.config_period, debug_anywhere=args.debug_anywhere)
+    label_filter = LabelFilter.configure(add=args.exclude_label, remove=args.include_label)
+    operator = Operator(pod_source(client), make_backend(args), label_filter=label_filter, elector=elector,
+                        config=KubeConfigApi(client), settings=settings)
+    return operator, client
+
+
+async def serve(args: argparse.Namespace) -> int:
+    operator, client = build(args)
+    host, port = parse_listen(args.listen)
+    runner = web.AppRunner(operator.http_app())
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("podmeter operator: %s backend, listening on %s:%d", operator.backend.name, host, port)
+    task = asyncio.create_task(operator.run())
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        log.info("podmeter operator: stopping")
+    finally:
+        await runner.cleanup()
+        with contextlib.suppress(Exception):
+            await client.close()
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
-    print("podmeter operator: not built yet")
-    return 2
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=args.log_level.upper(), format=fmt)
+    try:
+        parse_range(args.identity_range)
+        parse_listen(args.listen)
+        LabelFilter.configure(add=args.exclude_label, remove=args.include_label)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        print(f"podmeter operator: {exc}")
+        return 2
+    return asyncio.run(serve(args))
