@@ -21,6 +21,7 @@ Extra server flags go in ``args`` (e.g. ``["--history", "50", "--bookmark-interv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -46,8 +47,14 @@ KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 class LabServer:
     """A running lab API server: ``url``, ``token``, ``kubeconfig`` (Path), ``ca_file``, ``admin``."""
 
-    def __init__(self, tls: bool = False, process: bool = True, args: Sequence[str] = (),
-                 token: str = "lab-token", startup_timeout: float = 15.0) -> None:
+    def __init__(
+        self,
+        tls: bool = False,
+        process: bool = True,
+        args: Sequence[str] = (),
+        token: str = "lab-token",  # noqa: S107 (a test server's token)
+        startup_timeout: float = 15.0,
+    ) -> None:
         self.tls = tls
         self.process = process
         self.args = list(args)
@@ -68,8 +75,9 @@ class LabServer:
         self.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     def _cli_args(self) -> list[str]:
@@ -81,8 +89,11 @@ class LabServer:
     def start(self) -> None:
         if self.process:
             log = open(self.dir / "server.log", "wb")  # noqa: SIM115 (kept open for the child's lifetime)
-            self.proc = subprocess.Popen([sys.executable, "-m", "podmeter", "apiserver", *self._cli_args()],
-                                         stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "podmeter", "apiserver", *self._cli_args()],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         else:
             self._start_thread()
         self._wait_ready()
@@ -92,23 +103,27 @@ class LabServer:
         from podmeter.lab.apiserver import Settings, serve_forever
 
         parsed = build_parser().parse_args(["apiserver", *self._cli_args()])
-        settings = Settings(token=self.token, history=parsed.history, bookmark_interval=parsed.bookmark_interval,
-                            graceful_pod_deletion=parsed.graceful_pod_deletion,
-                            too_large_wait=parsed.too_large_rv_wait)
+        settings = Settings(
+            token=self.token,
+            history=parsed.history,
+            bookmark_interval=parsed.bookmark_interval,
+            graceful_pod_deletion=parsed.graceful_pod_deletion,
+            too_large_wait=parsed.too_large_rv_wait,
+        )
         tls_dir = (self.dir / "tls") if self.tls else None
         started = threading.Event()
 
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            task = asyncio.create_task(serve_forever(settings, "127.0.0.1", 0, self.kubeconfig, tls_dir))
+            task = asyncio.create_task(
+                serve_forever(settings, "127.0.0.1", 0, kubeconfig_out=self.kubeconfig, tls_dir=tls_dir)
+            )
             started.set()
             await self._stop.wait()
             task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
 
         self._thread = threading.Thread(target=lambda: asyncio.run(main()), name="lab-apiserver", daemon=True)
         self._thread.start()
@@ -157,14 +172,24 @@ class LabServer:
             self._admin = AdminClient(self.url, self.token, self.ca_file)
         return self._admin
 
-    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                timeout: float = 10.0) -> tuple[int, dict[str, str], Any]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        timeout: float = 10.0,
+    ) -> tuple[int, dict[str, str], Any]:
         """One raw API request: (status, headers, decoded JSON body or text)."""
         import ssl
 
         data = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else None)
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers={
-            "Authorization": f"Bearer {self.token}", "Content-Type": content_type})
+        req = urllib.request.Request(  # noqa: S310 (the test server's own URL)
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": content_type},
+        )
         context = ssl.create_default_context(cafile=self.ca_file) if self.tls else None
         try:
             with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:  # noqa: S310
@@ -176,12 +201,14 @@ class LabServer:
         except ValueError:
             return status, headers, raw.decode(errors="replace")
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 30.0
+    ) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this server (needs ``tls=True``: kubectl sends no token over HTTP)."""
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "HOME": str(self.dir)}
-        result = subprocess.run([KUBECTL, *args], input=input, capture_output=True, text=True, env=env,
-                                timeout=timeout)
+        result = subprocess.run(  # noqa: PLW1510 (the status is checked below, with stderr in the message)
+            [KUBECTL, *args], input=input, capture_output=True, text=True, env=env, timeout=timeout
+        )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr}")
         return result

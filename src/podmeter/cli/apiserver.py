@@ -26,20 +26,35 @@ def _listen(text: str) -> tuple[str, int]:
 
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
-        "apiserver", help="run the lab Kubernetes API server (or: apiserver fault KNOB)",
+        "apiserver",
+        help="run the lab Kubernetes API server (or: apiserver fault KNOB)",
         description="In-memory Kubernetes API server for the lab (namespaces, pods, leases, "
-                    "metricsconfigurations). 'podmeter apiserver fault KNOB --url URL --token T' pokes a running one.")
-    parser.add_argument("--listen", type=_listen, default=("127.0.0.1", 6443), help="HOST:PORT (port 0: any free)")
+        "metricsconfigurations). 'podmeter apiserver fault KNOB --url URL --token T' pokes a running one.",
+    )
+    parser.add_argument(
+        "--listen", type=_listen, default=("127.0.0.1", 6443), help="HOST:PORT (port 0: any free)"
+    )
     parser.add_argument("--kubeconfig-out", type=Path, help="write a kubeconfig for this server here")
     parser.add_argument("--token", help="bearer token clients must send (default: random)")
     parser.add_argument("--tls", action="store_true", help="serve HTTPS with a self-signed certificate")
-    parser.add_argument("--tls-dir", type=Path, help="where to put the certificate (default: beside the kubeconfig)")
+    parser.add_argument(
+        "--tls-dir", type=Path, help="where to put the certificate (default: beside the kubeconfig)"
+    )
     parser.add_argument("--history", type=int, default=10_000, help="events kept for watch resumption")
-    parser.add_argument("--bookmark-interval", type=float, default=60.0, help="seconds between watch bookmarks")
-    parser.add_argument("--graceful-pod-deletion", action="store_true",
-                        help="bound pods stay Terminating until deleted with grace 0 (as a kubelet does)")
-    parser.add_argument("--too-large-rv-wait", type=float, default=3.0,
-                        help="seconds a read at a future resourceVersion waits before 504")
+    parser.add_argument(
+        "--bookmark-interval", type=float, default=60.0, help="seconds between watch bookmarks"
+    )
+    parser.add_argument(
+        "--graceful-pod-deletion",
+        action="store_true",
+        help="bound pods stay Terminating until deleted with grace 0 (as a kubelet does)",
+    )
+    parser.add_argument(
+        "--too-large-rv-wait",
+        type=float,
+        default=3.0,
+        help="seconds a read at a future resourceVersion waits before 504",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("action", nargs="?", choices=["fault"], help=argparse.SUPPRESS)
     parser.add_argument("knob", nargs="?", choices=_KNOBS, help=argparse.SUPPRESS)
@@ -49,8 +64,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--code", type=int, default=500, choices=[500, 429], help="fault fail: status code")
     parser.add_argument("--retry-after", type=int, default=1, help="fault fail 429: Retry-After seconds")
     parser.add_argument("--verb", help="fault fail: only requests of this verb (list, watch, get, ...)")
-    parser.add_argument("--seconds", type=float, help="fault stall: for how long (default: until unstall); "
-                        "fault restart: how long to stay down")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        help="fault stall: for how long (default: until unstall); fault restart: how long to stay down",
+    )
     parser.add_argument("--include-new", action="store_true", help="fault stall: also streams opened later")
     parser.set_defaults(func=_run)
 
@@ -58,17 +76,23 @@ def register(subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.action == "fault":
         return _fault(args)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     host, port = args.listen
-    settings = Settings(token=args.token or new_token(), history=args.history,
-                        bookmark_interval=args.bookmark_interval, graceful_pod_deletion=args.graceful_pod_deletion,
-                        too_large_wait=args.too_large_rv_wait)
+    settings = Settings(
+        token=args.token or new_token(),
+        history=args.history,
+        bookmark_interval=args.bookmark_interval,
+        graceful_pod_deletion=args.graceful_pod_deletion,
+        too_large_wait=args.too_large_rv_wait,
+    )
     tls_dir = None
     if args.tls:
         tls_dir = args.tls_dir or (args.kubeconfig_out.parent if args.kubeconfig_out else Path.cwd()) / "tls"
     try:
-        asyncio.run(serve_forever(settings, host, port, args.kubeconfig_out, tls_dir))
+        asyncio.run(serve_forever(settings, host, port, kubeconfig_out=args.kubeconfig_out, tls_dir=tls_dir))
     except KeyboardInterrupt:
         return 0
     return 0
@@ -76,16 +100,20 @@ def _run(args: argparse.Namespace) -> int:
 
 def _fault(args: argparse.Namespace) -> int:
     if not args.knob or not args.url or not args.token:
-        print("usage: podmeter apiserver fault KNOB --url URL --token TOKEN [...]; KNOB is one of "
-              + ", ".join(_KNOBS), file=sys.stderr)
+        print(
+            "usage: podmeter apiserver fault KNOB --url URL --token TOKEN [...]; KNOB is one of "
+            + ", ".join(_KNOBS),
+            file=sys.stderr,
+        )
         return 2
     client = AdminClient(args.url, args.token, args.ca_file)
     try:
         if args.knob == "stats":
             result: Any = client.stats()
         elif args.knob == "fail":
-            result = client.fault("fail", count=args.count, code=args.code, retryAfter=args.retry_after,
-                                  verb=args.verb)
+            result = client.fault(
+                "fail", count=args.count, code=args.code, retryAfter=args.retry_after, verb=args.verb
+            )
         elif args.knob == "stall":
             result = client.fault("stall", seconds=args.seconds, includeNew=args.include_new)
         elif args.knob == "restart":

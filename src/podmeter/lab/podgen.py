@@ -21,6 +21,10 @@ def _uid(kind: str, i: int) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"podmeter/{kind}/{i}"))
 
 
+def _digest(image: str) -> str:
+    return uuid.uuid5(uuid.NAMESPACE_DNS, image).hex * 2
+
+
 def _ip(i: int) -> str:
     return f"10.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}"
 
@@ -33,7 +37,10 @@ def _container_fields(name: str) -> dict[str, Any]:
             "f:image": {},
             "f:imagePullPolicy": {},
             "f:name": {},
-            "f:ports": {".": {}, 'k:{"containerPort":8080,"protocol":"TCP"}': {".": {}, "f:containerPort": {}}},
+            "f:ports": {
+                ".": {},
+                'k:{"containerPort":8080,"protocol":"TCP"}': {".": {}, "f:containerPort": {}},
+            },
             "f:readinessProbe": {".": {}, "f:httpGet": {".": {}, "f:path": {}, "f:port": {}}},
             "f:resources": {".": {}, "f:limits": {".": {}, "f:memory": {}}, "f:requests": {".": {}}},
             "f:terminationMessagePath": {},
@@ -71,8 +78,13 @@ def _managed_fields(app: str) -> list[dict[str, Any]]:
         "fieldsV1": {
             "f:status": {
                 "f:conditions": {
-                    f'k:{{"type":"{t}"}}': {".": {}, "f:lastProbeTime": {}, "f:lastTransitionTime": {},
-                                             "f:status": {}, "f:type": {}}
+                    f'k:{{"type":"{t}"}}': {
+                        ".": {},
+                        "f:lastProbeTime": {},
+                        "f:lastTransitionTime": {},
+                        "f:status": {},
+                        "f:type": {},
+                    }
                     for t in ("ContainersReady", "Initialized", "PodReadyToStartContainers", "Ready")
                 },
                 "f:containerStatuses": {},
@@ -96,16 +108,25 @@ def _container(name: str, image: str, port: int) -> dict[str, Any]:
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "env": [
             {"name": "LOG_LEVEL", "value": "info"},
-            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}},
+            {
+                "name": "POD_NAME",
+                "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}},
+            },
         ],
         "resources": {"limits": {"memory": "256Mi"}, "requests": {"cpu": "100m", "memory": "128Mi"}},
         "volumeMounts": [
-            {"name": "kube-api-access", "readOnly": True,
-             "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
+            {
+                "name": "kube-api-access",
+                "readOnly": True,
+                "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+            }
         ],
         "readinessProbe": {
             "httpGet": {"path": "/healthz", "port": port, "scheme": "HTTP"},
-            "timeoutSeconds": 1, "periodSeconds": 10, "successThreshold": 1, "failureThreshold": 3,
+            "timeoutSeconds": 1,
+            "periodSeconds": 10,
+            "successThreshold": 1,
+            "failureThreshold": 3,
         },
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "File",
@@ -121,7 +142,7 @@ def _container_status(name: str, image: str, i: int) -> dict[str, Any]:
         "ready": True,
         "restartCount": 0,
         "image": image,
-        "imageID": f"{image.split(':')[0]}@sha256:{uuid.uuid5(uuid.NAMESPACE_DNS, image).hex * 2}",
+        "imageID": f"{image.split(':', maxsplit=1)[0]}@sha256:{_digest(image)}",
         "containerID": f"containerd://{_uid('container-' + name, i).replace('-', '')}",
         "started": True,
     }
@@ -145,12 +166,33 @@ def realistic_pod(
     image, proxy_image = _IMAGES
     pod_ip = None if phase == "Pending" else (ip or _ip(i))
     spec: dict[str, Any] = {
-        "volumes": [{"name": "kube-api-access", "projected": {"defaultMode": 420, "sources": [
-            {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
-            {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-            {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {
-                "apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
-        ]}}],
+        "volumes": [
+            {
+                "name": "kube-api-access",
+                "projected": {
+                    "defaultMode": 420,
+                    "sources": [
+                        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+                        {
+                            "configMap": {
+                                "name": "kube-root-ca.crt",
+                                "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                            }
+                        },
+                        {
+                            "downwardAPI": {
+                                "items": [
+                                    {
+                                        "path": "namespace",
+                                        "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"},
+                                    }
+                                ]
+                            }
+                        },
+                    ],
+                },
+            }
+        ],
         "containers": [_container(app, image, 8080), _container("proxy", proxy_image, 15001)],
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": 30,
@@ -160,10 +202,18 @@ def realistic_pod(
         "securityContext": {},
         "schedulerName": "default-scheduler",
         "tolerations": [
-            {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute",
-             "tolerationSeconds": 300},
-            {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
-             "tolerationSeconds": 300},
+            {
+                "key": "node.kubernetes.io/not-ready",
+                "operator": "Exists",
+                "effect": "NoExecute",
+                "tolerationSeconds": 300,
+            },
+            {
+                "key": "node.kubernetes.io/unreachable",
+                "operator": "Exists",
+                "effect": "NoExecute",
+                "tolerationSeconds": 300,
+            },
         ],
         "priority": 0,
         "enableServiceLinks": True,
@@ -173,18 +223,29 @@ def realistic_pod(
         spec["nodeName"] = node
     status: dict[str, Any] = {"phase": phase, "qosClass": "Burstable"}
     if pod_ip is not None:
-        status.update({
-            "conditions": [
-                {"type": t, "status": "True", "lastProbeTime": None, "lastTransitionTime": _TS}
-                for t in ("PodReadyToStartContainers", "Initialized", "Ready", "ContainersReady", "PodScheduled")
-            ],
-            "hostIP": "192.168.0.10",
-            "hostIPs": [{"ip": "192.168.0.10"}],
-            "podIP": pod_ip,
-            "podIPs": [{"ip": pod_ip}],
-            "startTime": _TS,
-            "containerStatuses": [_container_status(app, image, i), _container_status("proxy", proxy_image, i)],
-        })
+        status.update(
+            {
+                "conditions": [
+                    {"type": t, "status": "True", "lastProbeTime": None, "lastTransitionTime": _TS}
+                    for t in (
+                        "PodReadyToStartContainers",
+                        "Initialized",
+                        "Ready",
+                        "ContainersReady",
+                        "PodScheduled",
+                    )
+                ],
+                "hostIP": "192.168.0.10",
+                "hostIPs": [{"ip": "192.168.0.10"}],
+                "podIP": pod_ip,
+                "podIPs": [{"ip": pod_ip}],
+                "startTime": _TS,
+                "containerStatuses": [
+                    _container_status(app, image, i),
+                    _container_status("proxy", proxy_image, i),
+                ],
+            }
+        )
     return {
         "kind": "Pod",
         "apiVersion": "v1",
@@ -206,10 +267,16 @@ def realistic_pod(
                 "sidecar.example.com/status": '{"initContainers":null,"containers":["proxy"],'
                 '"volumes":["proxy-config","proxy-certs"],"imagePullSecrets":null,"revision":"3"}',
             },
-            "ownerReferences": [{
-                "apiVersion": "apps/v1", "kind": "ReplicaSet", "name": f"{app}-{rs_hash}",
-                "uid": _uid("replicaset", i % 50), "controller": True, "blockOwnerDeletion": True,
-            }],
+            "ownerReferences": [
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "ReplicaSet",
+                    "name": f"{app}-{rs_hash}",
+                    "uid": _uid("replicaset", i % 50),
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
             "managedFields": _managed_fields(app),
         },
         "spec": spec,

@@ -12,6 +12,7 @@ Admin endpoints live under ``/_lab/`` (same bearer token, never counted, never f
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -67,11 +68,22 @@ class RequestLog:
 
     def add(self, verb: str, resource: str, code: int, request: web.Request) -> None:
         self.counts[(verb, resource, code)] += 1
-        self.recent.append({"time": time.time(), "verb": verb, "resource": resource, "code": code,
-                            "method": request.method, "path": request.path, "query": dict(request.query)})
+        self.recent.append(
+            {
+                "time": time.time(),
+                "verb": verb,
+                "resource": resource,
+                "code": code,
+                "method": request.method,
+                "path": request.path,
+                "query": dict(request.query),
+            }
+        )
 
     def to_json(self) -> list[dict[str, Any]]:
-        return [{"verb": v, "resource": r, "code": c, "count": n} for (v, r, c), n in sorted(self.counts.items())]
+        return [
+            {"verb": v, "resource": r, "code": c, "count": n} for (v, r, c), n in sorted(self.counts.items())
+        ]
 
 
 class LabApiServer:
@@ -82,10 +94,16 @@ class LabApiServer:
         self.store = store or Store(history=settings.history)
         self.registry = Registry(self.store, settings.too_large_wait)
         self.faults = Faults()
-        self.hub = WatchHub(self.store, self.faults, settings.bookmark_interval, settings.watch_queue_limit,
-                            settings.too_large_wait)
+        self.hub = WatchHub(
+            self.store,
+            self.faults,
+            settings.bookmark_interval,
+            settings.watch_queue_limit,
+            settings.too_large_wait,
+        )
         self.requests = RequestLog()
         self.restart_hook: Callable[[float], Awaitable[None]] | None = None
+        self._background: asyncio.Future[None] | None = None
         self.started = time.time()
         if not self.store.objects[NAMESPACES.key]:
             for name in ("default", "kube-system", "kube-public", "kube-node-lease"):
@@ -120,8 +138,9 @@ class LabApiServer:
     def _authenticate(self, request: web.Request) -> None:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self.settings.token.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.settings.token.encode()
+        ):
             raise errors.unauthorized()
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
@@ -133,8 +152,12 @@ class LabApiServer:
             return static
         route = _parse_route(path)
         if route is None:
-            raise ApiError(404, "NotFound", "the server could not find the requested resource",
-                           {"causes": [{"reason": "UnexpectedServerResponse", "message": "404 page not found"}]})
+            raise ApiError(
+                404,
+                "NotFound",
+                "the server could not find the requested resource",
+                {"causes": [{"reason": "UnexpectedServerResponse", "message": "404 page not found"}]},
+            )
         return await self._resource(request, route)
 
     def _static(self, path: str) -> web.Response | None:
@@ -166,7 +189,9 @@ class LabApiServer:
                 doc = discovery.api_group(parts[1])
             elif parts[0] == "apis" and len(parts) == 3:
                 doc = discovery.resource_list(parts[1], parts[2])
-            discovery_path = (parts[0] == "api" and len(parts) == 2) or (parts[0] == "apis" and len(parts) in (2, 3))
+            discovery_path = (parts[0] == "api" and len(parts) == 2) or (
+                parts[0] == "apis" and len(parts) in (2, 3)
+            )
             if doc is None and discovery_path:
                 raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
         return None if doc is None else json_response(encode(doc))
@@ -194,15 +219,24 @@ class LabApiServer:
         ctx = _context(request)
         if method == "PUT":
             body = await _read_json(request, r)
-            updated = self.registry.update(r, route.namespace, route.name, body, route.subresource, ctx)
+            updated = self.registry.update(
+                r, route.namespace, route.name, body, subresource=route.subresource, ctx=ctx
+            )
             return json_response(updated, 200, ctx)
         if method == "PATCH":
             content_type = request.content_type
             if content_type not in PATCH_TYPES:
                 raise errors.unsupported_media_type(content_type)
             patch = await _read_json(request, r)
-            patched = self.registry.patch(r, route.namespace, route.name, content_type, patch,
-                                          route.subresource, ctx)
+            patched = self.registry.patch(
+                r,
+                route.namespace,
+                route.name,
+                patch_type=content_type,
+                patch=patch,
+                subresource=route.subresource,
+                ctx=ctx,
+            )
             return json_response(patched, 200, ctx)
         if method == "DELETE" and route.subresource is None:
             raw = await _read_body(request)
@@ -211,8 +245,14 @@ class LabApiServer:
             grace = request.query.get("gracePeriodSeconds")
             if grace is not None and grace.lstrip("-").isdigit():
                 delete_opts["gracePeriodSeconds"] = int(grace)
-            deleted = self.registry.delete(r, route.namespace, route.name, delete_opts,
-                                           self.settings.graceful_pod_deletion, ctx)
+            deleted = self.registry.delete(
+                r,
+                route.namespace,
+                route.name,
+                options=delete_opts,
+                graceful_pods=self.settings.graceful_pod_deletion,
+                ctx=ctx,
+            )
             return json_response(deleted, 200, ctx)
         raise errors.method_not_allowed()
 
@@ -259,10 +299,7 @@ class LabApiServer:
                 raise errors.bad_request("restart is only available when the server owns its listener")
             down = float(body.get("downSeconds", 0.5))
             closed = self.hub.close_all("restart", abort=True)
-            import asyncio
-
-            task = asyncio.get_running_loop().create_task(self.restart_hook(down))
-            self._background = task
+            self._background = asyncio.ensure_future(self.restart_hook(down))
             return {"closed": closed, "downSeconds": down}
         raise ApiError(404, "NotFound", f"unknown fault {knob!r}")
 
@@ -273,9 +310,13 @@ class LabApiServer:
             raise errors.bad_request(f"unknown resource {body.get('resource')!r}; one of {sorted(BY_KEY)}")
         if "rawLine" in body:
             line = str(body["rawLine"]).encode()
-            return {"watchers": self.hub.inject_line(resource, line if line.endswith(b"\n") else line + b"\n")}
+            return {
+                "watchers": self.hub.inject_line(resource, line if line.endswith(b"\n") else line + b"\n")
+            }
         obj = body.get("object")
-        meta = obj.get("metadata") if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            raise errors.bad_request("inject needs an object")
+        meta = obj.get("metadata")
         if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
             raise errors.bad_request("inject needs object.metadata.name (a string)")
         if resource.namespaced and not isinstance(meta.get("namespace"), str):
@@ -288,8 +329,11 @@ class LabApiServer:
 
     def _requests(self, request: web.Request) -> dict[str, Any]:
         verb, resource = request.query.get("verb"), request.query.get("resource")
-        recent = [r for r in self.requests.recent
-                  if (verb is None or r["verb"] == verb) and (resource is None or r["resource"] == resource)]
+        recent = [
+            r
+            for r in self.requests.recent
+            if (verb is None or r["verb"] == verb) and (resource is None or r["resource"] == resource)
+        ]
         return {"counts": self.requests.to_json(), "recent": recent}
 
     def stats(self) -> dict[str, Any]:
@@ -302,13 +346,17 @@ class LabApiServer:
             "watchesClosed": dict(self.hub.closed_by_reason),
             "requests": self.requests.to_json(),
             "requestsByVerb": dict(by_verb),
-            "faults": {"failRemaining": self.faults.fail.remaining if self.faults.fail else 0,
-                       "stalled": self.faults.stalled, "injectedFailures": self.faults.injected_failures},
+            "faults": {
+                "failRemaining": self.faults.fail.remaining if self.faults.fail else 0,
+                "stalled": self.faults.stalled,
+                "injectedFailures": self.faults.injected_failures,
+            },
             "uptimeSeconds": round(time.time() - self.started, 3),
         }
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
+
 
 def json_response(body: bytes, status: int = 200, ctx: WriteContext | None = None) -> web.Response:
     headers = {"Cache-Control": "no-cache, private"}
@@ -318,8 +366,12 @@ def json_response(body: bytes, status: int = 200, ctx: WriteContext | None = Non
 
 
 def status_response(err: ApiError) -> web.Response:
-    return web.Response(body=encode(err.status()), status=err.code, content_type=JSON,
-                        headers={"Cache-Control": "no-cache, private", **err.headers})
+    return web.Response(
+        body=encode(err.status()),
+        status=err.code,
+        content_type=JSON,
+        headers={"Cache-Control": "no-cache, private", **err.headers},
+    )
 
 
 def _plain_json(doc: Any) -> web.Response:
@@ -331,8 +383,11 @@ def _context(request: web.Request) -> WriteContext:
     validation = request.query.get("fieldValidation", "Warn")
     if validation not in ("Strict", "Warn", "Ignore"):
         raise errors.bad_request(f"fieldValidation parameter unsupported: {validation}")
-    return WriteContext(manager=manager or "unknown", field_validation=validation,
-                        dry_run=bool(request.query.getall("dryRun", [])))
+    return WriteContext(
+        manager=manager or "unknown",
+        field_validation=validation,
+        dry_run=bool(request.query.getall("dryRun", [])),
+    )
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -349,8 +404,10 @@ def _parse_json(raw: bytes, resource: ResourceType) -> Any:
         return decode(raw)
     except Exception as exc:  # msgspec.DecodeError, UnicodeDecodeError
         summary = raw[:30].decode("utf-8", "replace") + ("..." if len(raw) > 30 else "")
-        raise errors.bad_request(f"the object provided is unrecognized (must be of type {resource.kind}): "
-                                 f"couldn't get version/kind; json parse error: {exc} ({summary})") from exc
+        raise errors.bad_request(
+            f"the object provided is unrecognized (must be of type {resource.kind}): "
+            f"couldn't get version/kind; json parse error: {exc} ({summary})"
+        ) from exc
 
 
 async def _read_json(request: web.Request, resource: ResourceType) -> Any:
@@ -402,8 +459,13 @@ def _classify(request: web.Request) -> tuple[str, str]:
         return ("admin" if request.path.startswith("/_lab/") else "discovery"), request.path
     method = request.method
     if route.name is None:
-        verb = {"GET": "watch" if options.is_watch(request.query) else "list", "POST": "create",
-                "DELETE": "deletecollection"}.get(method, method.lower())
+        verb = {
+            "GET": "watch" if options.is_watch(request.query) else "list",
+            "POST": "create",
+            "DELETE": "deletecollection",
+        }.get(method, method.lower())
     else:
-        verb = {"GET": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method, method.lower())
+        verb = {"GET": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(
+            method, method.lower()
+        )
     return verb, route.resource.key + (f"/{route.subresource}" if route.subresource else "")

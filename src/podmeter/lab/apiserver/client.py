@@ -28,9 +28,14 @@ class AdminClient:
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         data = json.dumps(body or {}).encode() if method == "POST" else None
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers={
-            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+        req = urllib.request.Request(  # noqa: S310 (operator-given URL)
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )
         try:
+            # The URL is the operator-given server address (http or https), not user input.
             with urllib.request.urlopen(req, timeout=self.timeout, context=self.context) as resp:  # noqa: S310
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
@@ -43,13 +48,18 @@ class AdminClient:
     def requests(self, verb: str | None = None, resource: str | None = None) -> list[dict[str, Any]]:
         """Recent requests (newest last), optionally only of one verb/resource (e.g. "watch", "pods")."""
         query = "&".join(f"{k}={v}" for k, v in (("verb", verb), ("resource", resource)) if v)
-        result: list[dict[str, Any]] = self._call("GET", "/_lab/requests" + (f"?{query}" if query else ""))["recent"]
+        result: list[dict[str, Any]] = self._call("GET", "/_lab/requests" + (f"?{query}" if query else ""))[
+            "recent"
+        ]
         return result
 
     def count(self, verb: str, resource: str | None = None) -> int:
         """How many requests of ``verb`` (and ``resource``) were answered, whatever their status."""
-        return sum(c["count"] for c in self.stats()["requests"]
-                   if c["verb"] == verb and (resource is None or c["resource"] == resource))
+        return sum(
+            c["count"]
+            for c in self.stats()["requests"]
+            if c["verb"] == verb and (resource is None or c["resource"] == resource)
+        )
 
     def reset_requests(self) -> None:
         self._call("POST", "/_lab/requests/reset")

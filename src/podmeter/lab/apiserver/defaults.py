@@ -12,21 +12,44 @@ import json
 from typing import Any
 
 _TOLERATIONS = [
-    {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
-    {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
-     "tolerationSeconds": 300},
+    {
+        "key": "node.kubernetes.io/not-ready",
+        "operator": "Exists",
+        "effect": "NoExecute",
+        "tolerationSeconds": 300,
+    },
+    {
+        "key": "node.kubernetes.io/unreachable",
+        "operator": "Exists",
+        "effect": "NoExecute",
+        "tolerationSeconds": 300,
+    },
 ]
 _SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 def _token_volume(seed: str) -> dict[str, Any]:
     suffix = hashlib.sha256(seed.encode()).hexdigest()[:5]
-    return {"name": f"kube-api-access-{suffix}", "projected": {"sources": [
-        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
-        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {
-            "apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
-    ], "defaultMode": 420}}
+    return {
+        "name": f"kube-api-access-{suffix}",
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {
+                    "downwardAPI": {
+                        "items": [
+                            {
+                                "path": "namespace",
+                                "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"},
+                            }
+                        ]
+                    }
+                },
+            ],
+            "defaultMode": 420,
+        },
+    }
 
 
 def _default_container(c: dict[str, Any], volume: str | None) -> None:
@@ -36,8 +59,10 @@ def _default_container(c: dict[str, Any], volume: str | None) -> None:
     c.setdefault("terminationMessagePath", "/dev/termination-log")
     c.setdefault("terminationMessagePolicy", "File")
     image = str(c.get("image", ""))
-    c.setdefault("imagePullPolicy", "Always" if image.endswith(":latest") or ":" not in image.rsplit("/", 1)[-1]
-                 else "IfNotPresent")
+    c.setdefault(
+        "imagePullPolicy",
+        "Always" if image.endswith(":latest") or ":" not in image.rsplit("/", 1)[-1] else "IfNotPresent",
+    )
     for port in c.get("ports") or []:
         if isinstance(port, dict):
             port.setdefault("protocol", "TCP")
@@ -48,7 +73,8 @@ def _qos(spec: dict[str, Any]) -> str:
     if not any(r.get("requests") or r.get("limits") for r in resources):
         return "BestEffort"
     guaranteed = all(
-        r.get("limits") and set(r["limits"]) >= {"cpu", "memory"}
+        r.get("limits")
+        and set(r["limits"]) >= {"cpu", "memory"}
         and all((r.get("requests") or r["limits"]).get(k) == r["limits"].get(k) for k in ("cpu", "memory"))
         for r in resources
     )
@@ -88,12 +114,14 @@ def default_pod(pod: dict[str, Any]) -> None:
         spec["nodeName"] = spec.pop("nodeName")
     spec.setdefault("securityContext", {})
     spec.setdefault("schedulerName", "default-scheduler")
-    tolerations = spec.get("tolerations") if isinstance(spec.get("tolerations"), list) else []
+    raw_tolerations = spec.get("tolerations")
+    tolerations: list[Any] = raw_tolerations if isinstance(raw_tolerations, list) else []
     spec["tolerations"] = tolerations + [t for t in _TOLERATIONS if t not in tolerations]
     spec.setdefault("priority", 0)
     spec.setdefault("enableServiceLinks", True)
     spec.setdefault("preemptionPolicy", "PreemptLowerPriority")
-    status = pod.get("status") if isinstance(pod.get("status"), dict) else {}
+    raw_status = pod.get("status")
+    status: dict[str, Any] = raw_status if isinstance(raw_status, dict) else {}
     pod["status"] = {"phase": "Pending", **status}
     pod["status"].setdefault("qosClass", _qos(spec))
     sync_pod_ips(pod["status"])
@@ -119,8 +147,18 @@ def default_namespace(ns: dict[str, Any]) -> None:
 
 # --- managedFields ---------------------------------------------------------------------------------------
 
-_SKIP_META = {"name", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp", "managedFields",
-              "deletionTimestamp", "deletionGracePeriodSeconds", "selfLink"}
+_SKIP_META = {
+    "name",
+    "namespace",
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "managedFields",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "selfLink",
+}
 _LIST_KEYS = ("name", "type", "ip", "uid", "key", "mountPath", "containerPort")
 
 
@@ -137,7 +175,7 @@ def fields_v1(value: Any, top: bool = True) -> dict[str, Any]:
                 if not sub:
                     continue
             child = fields_v1(sub, top=False)
-            out[f"f:{key}"] = ({".": {}, **child} if child and not top else child)
+            out[f"f:{key}"] = {".": {}, **child} if child and not top else child
     elif isinstance(value, list):
         for item in value:
             if isinstance(item, dict):
@@ -155,8 +193,15 @@ def _union(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def record_manager(obj: dict[str, Any], manager: str, api_version: str, now: str, touched: dict[str, Any],
-                   subresource: str | None = None) -> None:
+def record_manager(
+    obj: dict[str, Any],
+    *,
+    manager: str,
+    api_version: str,
+    now: str,
+    touched: dict[str, Any],
+    subresource: str | None = None,
+) -> None:
     """Merge ``touched`` (the request's content) into the entry of ``manager`` in ``managedFields``."""
     fields = fields_v1(touched)
     if not fields:
@@ -164,14 +209,24 @@ def record_manager(obj: dict[str, Any], manager: str, api_version: str, now: str
     meta = obj["metadata"]
     entries = meta.get("managedFields") if isinstance(meta.get("managedFields"), list) else []
     for entry in entries:
-        if (isinstance(entry, dict) and entry.get("manager") == manager and entry.get("operation") == "Update"
-                and entry.get("subresource") == subresource):
+        if (
+            isinstance(entry, dict)
+            and entry.get("manager") == manager
+            and entry.get("operation") == "Update"
+            and entry.get("subresource") == subresource
+        ):
             entry["fieldsV1"] = _union(entry.get("fieldsV1") or {}, fields)
             entry["time"] = now
             break
     else:
-        entry = {"manager": manager, "operation": "Update", "apiVersion": api_version, "time": now,
-                 "fieldsType": "FieldsV1", "fieldsV1": fields}
+        entry = {
+            "manager": manager,
+            "operation": "Update",
+            "apiVersion": api_version,
+            "time": now,
+            "fieldsType": "FieldsV1",
+            "fieldsV1": fields,
+        }
         if subresource:
             entry["subresource"] = subresource
         entries.append(entry)

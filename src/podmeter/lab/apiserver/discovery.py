@@ -11,16 +11,28 @@ from typing import Any
 from podmeter.lab.apiserver.resources import ALL, ResourceType
 
 VERSION = {
-    "major": "1", "minor": "36", "emulationMajor": "1", "emulationMinor": "36",
-    "minCompatibilityMajor": "1", "minCompatibilityMinor": "35", "gitVersion": "v1.36.2-podmeter-lab",
-    "gitCommit": "0000000000000000000000000000000000000000", "gitTreeState": "clean",
-    "buildDate": "2026-11-29T00:00:00Z", "goVersion": "go1.26.6", "compiler": "gc", "platform": "linux/amd64",
+    "major": "1",
+    "minor": "36",
+    "emulationMajor": "1",
+    "emulationMinor": "36",
+    "minCompatibilityMajor": "1",
+    "minCompatibilityMinor": "35",
+    "gitVersion": "v1.36.2-podmeter-lab",
+    "gitCommit": "0000000000000000000000000000000000000000",
+    "gitTreeState": "clean",
+    "buildDate": "2026-11-29T00:00:00Z",
+    "goVersion": "go1.26.6",
+    "compiler": "gc",
+    "platform": "linux/amd64",
 }
 
 
 def api_versions(server_address: str) -> dict[str, Any]:
-    return {"kind": "APIVersions", "versions": ["v1"],
-            "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": server_address}]}
+    return {
+        "kind": "APIVersions",
+        "versions": ["v1"],
+        "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": server_address}],
+    }
 
 
 def _groups() -> dict[str, list[ResourceType]]:
@@ -37,8 +49,11 @@ def _group(name: str, version: str) -> dict[str, Any]:
 
 
 def api_group_list() -> dict[str, Any]:
-    return {"kind": "APIGroupList", "apiVersion": "v1",
-            "groups": [_group(name, rs[0].version) for name, rs in _groups().items()]}
+    return {
+        "kind": "APIGroupList",
+        "apiVersion": "v1",
+        "groups": [_group(name, rs[0].version) for name, rs in _groups().items()],
+    }
 
 
 def api_group(name: str) -> dict[str, Any] | None:
@@ -49,16 +64,28 @@ def api_group(name: str) -> dict[str, Any] | None:
 
 
 def _entries(r: ResourceType) -> list[dict[str, Any]]:
-    main: dict[str, Any] = {"name": r.plural, "singularName": r.singular, "namespaced": r.namespaced,
-                            "kind": r.kind, "verbs": list(r.verbs)}
+    main: dict[str, Any] = {
+        "name": r.plural,
+        "singularName": r.singular,
+        "namespaced": r.namespaced,
+        "kind": r.kind,
+        "verbs": list(r.verbs),
+    }
     if r.short_names:
         main["shortNames"] = list(r.short_names)
     if r.categories:
         main["categories"] = list(r.categories)
     out = [main]
     if r.has_status:
-        out.append({"name": f"{r.plural}/status", "singularName": "", "namespaced": r.namespaced,
-                    "kind": r.kind, "verbs": ["get", "patch", "update"]})
+        out.append(
+            {
+                "name": f"{r.plural}/status",
+                "singularName": "",
+                "namespaced": r.namespaced,
+                "kind": r.kind,
+                "verbs": ["get", "patch", "update"],
+            }
+        )
     return out
 
 
@@ -77,23 +104,31 @@ def resource_list(group: str, version: str) -> dict[str, Any] | None:
 # parameter on the PATCH operation of the kind); if so it sends ``fieldValidation=Strict`` and does no
 # client-side schema validation. These documents carry only that: paths and operations, no schemas.
 
+
 def _gv_path(group: str, version: str) -> str:
     return f"apis/{group}/{version}" if group else f"api/{version}"
 
 
 def openapi_root() -> dict[str, Any]:
     gvs = sorted({(r.group, r.version) for r in ALL})
-    return {"paths": {_gv_path(g, v): {"serverRelativeURL": f"/openapi/v3/{_gv_path(g, v)}?hash=podmeter-lab"}
-                      for g, v in gvs}}
+    return {
+        "paths": {
+            _gv_path(g, v): {"serverRelativeURL": f"/openapi/v3/{_gv_path(g, v)}?hash=podmeter-lab"}
+            for g, v in gvs
+        }
+    }
 
 
 def _operation(r: ResourceType, action: str, params: list[str]) -> dict[str, Any]:
-    return {"operationId": f"{action}{r.kind}",
-            "parameters": [{"name": p, "in": "query", "schema": {"type": "string", "uniqueItems": True}}
-                           for p in params],
-            "responses": {"200": {"description": "OK"}},
-            "x-kubernetes-action": action,
-            "x-kubernetes-group-version-kind": {"group": r.group, "version": r.version, "kind": r.kind}}
+    return {
+        "operationId": f"{action}{r.kind}",
+        "parameters": [
+            {"name": p, "in": "query", "schema": {"type": "string", "uniqueItems": True}} for p in params
+        ],
+        "responses": {"200": {"description": "OK"}},
+        "x-kubernetes-action": action,
+        "x-kubernetes-group-version-kind": {"group": r.group, "version": r.version, "kind": r.kind},
+    }
 
 
 def openapi_gv(group: str, version: str) -> dict[str, Any] | None:
@@ -104,12 +139,21 @@ def openapi_gv(group: str, version: str) -> dict[str, Any] | None:
     paths: dict[str, Any] = {}
     for r in rs:
         base = "/" + _gv_path(group, version) + ("/namespaces/{namespace}" if r.namespaced else "")
-        paths[f"{base}/{r.plural}"] = {"get": _operation(r, "list", ["labelSelector", "fieldSelector"]),
-                                       "post": _operation(r, "post", write)}
+        paths[f"{base}/{r.plural}"] = {
+            "get": _operation(r, "list", ["labelSelector", "fieldSelector"]),
+            "post": _operation(r, "post", write),
+        }
         paths[f"{base}/{r.plural}/{{name}}"] = {
-            "get": _operation(r, "get", []), "put": _operation(r, "put", write),
-            "patch": _operation(r, "patch", [*write, "force"]), "delete": _operation(r, "delete", ["dryRun"])}
+            "get": _operation(r, "get", []),
+            "put": _operation(r, "put", write),
+            "patch": _operation(r, "patch", [*write, "force"]),
+            "delete": _operation(r, "delete", ["dryRun"]),
+        }
         if r.has_status:
             paths[f"{base}/{r.plural}/{{name}}/status"] = {"patch": _operation(r, "patch", write)}
-    return {"openapi": "3.0.0", "info": {"title": "Kubernetes (podmeter lab)", "version": "v1.36.2"},
-            "paths": paths, "components": {"schemas": {}}}
+    return {
+        "openapi": "3.0.0",
+        "info": {"title": "Kubernetes (podmeter lab)", "version": "v1.36.2"},
+        "paths": paths,
+        "components": {"schemas": {}},
+    }

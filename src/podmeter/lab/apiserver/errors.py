@@ -55,8 +55,12 @@ class ApiError(Exception):
         return body
 
 
-def _details(name: str | None, kind: str | None, group: str = "", causes: list[Cause] | None = None,
-             ) -> dict[str, Any]:
+def _details(
+    name: str | None,
+    kind: str | None,
+    group: str = "",
+    causes: list[Cause] | None = None,
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if name:
         out["name"] = name
@@ -74,19 +78,28 @@ def _qualified(plural: str, group: str) -> str:
 
 
 def not_found(plural: str, name: str, group: str = "") -> ApiError:
-    return ApiError(404, "NotFound", f'{_qualified(plural, group)} "{name}" not found',
-                    _details(name, plural, group))
+    return ApiError(
+        404, "NotFound", f'{_qualified(plural, group)} "{name}" not found', _details(name, plural, group)
+    )
 
 
 def already_exists(plural: str, name: str, group: str = "") -> ApiError:
-    return ApiError(409, "AlreadyExists", f'{_qualified(plural, group)} "{name}" already exists',
-                    _details(name, plural, group))
+    return ApiError(
+        409,
+        "AlreadyExists",
+        f'{_qualified(plural, group)} "{name}" already exists',
+        _details(name, plural, group),
+    )
 
 
 def conflict(plural: str, name: str, group: str = "", why: str | None = None) -> ApiError:
     why = why or "the object has been modified; please apply your changes to the latest version and try again"
-    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {_qualified(plural, group)} "{name}": {why}',
-                    _details(name, plural, group))
+    return ApiError(
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {_qualified(plural, group)} "{name}": {why}',
+        _details(name, plural, group),
+    )
 
 
 def invalid(kind: str, name: str, causes: list[Cause], group: str = "") -> ApiError:
@@ -94,8 +107,9 @@ def invalid(kind: str, name: str, causes: list[Cause], group: str = "") -> ApiEr
     parts = [f"{c.field}: {c.message}" if c.field else c.message for c in causes]
     joined = parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
     qualified = f"{kind}.{group}" if group else kind
-    return ApiError(422, "Invalid", f'{qualified} "{name}" is invalid: {joined}',
-                    _details(name, kind, group, causes))
+    return ApiError(
+        422, "Invalid", f'{qualified} "{name}" is invalid: {joined}', _details(name, kind, group, causes)
+    )
 
 
 def bad_request(message: str) -> ApiError:
@@ -111,13 +125,19 @@ def forbidden(message: str, plural: str = "", name: str = "", group: str = "") -
 
 
 def method_not_allowed() -> ApiError:
-    return ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested resource")
+    return ApiError(
+        405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
+    )
 
 
 def unsupported_media_type(content_type: str) -> ApiError:
-    return ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - "
-                    f"accepted media types include: application/json-patch+json, application/merge-patch+json, "
-                    f"application/apply-patch+yaml, application/strategic-merge-patch+json; got {content_type}")
+    return ApiError(
+        415,
+        "UnsupportedMediaType",
+        f"the body of the request was in an unknown format - "
+        f"accepted media types include: application/json-patch+json, application/merge-patch+json, "
+        f"application/apply-patch+yaml, application/strategic-merge-patch+json; got {content_type}",
+    )
 
 
 def too_large(limit: int) -> ApiError:
@@ -134,26 +154,42 @@ def too_old_watch(requested: int, oldest: int) -> ApiError:
 
 
 def too_many_requests(retry_after: int) -> ApiError:
-    return ApiError(429, "TooManyRequests", "Too many requests, please try again later.",
-                    {"retryAfterSeconds": retry_after}, {"Retry-After": str(retry_after)})
+    return ApiError(
+        429,
+        "TooManyRequests",
+        "Too many requests, please try again later.",
+        {"retryAfterSeconds": retry_after},
+        {"Retry-After": str(retry_after)},
+    )
 
 
 def internal(message: str) -> ApiError:
-    return ApiError(500, "InternalError", f"Internal error occurred: {message}",
-                    {"causes": [{"message": message}]})
+    return ApiError(
+        500, "InternalError", f"Internal error occurred: {message}", {"causes": [{"message": message}]}
+    )
 
 
 def rv_too_large(requested: int, current: int) -> ApiError:
     """504 after the ~3 s a real server waits for an RV from the future (list-too-large-rv-504.json)."""
-    return ApiError(504, "Timeout", f"Timeout: Too large resource version: {requested}, current: {current}",
-                    {"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
-                     "retryAfterSeconds": 1},
-                    {"Retry-After": "1"})
+    return ApiError(
+        504,
+        "Timeout",
+        f"Timeout: Too large resource version: {requested}, current: {current}",
+        {
+            "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+            "retryAfterSeconds": 1,
+        },
+        {"Retry-After": "1"},
+    )
 
 
 def list_options_invalid(causes: list[Cause]) -> ApiError:
     """422 on a bad combination of list/watch options (error-422-send-initial-events-without-match.json)."""
     parts = [f"{c.field}: {c.message}" for c in causes]
     joined = parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
-    return ApiError(422, "Invalid", f'ListOptions.meta.k8s.io "" is invalid: {joined}',
-                    {"group": "meta.k8s.io", "kind": "ListOptions", "causes": [c.to_json() for c in causes]})
+    return ApiError(
+        422,
+        "Invalid",
+        f'ListOptions.meta.k8s.io "" is invalid: {joined}',
+        {"group": "meta.k8s.io", "kind": "ListOptions", "causes": [c.to_json() for c in causes]},
+    )

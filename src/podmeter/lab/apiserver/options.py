@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from podmeter.lab.apiserver.errors import ApiError, Cause, bad_request, list_options_invalid
+from podmeter.lab.apiserver.errors import Cause, bad_request, list_options_invalid
 from podmeter.lab.apiserver.resources import ResourceType
 from podmeter.lab.apiserver.selectors import Selector, parse_field_selector, parse_label_selector
 from podmeter.lab.apiserver.watching import WatchOptions, random_timeout
@@ -55,8 +55,10 @@ def _rv(query: Mapping[str, str]) -> str:
 
 
 def _selectors(resource: ResourceType, query: Mapping[str, str]) -> tuple[Selector, Selector]:
-    return (parse_label_selector(query.get("labelSelector")),
-            parse_field_selector(query.get("fieldSelector"), resource.field_keys))
+    return (
+        parse_label_selector(query.get("labelSelector")),
+        parse_field_selector(query.get("fieldSelector"), resource.field_keys),
+    )
 
 
 def encode_continue(rv: int, last_key: str) -> str:
@@ -81,18 +83,38 @@ def parse_list(resource: ResourceType, query: Mapping[str, str]) -> ListOptions:
     rv, match = _rv(query), query.get("resourceVersionMatch", "")
     causes: list[Cause] = []
     if match and match not in (NOT_OLDER_THAN, EXACT):
-        causes.append(Cause("FieldValueNotSupported", f'Unsupported value: "{match}": supported values: '
-                            '"Exact", "NotOlderThan"', "resourceVersionMatch"))
+        causes.append(
+            Cause(
+                "FieldValueNotSupported",
+                f'Unsupported value: "{match}": supported values: "Exact", "NotOlderThan"',
+                "resourceVersionMatch",
+            )
+        )
     elif match and not rv:
-        causes.append(Cause("FieldValueForbidden", "Forbidden: resourceVersionMatch is forbidden unless "
-                            "resourceVersion is provided", "resourceVersionMatch"))
+        causes.append(
+            Cause(
+                "FieldValueForbidden",
+                "Forbidden: resourceVersionMatch is forbidden unless resourceVersion is provided",
+                "resourceVersionMatch",
+            )
+        )
     elif match == EXACT and rv == "0":
-        causes.append(Cause("FieldValueForbidden", 'Forbidden: resourceVersionMatch "exact" is forbidden for '
-                            'resourceVersion "0"', "resourceVersionMatch"))
+        causes.append(
+            Cause(
+                "FieldValueForbidden",
+                'Forbidden: resourceVersionMatch "exact" is forbidden for resourceVersion "0"',
+                "resourceVersionMatch",
+            )
+        )
     token = query.get("continue", "")
     if token and rv:
-        causes.append(Cause("FieldValueForbidden", "Forbidden: specifying resource version is not allowed when "
-                            "using continue", "resourceVersion"))
+        causes.append(
+            Cause(
+                "FieldValueForbidden",
+                "Forbidden: specifying resource version is not allowed when using continue",
+                "resourceVersion",
+            )
+        )
     if causes:
         raise list_options_invalid(causes)
     try:
@@ -110,18 +132,39 @@ def parse_watch(resource: ResourceType, query: Mapping[str, str], namespace: str
     bookmarks = bool(_bool(query, "allowWatchBookmarks"))
     causes: list[Cause] = []
     if send_initial is not None and match != NOT_OLDER_THAN:
-        causes.append(Cause("FieldValueForbidden", "Forbidden: sendInitialEvents requires setting "
-                            "resourceVersionMatch to NotOlderThan", "resourceVersionMatch"))
+        causes.append(
+            Cause(
+                "FieldValueForbidden",
+                "Forbidden: sendInitialEvents requires setting resourceVersionMatch to NotOlderThan",
+                "resourceVersionMatch",
+            )
+        )
     if match:
         if send_initial is None:
-            causes.append(Cause("FieldValueForbidden", "Forbidden: resourceVersionMatch is forbidden for watch "
-                                "unless sendInitialEvents is provided", "resourceVersionMatch"))
+            causes.append(
+                Cause(
+                    "FieldValueForbidden",
+                    "Forbidden: resourceVersionMatch is forbidden for watch "
+                    "unless sendInitialEvents is provided",
+                    "resourceVersionMatch",
+                )
+            )
         if match != NOT_OLDER_THAN:
-            causes.append(Cause("FieldValueNotSupported", f'Unsupported value: "{match}": supported values: '
-                                '"NotOlderThan"', "resourceVersionMatch"))
+            causes.append(
+                Cause(
+                    "FieldValueNotSupported",
+                    f'Unsupported value: "{match}": supported values: "NotOlderThan"',
+                    "resourceVersionMatch",
+                )
+            )
         if send_initial and not bookmarks:
-            causes.append(Cause("FieldValueForbidden", "Forbidden: sendInitialEvents requires setting "
-                                "allowWatchBookmarks to true", "allowWatchBookmarks"))
+            causes.append(
+                Cause(
+                    "FieldValueForbidden",
+                    "Forbidden: sendInitialEvents requires setting allowWatchBookmarks to true",
+                    "allowWatchBookmarks",
+                )
+            )
     if causes:
         raise list_options_invalid(causes)
     timeout_raw = query.get("timeoutSeconds")
@@ -133,7 +176,3 @@ def parse_watch(resource: ResourceType, query: Mapping[str, str], namespace: str
         timeout = random_timeout()
     labels, fields = _selectors(resource, query)
     return WatchOptions(rv, labels, fields, namespace, bookmarks, timeout, send_initial)
-
-
-def check(err: ApiError) -> ApiError:
-    return err

@@ -18,10 +18,22 @@ from typing import Any
 
 # Field name -> merge key, for lists of objects in the kinds served here.
 MERGE_KEYS = {
-    "containers": "name", "initContainers": "name", "ephemeralContainers": "name", "volumes": "name",
-    "ports": "containerPort", "env": "name", "volumeMounts": "mountPath", "volumeDevices": "devicePath",
-    "conditions": "type", "podIPs": "ip", "hostIPs": "ip", "ownerReferences": "uid",
-    "imagePullSecrets": "name", "hostAliases": "ip", "resourceClaims": "name", "readinessGates": "conditionType",
+    "containers": "name",
+    "initContainers": "name",
+    "ephemeralContainers": "name",
+    "volumes": "name",
+    "ports": "containerPort",
+    "env": "name",
+    "volumeMounts": "mountPath",
+    "volumeDevices": "devicePath",
+    "conditions": "type",
+    "podIPs": "ip",
+    "hostIPs": "ip",
+    "ownerReferences": "uid",
+    "imagePullSecrets": "name",
+    "hostAliases": "ip",
+    "resourceClaims": "name",
+    "readinessGates": "conditionType",
 }
 # Primitive lists whose strategy is "merge" (a union) rather than "replace".
 MERGE_PRIMITIVE = {"finalizers"}
@@ -37,6 +49,7 @@ class PatchError(Exception):
 
 # --- JSON merge patch ----------------------------------------------------------------------------------
 
+
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386."""
     if not isinstance(patch, dict):
@@ -51,6 +64,7 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 
 # --- JSON patch ----------------------------------------------------------------------------------------
+
 
 def _pointer(path: str) -> list[str]:
     if path == "":
@@ -109,7 +123,7 @@ def _remove(doc: Any, path: str) -> Any:
     parent = _container(doc, parts[:-1])
     if isinstance(parent, dict):
         if parts[-1] not in parent:
-            raise PatchError(f"jsonpatch remove operation does not apply: doc is missing path: \"{path}\"")
+            raise PatchError(f'jsonpatch remove operation does not apply: doc is missing path: "{path}"')
         del parent[parts[-1]]
     elif isinstance(parent, list):
         del parent[_index(parent, parts[-1], False)]
@@ -135,7 +149,9 @@ def json_patch(target: Any, ops: Any) -> Any:
             doc = _remove(doc, path)
         elif name == "replace":
             _get(doc, path)
-            doc = _add(_remove(doc, path), path, copy.deepcopy(op["value"])) if _pointer(path) else op["value"]
+            doc = (
+                _add(_remove(doc, path), path, copy.deepcopy(op["value"])) if _pointer(path) else op["value"]
+            )
         elif name in ("move", "copy"):
             source = op.get("from")
             if not isinstance(source, str):
@@ -153,6 +169,7 @@ def json_patch(target: Any, ops: Any) -> Any:
 
 
 # --- strategic merge patch -----------------------------------------------------------------------------
+
 
 def strategic_merge_patch(target: Any, patch: Any) -> Any:
     """Strategic merge for the built-in kinds' known list semantics (see MERGE_KEYS)."""
@@ -209,8 +226,10 @@ def _smp_list(field: str, original: Any, patch: list[Any]) -> list[Any]:
     for item in patch:
         if merge_key not in item:
             raise PatchError(f"map: {item} does not contain declared merge key: {merge_key}")
-        index = next((i for i, o in enumerate(result)
-                      if isinstance(o, dict) and o.get(merge_key) == item[merge_key]), None)
+        index = next(
+            (i for i, o in enumerate(result) if isinstance(o, dict) and o.get(merge_key) == item[merge_key]),
+            None,
+        )
         if item.get("$patch") == "delete":
             if index is not None:
                 del result[index]

@@ -21,13 +21,23 @@ from podmeter.lab.apiserver import errors, patching, validation
 from podmeter.lab.apiserver.defaults import record_manager, sync_pod_ips
 from podmeter.lab.apiserver.errors import ApiError, Cause
 from podmeter.lab.apiserver.options import EXACT, ListOptions, encode_continue
-from podmeter.lab.apiserver.resources import LEASES, NAMESPACES, PODS, ResourceType, drop_fields, unknown_fields
+from podmeter.lab.apiserver.resources import (
+    LEASES,
+    NAMESPACES,
+    PODS,
+    ResourceType,
+    drop_fields,
+    unknown_fields,
+)
 from podmeter.lab.apiserver.store import ADDED, DELETED, MODIFIED, Store, Stored, object_bytes
 
 _NAME_CHARS = "bcdfghjklmnpqrstvwxz2456789"
 _PROTECTED_NAMESPACES = ("default", "kube-system", "kube-public")
-PATCH_TYPES = ("application/merge-patch+json", "application/json-patch+json",
-               "application/strategic-merge-patch+json")
+PATCH_TYPES = (
+    "application/merge-patch+json",
+    "application/json-patch+json",
+    "application/strategic-merge-patch+json",
+)
 
 
 def now_text() -> str:
@@ -54,41 +64,71 @@ def _meta(obj: dict[str, Any]) -> dict[str, Any]:
 def _kind_check(resource: ResourceType, obj: Any) -> dict[str, Any]:
     """The decode step: a JSON object of this kind and group/version (400 otherwise)."""
     if not isinstance(obj, dict):
-        raise errors.bad_request(f"the object provided is unrecognized (must be of type {resource.kind}): "
-                                 "couldn't get version/kind; json parse error: expected an object")
+        raise errors.bad_request(
+            f"the object provided is unrecognized (must be of type {resource.kind}): "
+            "couldn't get version/kind; json parse error: expected an object"
+        )
     kind, api_version = obj.get("kind", resource.kind), obj.get("apiVersion", resource.api_version)
     if api_version != resource.api_version:
-        raise errors.bad_request(f"the API version in the data ({api_version}) does not match the expected API "
-                                 f"version ({resource.api_version})")
+        raise errors.bad_request(
+            f"the API version in the data ({api_version}) does not match the expected API "
+            f"version ({resource.api_version})"
+        )
     if kind != resource.kind:
-        raise errors.bad_request(f'{kind} in version "{resource.version}" cannot be handled as a {resource.kind}: '
-                                 f"converting ({resource.version}.{kind}) to ({resource.kind}): unknown conversion")
+        raise errors.bad_request(
+            f'{kind} in version "{resource.version}" cannot be handled as a {resource.kind}: '
+            f"converting ({resource.version}.{kind}) to ({resource.kind}): unknown conversion"
+        )
     obj.setdefault("metadata", {})
-    for path, want, go in (("metadata", dict, "ObjectMeta"), ("spec", dict, f"{resource.kind}Spec"),
-                           ("status", dict, f"{resource.kind}Status")):
+    for path, want, go in (
+        ("metadata", dict, "ObjectMeta"),
+        ("spec", dict, f"{resource.kind}Spec"),
+        ("status", dict, f"{resource.kind}Status"),
+    ):
         if path in obj and obj[path] is not None and not isinstance(obj[path], want):
             raise _type_error(resource, obj[path], f"{resource.kind}.{path}", go)
     meta = obj["metadata"]
     for mapping in ("labels", "annotations"):
         value = meta.get(mapping)
-        if value is not None and (not isinstance(value, dict)
-                                  or not all(isinstance(v, str) for v in value.values())):
-            bad = value if not isinstance(value, dict) else next(v for v in value.values() if not isinstance(v, str))
-            raise _type_error(resource, bad, f"ObjectMeta.metadata.{mapping}",
-                              "map[string]string" if not isinstance(value, dict) else "string")
+        if value is not None and (
+            not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values())
+        ):
+            bad = (
+                value
+                if not isinstance(value, dict)
+                else next(v for v in value.values() if not isinstance(v, str))
+            )
+            raise _type_error(
+                resource,
+                bad,
+                f"ObjectMeta.metadata.{mapping}",
+                "map[string]string" if not isinstance(value, dict) else "string",
+            )
     spec = obj.get("spec")
-    if resource is PODS and isinstance(spec, dict) and "containers" in spec and not isinstance(
-            spec["containers"], list | type(None)):
+    if (
+        resource is PODS
+        and isinstance(spec, dict)
+        and "containers" in spec
+        and not isinstance(spec["containers"], list | type(None))
+    ):
         raise _type_error(resource, spec["containers"], "PodSpec.spec.containers", "[]v1.Container")
     return obj
 
 
 def _type_error(resource: ResourceType, value: Any, where: str, go_type: str) -> ApiError:
-    json_type = {str: "string", int: "number", float: "number", bool: "bool", list: "array", dict: "object"}.get(
-        type(value), "value")
-    return errors.bad_request(f'{resource.kind} in version "{resource.version}" cannot be handled as a '
-                              f"{resource.kind}: json: cannot unmarshal {json_type} into Go struct field {where} "
-                              f"of type {go_type}")
+    json_type = {
+        str: "string",
+        int: "number",
+        float: "number",
+        bool: "bool",
+        list: "array",
+        dict: "object",
+    }.get(type(value), "value")
+    return errors.bad_request(
+        f'{resource.kind} in version "{resource.version}" cannot be handled as a '
+        f"{resource.kind}: json: cannot unmarshal {json_type} into Go struct field {where} "
+        f"of type {go_type}"
+    )
 
 
 class Registry:
@@ -117,8 +157,10 @@ class Registry:
             return
         if ctx.field_validation == "Strict":
             detail = ", ".join(f'unknown field "{p.lstrip(".")}"' for p in unknown)
-            raise errors.bad_request(f'{resource.kind} in version "{resource.version}" cannot be handled as a '
-                                     f"{resource.kind}: strict decoding error: {detail}")
+            raise errors.bad_request(
+                f'{resource.kind} in version "{resource.version}" cannot be handled as a '
+                f"{resource.kind}: strict decoding error: {detail}"
+            )
         if ctx.field_validation != "Ignore":
             ctx.warnings += [f'unknown field "{p.lstrip(".")}"' for p in unknown]
         drop_fields(obj, unknown)
@@ -134,7 +176,7 @@ class Registry:
         return self.full(resource, self._existing(resource, namespace, name))
 
     async def wait_for_rv(self, rv: int) -> None:
-        """A read at an RV newer than the server's waits up to ~3 s for it, then 504 (list-too-large-rv-504)."""
+        """A read at an RV newer than the server's waits ~3 s for it, then 504 (list-too-large-rv-504)."""
         if rv <= self.store.rv:
             return
         deadline = time.monotonic() + self.too_large_wait
@@ -149,12 +191,14 @@ class Registry:
         if opts.continue_rv is not None:
             rv = opts.continue_rv
             if rv < self.store.floor:
-                raise errors.expired("The provided continue parameter is too old to display a consistent list "
-                                     "result. You can start a new list without the continue parameter, or use the "
-                                     "continue token in this response to retrieve the remainder of the results. "
-                                     "Continuing with the provided token results in an inconsistent list - objects "
-                                     "that were created, modified, or deleted between the time the first chunk "
-                                     "was returned and now may show up in the list.")
+                raise errors.expired(
+                    "The provided continue parameter is too old to display a consistent list "
+                    "result. You can start a new list without the continue parameter, or use the "
+                    "continue token in this response to retrieve the remainder of the results. "
+                    "Continuing with the provided token results in an inconsistent list - objects "
+                    "that were created, modified, or deleted between the time the first chunk "
+                    "was returned and now may show up in the list."
+                )
         elif opts.match == EXACT:
             rv = int(opts.resource_version)
         else:
@@ -164,7 +208,7 @@ class Registry:
         if opts.continue_key is not None:
             import bisect
 
-            keys = keys[bisect.bisect_right(keys, opts.continue_key):]
+            keys = keys[bisect.bisect_right(keys, opts.continue_key) :]
         items: list[bytes] = []
         last_key, scanned = None, 0
         selective = not (opts.labels.empty and opts.fields.empty)
@@ -184,8 +228,17 @@ class Registry:
             meta += b',"continue":"' + encode_continue(rv, last_key).encode() + b'"'
             if not selective:
                 meta += b',"remainingItemCount":' + str(len(remaining)).encode()
-        return (b'{"kind":"' + resource.list_kind.encode() + b'","apiVersion":"' + resource.api_version.encode()
-                + b'","metadata":{' + meta + b'},"items":[' + b",".join(items) + b"]}")
+        return (
+            b'{"kind":"'
+            + resource.list_kind.encode()
+            + b'","apiVersion":"'
+            + resource.api_version.encode()
+            + b'","metadata":{'
+            + meta
+            + b'},"items":['
+            + b",".join(items)
+            + b"]}"
+        )
 
     # --- create ----------------------------------------------------------------------------------------
     def create(self, resource: ResourceType, namespace: str | None, body: Any, ctx: WriteContext) -> bytes:
@@ -195,8 +248,9 @@ class Registry:
         if resource.namespaced:
             ns = meta.get("namespace") or namespace
             if namespace is not None and ns != namespace:
-                raise errors.bad_request("the namespace of the provided object does not match the namespace sent "
-                                         "on the request")
+                raise errors.bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request"
+                )
             meta["namespace"] = ns
         else:
             meta.pop("namespace", None)
@@ -213,7 +267,7 @@ class Registry:
         if self.store.get(resource, self._key(resource, meta.get("namespace"), name)) is not None:
             raise errors.already_exists(resource.plural, name, resource.group)
         now = now_text()
-        fresh = {"name": name}
+        fresh: dict[str, Any] = {"name": name}
         for key in ("generateName", "namespace"):
             if key in meta:
                 fresh[key] = meta[key]
@@ -226,14 +280,19 @@ class Registry:
             if meta.get(key):
                 fresh[key] = meta[key]
         requested = copy.deepcopy(obj)
-        obj = {"metadata": fresh, **{k: v for k, v in obj.items() if k not in ("metadata", "kind", "apiVersion")}}
+        obj = {
+            "metadata": fresh,
+            **{k: v for k, v in obj.items() if k not in ("metadata", "kind", "apiVersion")},
+        }
         if resource.has_status and resource is not NAMESPACES:
             obj.pop("status", None)
         resource.default(obj)
-        record_manager(obj, ctx.manager, resource.api_version, now, requested)
+        record_manager(obj, manager=ctx.manager, api_version=resource.api_version, now=now, touched=requested)
         if resource is NAMESPACES:
-            record_manager(obj, ctx.manager, resource.api_version, now,
-                           {"metadata": {"labels": obj["metadata"]["labels"]}})
+            labels = {"metadata": {"labels": obj["metadata"]["labels"]}}
+            record_manager(
+                obj, manager=ctx.manager, api_version=resource.api_version, now=now, touched=labels
+            )
         self._validate(resource, obj, name)
         if ctx.dry_run:
             obj["metadata"]["resourceVersion"] = str(self.store.rv)
@@ -245,34 +304,66 @@ class Registry:
         if ns is None:
             raise errors.not_found("namespaces", namespace)
         if ns.fields.get("status.phase") == "Terminating":
-            raise errors.forbidden(f'{resource.plural} "{name}" is forbidden: unable to create new content in '
-                                   f"namespace {namespace} because it is being terminated", resource.plural, name,
-                                   resource.group)
+            raise errors.forbidden(
+                f'{resource.plural} "{name}" is forbidden: unable to create new content in '
+                f"namespace {namespace} because it is being terminated",
+                resource.plural,
+                name,
+                resource.group,
+            )
 
     # --- update and patch ------------------------------------------------------------------------------
-    def update(self, resource: ResourceType, namespace: str | None, name: str, body: Any,
-               subresource: str | None, ctx: WriteContext) -> bytes:
+    def update(
+        self,
+        resource: ResourceType,
+        namespace: str | None,
+        name: str,
+        body: Any,
+        *,
+        subresource: str | None,
+        ctx: WriteContext,
+    ) -> bytes:
         obj = _kind_check(resource, body)
         self._check_fields(resource, obj, ctx)
         meta = _meta(obj)
         if meta.get("name") not in (None, name):
-            raise errors.bad_request(f"the name of the object ({meta.get('name')}) does not match the name on the "
-                                     f"URL ({name})")
+            raise errors.bad_request(
+                f"the name of the object ({meta.get('name')}) does not match the name on the URL ({name})"
+            )
         if resource.namespaced and meta.get("namespace") not in (None, "", namespace):
-            raise errors.bad_request("the namespace of the provided object does not match the namespace sent on "
-                                     "the request")
+            raise errors.bad_request(
+                "the namespace of the provided object does not match the namespace sent on the request"
+            )
         current = self._existing(resource, namespace, name)
         rv = meta.get("resourceVersion")
         if not rv and not resource.unconditional_update and subresource is None:
-            raise errors.invalid(resource.kind, name, [Cause(
-                "FieldValueInvalid", "Invalid value: 0x0: must be specified for an update",
-                "metadata.resourceVersion")], resource.group)
+            raise errors.invalid(
+                resource.kind,
+                name,
+                [
+                    Cause(
+                        "FieldValueInvalid",
+                        "Invalid value: 0x0: must be specified for an update",
+                        "metadata.resourceVersion",
+                    )
+                ],
+                resource.group,
+            )
         if rv and str(rv) != str(current.rv):
             raise errors.conflict(resource.plural, name, resource.group)
-        return self._replace(resource, current, obj, subresource, ctx, obj)
+        return self._replace(resource, current, obj, subresource=subresource, ctx=ctx, touched=obj)
 
-    def patch(self, resource: ResourceType, namespace: str | None, name: str, patch_type: str, patch: Any,
-              subresource: str | None, ctx: WriteContext) -> bytes:
+    def patch(
+        self,
+        resource: ResourceType,
+        namespace: str | None,
+        name: str,
+        *,
+        patch_type: str,
+        patch: Any,
+        subresource: str | None,
+        ctx: WriteContext,
+    ) -> bytes:
         current = self._existing(resource, namespace, name)
         base = {"kind": resource.kind, "apiVersion": resource.api_version, **current.decode()}
         try:
@@ -288,23 +379,33 @@ class Registry:
                 patched = patching.strategic_merge_patch(base, patch)
         except patching.PatchError as exc:
             if exc.code == 422:
-                raise errors.invalid(resource.kind, name, [Cause("FieldValueInvalid", str(exc))],
-                                     resource.group) from exc
+                raise errors.invalid(
+                    resource.kind, name, [Cause("FieldValueInvalid", str(exc))], resource.group
+                ) from exc
             raise errors.bad_request(str(exc)) from exc
         obj = _kind_check(resource, patched)
         self._check_fields(resource, obj, ctx)
         meta = _meta(obj)
         if meta.get("name") != name:
-            raise errors.bad_request(f"the name of the object ({meta.get('name')}) does not match the name on the "
-                                     f"URL ({name})")
+            raise errors.bad_request(
+                f"the name of the object ({meta.get('name')}) does not match the name on the URL ({name})"
+            )
         rv = meta.get("resourceVersion")
         if rv and str(rv) != str(current.rv):
             raise errors.conflict(resource.plural, name, resource.group)
         touched = patch if isinstance(patch, dict) else obj
-        return self._replace(resource, current, obj, subresource, ctx, touched)
+        return self._replace(resource, current, obj, subresource=subresource, ctx=ctx, touched=touched)
 
-    def _replace(self, resource: ResourceType, current: Stored, requested: dict[str, Any],
-                 subresource: str | None, ctx: WriteContext, touched: Any) -> bytes:
+    def _replace(
+        self,
+        resource: ResourceType,
+        current: Stored,
+        requested: dict[str, Any],
+        *,
+        subresource: str | None,
+        ctx: WriteContext,
+        touched: Any,
+    ) -> bytes:
         """The shared tail of update and patch: merge with server-owned state, validate, commit."""
         old = current.decode()
         old_meta = old["metadata"]
@@ -317,8 +418,15 @@ class Registry:
         else:
             new = {k: v for k, v in requested.items() if k not in ("kind", "apiVersion")}
             meta = dict(new["metadata"])
-            for key in ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds",
-                        "generation", "namespace", "name"):
+            for key in (
+                "uid",
+                "creationTimestamp",
+                "deletionTimestamp",
+                "deletionGracePeriodSeconds",
+                "generation",
+                "namespace",
+                "name",
+            ):
                 if key in old_meta:
                     meta[key] = old_meta[key]
                 else:
@@ -341,28 +449,53 @@ class Registry:
         new["metadata"]["resourceVersion"] = old_meta.get("resourceVersion")
         if _same(new, old):
             return self.full(resource, current)
-        section = {"status": touched.get("status")} if subresource == "status" and isinstance(touched, dict) \
+        section = (
+            {"status": touched.get("status")}
+            if subresource == "status" and isinstance(touched, dict)
             else touched
-        record_manager(new, ctx.manager, resource.api_version, now_text(),
-                       section if isinstance(section, dict) else {}, subresource)
+        )
+        record_manager(
+            new,
+            manager=ctx.manager,
+            api_version=resource.api_version,
+            now=now_text(),
+            touched=section if isinstance(section, dict) else {},
+            subresource=subresource,
+        )
         self._validate(resource, new, current.name)
         if ctx.dry_run:
             return object_bytes(resource, _encode(new))
         return self.full(resource, self.store.commit(resource, MODIFIED, new))
 
     # --- delete ----------------------------------------------------------------------------------------
-    def delete(self, resource: ResourceType, namespace: str | None, name: str, options: dict[str, Any],
-               graceful_pods: bool, ctx: WriteContext) -> bytes:
+    def delete(
+        self,
+        resource: ResourceType,
+        namespace: str | None,
+        name: str,
+        *,
+        options: dict[str, Any],
+        graceful_pods: bool,
+        ctx: WriteContext,
+    ) -> bytes:
         current = self._existing(resource, namespace, name)
-        pre = options.get("preconditions") if isinstance(options.get("preconditions"), dict) else {}
+        raw_pre = options.get("preconditions")
+        pre: dict[str, Any] = raw_pre if isinstance(raw_pre, dict) else {}
         if pre.get("uid") and pre["uid"] != current.uid:
-            raise errors.conflict(resource.plural, name, resource.group,
-                                  f"Precondition failed: UID in precondition: {pre['uid']}, UID in object meta: "
-                                  f"{current.uid}")
+            raise errors.conflict(
+                resource.plural,
+                name,
+                resource.group,
+                f"Precondition failed: UID in precondition: {pre['uid']}, UID in object meta: {current.uid}",
+            )
         if pre.get("resourceVersion") and str(pre["resourceVersion"]) != str(current.rv):
-            raise errors.conflict(resource.plural, name, resource.group,
-                                  f"Precondition failed: ResourceVersion in precondition: "
-                                  f"{pre['resourceVersion']}, ResourceVersion in object meta: {current.rv}")
+            raise errors.conflict(
+                resource.plural,
+                name,
+                resource.group,
+                f"Precondition failed: ResourceVersion in precondition: "
+                f"{pre['resourceVersion']}, ResourceVersion in object meta: {current.rv}",
+            )
         if ctx.dry_run:
             return self.full(resource, current)
         if resource is NAMESPACES:
@@ -381,10 +514,13 @@ class Registry:
             return self.full(PODS, self.store.commit(PODS, DELETED, pod))
         grace = options.get("gracePeriodSeconds")
         if not isinstance(grace, int):
-            spec = pod.get("spec") if isinstance(pod.get("spec"), dict) else {}
+            raw_spec = pod.get("spec")
+            spec: dict[str, Any] = raw_spec if isinstance(raw_spec, dict) else {}
             grace = int(spec.get("terminationGracePeriodSeconds", 30) or 0) if graceful else 0
         meta = pod["metadata"]
-        if meta.get("deletionTimestamp") is None or grace < int(meta.get("deletionGracePeriodSeconds", 0) or 0):
+        if meta.get("deletionTimestamp") is None or grace < int(
+            meta.get("deletionGracePeriodSeconds", 0) or 0
+        ):
             if meta.get("deletionTimestamp") is None:
                 meta["generation"] = int(meta.get("generation", 1)) + 1
             meta["deletionTimestamp"] = now_text()
@@ -402,8 +538,9 @@ class Registry:
         """Terminating (MODIFIED), then its contents go, then the namespace itself (DELETED)."""
         name = current.name
         if name in _PROTECTED_NAMESPACES:
-            raise errors.forbidden(f'namespaces "{name}" is forbidden: this namespace may not be deleted',
-                                   "namespaces", name)
+            raise errors.forbidden(
+                f'namespaces "{name}" is forbidden: this namespace may not be deleted', "namespaces", name
+            )
         ns = current.decode()
         if ns["metadata"].get("deletionTimestamp") is None:
             ns["metadata"]["deletionTimestamp"] = now_text()
@@ -419,9 +556,23 @@ class Registry:
         return response
 
 
-_META_ORDER = ("name", "generateName", "namespace", "selfLink", "uid", "resourceVersion", "generation",
-               "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels", "annotations",
-               "ownerReferences", "finalizers", "managedFields")
+_META_ORDER = (
+    "name",
+    "generateName",
+    "namespace",
+    "selfLink",
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "labels",
+    "annotations",
+    "ownerReferences",
+    "finalizers",
+    "managedFields",
+)
 
 
 def _meta_order(meta: dict[str, Any]) -> list[str]:
@@ -431,8 +582,10 @@ def _meta_order(meta: dict[str, Any]) -> list[str]:
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Equal apart from managedFields (a no-op write changes nothing a watcher could see)."""
+
     def strip(o: dict[str, Any]) -> dict[str, Any]:
         return {**o, "metadata": {k: v for k, v in o["metadata"].items() if k != "managedFields"}}
+
     return strip(a) == strip(b)
 
 

@@ -20,29 +20,125 @@ from podmeter.lab.apiserver.errors import Cause
 # A schema node: a dict of known keys (value: sub-schema, or None for "anything below").
 Schema = dict[str, Any]
 
-_META: Schema = {k: None for k in (
-    "name", "generateName", "namespace", "selfLink", "uid", "resourceVersion", "generation",
-    "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels", "annotations",
-    "ownerReferences", "finalizers", "managedFields")}
-_CONTAINER: Schema = {k: None for k in (
-    "name", "image", "command", "args", "workingDir", "ports", "envFrom", "env", "resources", "resizePolicy",
-    "restartPolicy", "restartPolicyRules", "volumeMounts", "volumeDevices", "livenessProbe", "readinessProbe",
-    "startupProbe", "lifecycle", "terminationMessagePath", "terminationMessagePolicy", "imagePullPolicy",
-    "securityContext", "stdin", "stdinOnce", "tty")}
-_POD_SPEC: Schema = {k: None for k in (
-    "volumes", "ephemeralContainers", "restartPolicy", "terminationGracePeriodSeconds", "activeDeadlineSeconds",
-    "dnsPolicy", "nodeSelector", "serviceAccountName", "serviceAccount", "automountServiceAccountToken",
-    "nodeName", "hostNetwork", "hostPID", "hostIPC", "shareProcessNamespace", "securityContext",
-    "imagePullSecrets", "hostname", "subdomain", "affinity", "schedulerName", "tolerations", "hostAliases",
-    "priorityClassName", "priority", "dnsConfig", "readinessGates", "runtimeClassName", "enableServiceLinks",
-    "preemptionPolicy", "overhead", "topologySpreadConstraints", "setHostnameAsFQDN", "os", "hostUsers",
-    "schedulingGates", "resourceClaims", "resources", "hostnameOverride")}
+_META: Schema = {
+    k: None
+    for k in (
+        "name",
+        "generateName",
+        "namespace",
+        "selfLink",
+        "uid",
+        "resourceVersion",
+        "generation",
+        "creationTimestamp",
+        "deletionTimestamp",
+        "deletionGracePeriodSeconds",
+        "labels",
+        "annotations",
+        "ownerReferences",
+        "finalizers",
+        "managedFields",
+    )
+}
+_CONTAINER: Schema = {
+    k: None
+    for k in (
+        "name",
+        "image",
+        "command",
+        "args",
+        "workingDir",
+        "ports",
+        "envFrom",
+        "env",
+        "resources",
+        "resizePolicy",
+        "restartPolicy",
+        "restartPolicyRules",
+        "volumeMounts",
+        "volumeDevices",
+        "livenessProbe",
+        "readinessProbe",
+        "startupProbe",
+        "lifecycle",
+        "terminationMessagePath",
+        "terminationMessagePolicy",
+        "imagePullPolicy",
+        "securityContext",
+        "stdin",
+        "stdinOnce",
+        "tty",
+    )
+}
+_POD_SPEC: Schema = {
+    k: None
+    for k in (
+        "volumes",
+        "ephemeralContainers",
+        "restartPolicy",
+        "terminationGracePeriodSeconds",
+        "activeDeadlineSeconds",
+        "dnsPolicy",
+        "nodeSelector",
+        "serviceAccountName",
+        "serviceAccount",
+        "automountServiceAccountToken",
+        "nodeName",
+        "hostNetwork",
+        "hostPID",
+        "hostIPC",
+        "shareProcessNamespace",
+        "securityContext",
+        "imagePullSecrets",
+        "hostname",
+        "subdomain",
+        "affinity",
+        "schedulerName",
+        "tolerations",
+        "hostAliases",
+        "priorityClassName",
+        "priority",
+        "dnsConfig",
+        "readinessGates",
+        "runtimeClassName",
+        "enableServiceLinks",
+        "preemptionPolicy",
+        "overhead",
+        "topologySpreadConstraints",
+        "setHostnameAsFQDN",
+        "os",
+        "hostUsers",
+        "schedulingGates",
+        "resourceClaims",
+        "resources",
+        "hostnameOverride",
+    )
+}
 _POD_SPEC["containers"] = [_CONTAINER]
 _POD_SPEC["initContainers"] = [_CONTAINER]
-_POD_STATUS: Schema = {k: None for k in (
-    "observedGeneration", "phase", "conditions", "message", "reason", "nominatedNodeName", "hostIP", "hostIPs",
-    "podIP", "podIPs", "startTime", "initContainerStatuses", "containerStatuses", "qosClass",
-    "ephemeralContainerStatuses", "resize", "resourceClaimStatuses", "extendedResourceClaimStatus")}
+_POD_STATUS: Schema = {
+    k: None
+    for k in (
+        "observedGeneration",
+        "phase",
+        "conditions",
+        "message",
+        "reason",
+        "nominatedNodeName",
+        "hostIP",
+        "hostIPs",
+        "podIP",
+        "podIPs",
+        "startTime",
+        "initContainerStatuses",
+        "containerStatuses",
+        "qosClass",
+        "ephemeralContainerStatuses",
+        "resize",
+        "resourceClaimStatuses",
+        "extendedResourceClaimStatus",
+    )
+}
 
 
 def _top(spec: Schema | None, status: Schema | None) -> Schema:
@@ -93,8 +189,10 @@ def _pod_fields(obj: dict[str, Any]) -> dict[str, str]:
 
 
 def _ns_fields(obj: dict[str, Any]) -> dict[str, str]:
-    return {"metadata.name": _text(_get(obj, "metadata", "name")),
-            "status.phase": _text(_get(obj, "status", "phase"))}
+    return {
+        "metadata.name": _text(_get(obj, "metadata", "name")),
+        "status.phase": _text(_get(obj, "status", "phase")),
+    }
 
 
 def _no_defaults(obj: dict[str, Any]) -> None:
@@ -116,8 +214,13 @@ def _pod_checks(obj: dict[str, Any]) -> list[Cause]:
 def _mc_checks(obj: dict[str, Any]) -> list[Cause]:
     spec = obj.get("spec")
     if spec is not None and not isinstance(spec, dict):
-        return [Cause("FieldValueTypeInvalid", 'Invalid value: "string": spec in body must be of type object',
-                      "spec")]
+        return [
+            Cause(
+                "FieldValueTypeInvalid",
+                'Invalid value: "string": spec in body must be of type object',
+                "spec",
+            )
+        ]
     return []
 
 
@@ -159,43 +262,101 @@ class ResourceType:
 
     @property
     def prefix(self) -> bytes:
-        """Bytes that turn a stored body (which lacks them) into a full object: ``{"kind":..,"apiVersion":..,``."""
+        """Bytes that make a stored body (which lacks them) a full object: ``{"kind":..,"apiVersion":..,``."""
         return f'{{"kind":"{self.kind}","apiVersion":"{self.api_version}",'.encode()
 
 
 _VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
 
 NAMESPACES = ResourceType(
-    group="", version="v1", plural="namespaces", singular="namespace", kind="Namespace", namespaced=False,
+    group="",
+    version="v1",
+    plural="namespaces",
+    singular="namespace",
+    kind="Namespace",
+    namespaced=False,
     verbs=("create", "delete", "get", "list", "patch", "update", "watch"),
-    field_keys=("metadata.name", "status.phase"), fields=_ns_fields,
+    field_keys=("metadata.name", "status.phase"),
+    fields=_ns_fields,
     schema=_top({"finalizers": None}, {"phase": None, "conditions": None}),
-    short_names=("ns",), dns_label_names=True, default=default_namespace,
+    short_names=("ns",),
+    dns_label_names=True,
+    default=default_namespace,
     bookmark_skeleton={"spec": {}, "status": {}},
 )
 PODS = ResourceType(
-    group="", version="v1", plural="pods", singular="pod", kind="Pod", namespaced=True, verbs=_VERBS,
-    field_keys=("metadata.name", "metadata.namespace", "spec.nodeName", "spec.restartPolicy",
-                "spec.schedulerName", "spec.serviceAccountName", "spec.hostNetwork", "status.phase",
-                "status.podIP", "status.podIPs", "status.nominatedNodeName"),
-    fields=_pod_fields, schema=_top(_POD_SPEC, _POD_STATUS), short_names=("po",), categories=("all",),
-    keeps_generation=True, unconditional_update=False, default=default_pod, validate=_pod_checks,
+    group="",
+    version="v1",
+    plural="pods",
+    singular="pod",
+    kind="Pod",
+    namespaced=True,
+    verbs=_VERBS,
+    field_keys=(
+        "metadata.name",
+        "metadata.namespace",
+        "spec.nodeName",
+        "spec.restartPolicy",
+        "spec.schedulerName",
+        "spec.serviceAccountName",
+        "spec.hostNetwork",
+        "status.phase",
+        "status.podIP",
+        "status.podIPs",
+        "status.nominatedNodeName",
+    ),
+    fields=_pod_fields,
+    schema=_top(_POD_SPEC, _POD_STATUS),
+    short_names=("po",),
+    categories=("all",),
+    keeps_generation=True,
+    unconditional_update=False,
+    default=default_pod,
+    validate=_pod_checks,
     bookmark_skeleton={"spec": {"containers": None}, "status": {}},
 )
 LEASES = ResourceType(
-    group="coordination.k8s.io", version="v1", plural="leases", singular="lease", kind="Lease", namespaced=True,
-    verbs=_VERBS, field_keys=("metadata.name", "metadata.namespace"),
+    group="coordination.k8s.io",
+    version="v1",
+    plural="leases",
+    singular="lease",
+    kind="Lease",
+    namespaced=True,
+    verbs=_VERBS,
+    field_keys=("metadata.name", "metadata.namespace"),
     fields=lambda o: _meta_fields(o, True),
-    schema=_top({k: None for k in ("holderIdentity", "leaseDurationSeconds", "acquireTime", "renewTime",
-                                   "leaseTransitions", "strategy", "preferredHolder")}, None),
-    has_status=False, bookmark_skeleton={"spec": {}},
+    schema=_top(
+        {
+            k: None
+            for k in (
+                "holderIdentity",
+                "leaseDurationSeconds",
+                "acquireTime",
+                "renewTime",
+                "leaseTransitions",
+                "strategy",
+                "preferredHolder",
+            )
+        },
+        None,
+    ),
+    has_status=False,
+    bookmark_skeleton={"spec": {}},
 )
 METRICSCONFIGURATIONS = ResourceType(
-    group="podmeter.io", version="v1alpha1", plural="metricsconfigurations", singular="metricsconfiguration",
-    kind="MetricsConfiguration", namespaced=False, verbs=_VERBS, field_keys=("metadata.name",),
-    fields=lambda o: _meta_fields(o, False), schema={**_top(None, None), "spec": None, "status": None},
+    group="podmeter.io",
+    version="v1alpha1",
+    plural="metricsconfigurations",
+    singular="metricsconfiguration",
+    kind="MetricsConfiguration",
+    namespaced=False,
+    verbs=_VERBS,
+    field_keys=("metadata.name",),
+    fields=lambda o: _meta_fields(o, False),
+    schema={**_top(None, None), "spec": None, "status": None},
     short_names=("mcfg",),
-    keeps_generation=True, validate=_mc_checks,
+    keeps_generation=True,
+    validate=_mc_checks,
 )
 
 ALL: tuple[ResourceType, ...] = (NAMESPACES, PODS, LEASES, METRICSCONFIGURATIONS)

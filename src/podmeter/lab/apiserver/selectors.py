@@ -13,10 +13,12 @@ import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from podmeter.lab.apiserver.errors import ApiError, bad_request
+from podmeter.lab.apiserver.errors import bad_request
 
-_KEY_RE = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                     r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_KEY_RE = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
 _VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
@@ -68,7 +70,9 @@ EVERYTHING = Selector()
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas that are not inside parentheses."""
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "(":
             depth += 1
@@ -85,16 +89,20 @@ def _split_top_level(text: str) -> list[str]:
 
 def _check_key(key: str) -> None:
     if not key or len(key) > 316 or not _KEY_RE.match(key):
-        raise bad_request(f'unable to parse requirement: key: Invalid value: "{key}": name part must consist of '
-                          "alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric "
-                          "character")
+        raise bad_request(
+            f'unable to parse requirement: key: Invalid value: "{key}": name part must consist of '
+            "alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric "
+            "character"
+        )
 
 
 def _check_value(value: str) -> None:
     if len(value) > 63 or not _VALUE_RE.match(value):
-        raise bad_request(f'unable to parse requirement: values[0][key]: Invalid value: "{value}": a valid label '
-                          "must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and "
-                          "must start and end with an alphanumeric character")
+        raise bad_request(
+            f'unable to parse requirement: values[0][key]: Invalid value: "{value}": a valid label '
+            "must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and "
+            "must start and end with an alphanumeric character"
+        )
 
 
 _SET_RE = re.compile(r"^\s*(\S+)\s+(in|notin)\s*\((.*)\)\s*$")
@@ -111,8 +119,10 @@ def _parse_label_clause(clause: str) -> Requirement:
         values = tuple(v.strip() for v in raw.split(",")) if raw.strip() else ()
         _check_key(key)
         if op == "in" and not values:
-            raise bad_request("unable to parse requirement: values: Invalid value: []: for 'in', 'notin' "
-                              "operators, values set can't be empty")
+            raise bad_request(
+                "unable to parse requirement: values: Invalid value: []: for 'in', 'notin' "
+                "operators, values set can't be empty"
+            )
         for v in values:
             _check_value(v)
         return Requirement(key, op, values)
@@ -122,8 +132,10 @@ def _parse_label_clause(clause: str) -> Requirement:
         _check_key(key)
         if op in (">", "<"):
             if not re.fullmatch(r"-?\d+", value):
-                raise bad_request(f"unable to parse requirement: for 'Gt', 'Lt' operators, the value must be an "
-                                  f"integer: {value}")
+                raise bad_request(
+                    f"unable to parse requirement: for 'Gt', 'Lt' operators, the value must be an "
+                    f"integer: {value}"
+                )
         else:
             _check_value(value)
         return Requirement(key, "=" if op == "==" else op, (value,))
@@ -160,8 +172,3 @@ def parse_field_selector(text: str | None, supported: Collection[str]) -> Select
             raise bad_request(f"field label not supported: {key}")
         reqs.append(Requirement(key, "!=" if op == "!=" else "=", (value,)))
     return Selector(tuple(reqs))
-
-
-def selector_error(err: ApiError) -> ApiError:
-    """Field-selector errors keep their message; kept as a hook so callers need not know the shape."""
-    return err

@@ -34,10 +34,29 @@ def generate_self_signed(directory: Path, host: str) -> TlsFiles:
     cert, key = directory / "apiserver.crt", directory / "apiserver.key"
     san = f"IP:{host}" if host.replace(".", "").isdigit() or ":" in host else f"DNS:{host}"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "30", "-subj", "/CN=podmeter-lab-apiserver",
-         "-addext", f"subjectAltName={san},DNS:localhost"],
-        check=True, capture_output=True, timeout=30,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "30",
+            "-subj",
+            "/CN=podmeter-lab-apiserver",
+            "-addext",
+            f"subjectAltName={san},DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
     )
     key.chmod(0o600)
     return TlsFiles(cert, key)
@@ -48,11 +67,17 @@ def kubeconfig(url: str, token: str, ca_file: Path | None) -> dict[str, object]:
     if ca_file is not None:
         cluster["certificate-authority"] = str(ca_file)
     return {
-        "apiVersion": "v1", "kind": "Config", "preferences": {},
+        "apiVersion": "v1",
+        "kind": "Config",
+        "preferences": {},
         "clusters": [{"name": "podmeter-lab", "cluster": cluster}],
         "users": [{"name": "podmeter-lab", "user": {"token": token}}],
-        "contexts": [{"name": "podmeter-lab", "context": {"cluster": "podmeter-lab", "user": "podmeter-lab",
-                                                          "namespace": "default"}}],
+        "contexts": [
+            {
+                "name": "podmeter-lab",
+                "context": {"cluster": "podmeter-lab", "user": "podmeter-lab", "namespace": "default"},
+            }
+        ],
         "current-context": "podmeter-lab",
     }
 
@@ -79,8 +104,9 @@ class RunningServer:
         if tls is not None:
             self.ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             self.ssl_context.load_cert_chain(str(tls.cert), str(tls.key))
-        self.runner = web.AppRunner(lab.make_app(), handle_signals=False, access_log=None,
-                                    shutdown_timeout=0.5)
+        self.runner = web.AppRunner(
+            lab.make_app(), handle_signals=False, access_log=None, shutdown_timeout=0.5
+        )
         self.site: web.TCPSite | None = None
         lab.restart_hook = self.restart
 
@@ -95,8 +121,9 @@ class RunningServer:
         await self._listen()
 
     async def _listen(self) -> None:
-        self.site = web.TCPSite(self.runner, self.host, self.port, ssl_context=self.ssl_context,
-                                reuse_address=True)
+        self.site = web.TCPSite(
+            self.runner, self.host, self.port, ssl_context=self.ssl_context, reuse_address=True
+        )
         await self.site.start()
         if self.port == 0:
             server = self.site._server
@@ -124,8 +151,15 @@ def new_token() -> str:
     return secrets.token_urlsafe(24)
 
 
-async def serve_forever(settings: Settings, host: str, port: int, kubeconfig_out: Path | None,
-                        tls_dir: Path | None, ready: asyncio.Event | None = None) -> None:
+async def serve_forever(
+    settings: Settings,
+    host: str,
+    port: int,
+    *,
+    kubeconfig_out: Path | None,
+    tls_dir: Path | None,
+    ready: asyncio.Event | None = None,
+) -> None:
     """Run until cancelled. Writes the kubeconfig once the port is known (so a reader can connect)."""
     tls = generate_self_signed(tls_dir, host) if tls_dir is not None else None
     running = RunningServer(LabApiServer(settings), host, port, tls)

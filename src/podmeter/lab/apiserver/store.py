@@ -98,7 +98,7 @@ def event_line(event_type: str, resource: ResourceType, body: bytes) -> bytes:
 
 
 def with_rv(body: bytes, rv: int) -> bytes:
-    """``body`` with its ``metadata.resourceVersion`` replaced (a DELETED for an object leaving a selector)."""
+    """``body`` with another ``metadata.resourceVersion`` (a DELETED for an object leaving a selector)."""
     obj = decode(body)
     obj["metadata"]["resourceVersion"] = str(rv)
     return encode(obj)
@@ -158,7 +158,7 @@ class Store:
                 yield stored
 
     def snapshot(self, resource: ResourceType, rv: int) -> dict[str, Stored]:
-        """The objects of ``resource`` as they were at ``rv`` (410 Expired if the history no longer covers it)."""
+        """The objects of ``resource`` as they were at ``rv`` (410 Expired if history no longer covers it)."""
         table = self.objects[resource.key]
         if rv >= self.rv:
             return table

@@ -19,18 +19,26 @@ _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 
-SUBDOMAIN_MSG = ("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
-                 "and must start and end with an alphanumeric character (e.g. 'example.com', regex used for "
-                 "validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")
-LABEL_MSG = ("a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must "
-             "start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for "
-             "validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')")
-LABEL_VALUE_MSG = ("a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', "
-                   "and must start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or "
-                   "'12345', regex used for validation is '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')")
-QUALIFIED_MSG = ("name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end "
-                 "with an alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for "
-                 "validation is '([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')")
+SUBDOMAIN_MSG = (
+    "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
+    "and must start and end with an alphanumeric character (e.g. 'example.com', regex used for "
+    "validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')"
+)
+LABEL_MSG = (
+    "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must "
+    "start and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for "
+    "validation is '[a-z0-9]([-a-z0-9]*[a-z0-9])?')"
+)
+LABEL_VALUE_MSG = (
+    "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', "
+    "and must start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or "
+    "'12345', regex used for validation is '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')"
+)
+QUALIFIED_MSG = (
+    "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end "
+    "with an alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for "
+    "validation is '([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')"
+)
 IP_MSG = "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)"
 ANNOTATIONS_LIMIT = 256 * 1024
 
@@ -87,8 +95,13 @@ def validate_metadata(meta: dict[str, Any]) -> list[Cause]:
                 continue
             total += len(key) + len(value)
         if total > ANNOTATIONS_LIMIT:
-            causes.append(Cause("FieldValueTooLong", f"Too long: may not be more than {ANNOTATIONS_LIMIT} bytes",
-                                "metadata.annotations"))
+            causes.append(
+                Cause(
+                    "FieldValueTooLong",
+                    f"Too long: may not be more than {ANNOTATIONS_LIMIT} bytes",
+                    "metadata.annotations",
+                )
+            )
     return causes
 
 
@@ -118,7 +131,9 @@ def validate_pod_ips(status: dict[str, Any], base: str = "status") -> list[Cause
         seen.add(ip)  # type: ignore[arg-type]
         families.append(family)
     if len(pod_ips) > 2 or len(set(families)) < len(families):
-        causes.append(_invalid(f"{base}.podIPs", pod_ips, "may specify no more than one IP for each IP family"))
+        causes.append(
+            _invalid(f"{base}.podIPs", pod_ips, "may specify no more than one IP for each IP family")
+        )
     pod_ip = status.get("podIP")
     if pod_ip and not causes and pod_ips and pod_ips[0].get("ip") != pod_ip:
         causes.append(_invalid(f"{base}.podIPs[0]", pod_ips[0].get("ip"), "must match podIP"))
@@ -154,8 +169,15 @@ def validate_pod_spec(spec: object) -> list[Cause]:
 
 
 # Pod spec fields a real server lets an update change (everything else is immutable).
-_MUTABLE_POD_SPEC = {"containers", "initContainers", "activeDeadlineSeconds", "tolerations",
-                     "terminationGracePeriodSeconds", "schedulingGates", "nodeName"}
+_MUTABLE_POD_SPEC = {
+    "containers",
+    "initContainers",
+    "activeDeadlineSeconds",
+    "tolerations",
+    "terminationGracePeriodSeconds",
+    "schedulingGates",
+    "nodeName",
+}
 
 
 def validate_pod_spec_update(old: dict[str, Any], new: dict[str, Any]) -> list[Cause]:
@@ -164,13 +186,21 @@ def validate_pod_spec_update(old: dict[str, Any], new: dict[str, Any]) -> list[C
     for key in set(old) | set(new):
         if key in _MUTABLE_POD_SPEC or old.get(key) == new.get(key):
             continue
-        causes.append(Cause("FieldValueForbidden", "Forbidden: pod updates may not change fields other than "
-                            "`spec.containers[*].image`, `spec.initContainers[*].image`, "
-                            "`spec.activeDeadlineSeconds`, `spec.tolerations` (only additions to existing "
-                            "tolerations), `spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it "
-                            "was previously negative)", "spec"))
+        causes.append(
+            Cause(
+                "FieldValueForbidden",
+                "Forbidden: pod updates may not change fields other than "
+                "`spec.containers[*].image`, `spec.initContainers[*].image`, "
+                "`spec.activeDeadlineSeconds`, `spec.tolerations` (only additions to existing "
+                "tolerations), `spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it "
+                "was previously negative)",
+                "spec",
+            )
+        )
         break
     old_node, new_node = old.get("nodeName"), new.get("nodeName")
     if old_node and old_node != new_node:
-        causes.append(Cause("FieldValueForbidden", "Forbidden: pod is already bound to a node", "spec.nodeName"))
+        causes.append(
+            Cause("FieldValueForbidden", "Forbidden: pod is already bound to a node", "spec.nodeName")
+        )
     return causes

@@ -113,8 +113,14 @@ class Watcher:
 class WatchHub:
     """The open watchers, for the fault knobs and the admin counters."""
 
-    def __init__(self, store: Store, faults: Faults, bookmark_interval: float, queue_limit: int = 100_000,
-                 too_large_wait: float = 3.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        faults: Faults,
+        bookmark_interval: float,
+        queue_limit: int = 100_000,
+        too_large_wait: float = 3.0,
+    ) -> None:
         self.store = store
         self.faults = faults
         self.bookmark_interval = bookmark_interval
@@ -137,10 +143,13 @@ class WatchHub:
                 count += 1
         return count
 
-    async def serve(self, request: web.Request, resource: ResourceType, opts: WatchOptions) -> web.StreamResponse:
+    async def serve(
+        self, request: web.Request, resource: ResourceType, opts: WatchOptions
+    ) -> web.StreamResponse:
         """Answer one watch request (HTTP 200 from here on; errors become an ERROR event)."""
-        response = web.StreamResponse(status=200, headers={"Content-Type": "application/json",
-                                                           "Cache-Control": "no-cache, private"})
+        response = web.StreamResponse(
+            status=200, headers={"Content-Type": "application/json", "Cache-Control": "no-cache, private"}
+        )
         response.enable_chunked_encoding()
         await response.prepare(request)
         error = await self._await_rv(opts)
@@ -209,8 +218,9 @@ class WatchHub:
         store.subscribe(resource, watcher)
         return initial
 
-    async def _stream(self, request: web.Request, response: web.StreamResponse, watcher: Watcher,
-                      initial: list[bytes]) -> None:
+    async def _stream(
+        self, request: web.Request, response: web.StreamResponse, watcher: Watcher, initial: list[bytes]
+    ) -> None:
         opts = watcher.opts
         start = time.monotonic()
         deadline = start + opts.timeout
