@@ -1,0 +1,186 @@
+"""The pinned maps through EbpfDatapath: batches with partial counts, full trie, resize, pins, ownership."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import stat
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from factories import make_pod
+from podmeter.adapters.datapath.ebpf import (
+    EbpfDatapath,
+    PinDirBusy,
+    PinMismatch,
+    layout,
+)
+from podmeter.adapters.datapath.ebpf import frames as f
+from podmeter.model.datapath import DatapathError, Direction, FilterFull, Traffic
+from podmeter.model.view import NodeView
+from podmeter.runtime.writer import Writer
+from test_bpf_support import needs_root, run
+
+pytestmark = needs_root
+pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
+
+Opener = Callable[..., EbpfDatapath]
+
+
+def ips(count: int, start: int = 0) -> list[str]:
+    """Distinct pod IPs, alternating IPv4 and IPv6."""
+    out = []
+    for n in range(start, start + count):
+        if n % 2:
+            out.append(str(ipaddress.IPv6Address(f"fd00:77::{n:x}")))
+        else:
+            out.append(str(ipaddress.IPv4Address(0x0A4D0000 + n)))
+    return out
+
+
+def test_insert_delete_contents_round_trip(open_datapath: Opener) -> None:
+    dp = open_datapath(16)
+    wanted = ips(10)
+    assert dp.insert(wanted).applied == 10
+    assert dp.insert(wanted[:3]).error is None  # inserting again is a no-op, as in memory
+    assert dp.contents() == set(wanted)
+    assert dp.delete(wanted[:4]).applied == 4
+    assert dp.contents() == set(wanted[4:])
+
+
+def test_full_trie_stops_the_batch_with_filter_full_and_an_exact_count(open_datapath: Opener) -> None:
+    dp = open_datapath(8)
+    batch = ips(11)
+    result = dp.insert(batch)
+    assert result.applied == 8
+    assert isinstance(result.error, FilterFull)
+    assert result.error.errno_name == "ENOSPC"
+    assert dp.contents() == set(batch[:8])  # the applied prefix, nothing half-written
+    assert dp.delete(batch[:2]).error is None
+    assert dp.insert(batch[8:]).applied == 2  # two slots freed: two of the three fit
+    assert dp.contents() == set(batch[2:10])
+
+
+def test_delete_of_an_absent_ip_stops_the_batch_with_enoent(open_datapath: Opener) -> None:
+    dp = open_datapath(16)
+    present = ips(4)
+    dp.insert(present)
+    result = dp.delete([present[0], "10.99.99.99", present[1]])
+    assert result.applied == 1
+    assert isinstance(result.error, DatapathError)
+    assert result.error.errno_name == "ENOENT"
+    assert dp.contents() == set(present[1:])
+
+
+def test_writer_accounts_for_a_partial_batch(open_datapath: Opener) -> None:
+    """More desired IPs than slots: the kernel holds exactly what the writer says it installed."""
+    dp = open_datapath(8)
+    writer = Writer(NodeView("node-a"), dp)
+    for n, ip in enumerate(ips(12)):
+        writer.upsert_pod(make_pod(f"p{n}", ips=(ip,), observe=True))
+    writer.flush()
+    assert len(writer.installed) == 8
+    assert writer.overflow == 4
+    assert dp.contents() == writer.installed
+    writer.resync()
+    assert dp.contents() == writer.installed
+    assert sum(writer.stats.drift_repaired.values()) == 0
+
+
+def test_counters_are_summed_over_cpus_and_taken_atomically(open_datapath: Opener) -> None:
+    dp = open_datapath(16)
+    ip = "10.77.1.1"
+    dp.insert([ip])
+    cpus = dp.counters_map.value_bytes // layout.COUNTER_STRIDE
+    per_cpu = b"".join(layout.COUNTER_VALUE.pack(cpu + 1, 100 * (cpu + 1)) for cpu in range(cpus))
+    dp.counters_map.update(layout.counter_key(ip, Direction.INGRESS), per_cpu)
+    total = cpus * (cpus + 1) // 2
+    assert dp.read_counters() == {(ip, Direction.INGRESS): Traffic(total, 100 * total)}
+    assert dp.take_counters([ip, "10.77.1.2"]) == {(ip, Direction.INGRESS): Traffic(total, 100 * total)}
+    assert dp.read_counters() == {}
+
+
+def test_resize_from_255_to_1024_keeps_every_entry_and_counter(open_datapath: Opener) -> None:
+    small = open_datapath(255)
+    entries = ips(255)
+    assert small.insert(entries).applied == 255
+    assert isinstance(small.insert(ips(1, start=255)).error, FilterFull)
+    assert small.programs is not None
+    frame = f.udp_frame(entries[0], "192.0.2.1")
+    small.programs.from_pod.test_run(frame, repeat=5)
+    small.close()
+
+    big = open_datapath(1024)
+    assert big.capacity == 1024
+    assert big.counters_map.shape.max_entries == 2048
+    assert big.contents() == set(entries)
+    assert big.read_counters() == {(entries[0], Direction.EGRESS): Traffic(5, 5 * len(frame))}
+    assert big.insert(ips(769, start=255)).applied == 769
+    assert isinstance(big.insert(ips(1, start=1024)).error, FilterFull)
+    assert big.programs is not None
+    big.programs.from_pod.test_run(frame)  # the new programs count into the migrated counters
+    assert big.read_counters()[(entries[0], Direction.EGRESS)] == Traffic(6, 6 * len(frame))
+
+
+def test_shrinking_keeps_what_fits(open_datapath: Opener) -> None:
+    dp = open_datapath(16)
+    dp.insert(ips(12))
+    dp.close()
+    smaller = open_datapath(8)
+    assert smaller.capacity == 8
+    assert len(smaller.contents()) == 8
+    assert smaller.contents() <= set(ips(12))
+
+
+def test_reopening_reuses_the_pinned_maps(open_datapath: Opener, pin_dir: Path) -> None:
+    first = open_datapath(32)
+    first.insert(ips(5))
+    map_id = _map_id(pin_dir / "filter")
+    first.close()
+    second = open_datapath(32)
+    assert _map_id(pin_dir / "filter") == map_id
+    assert second.contents() == set(ips(5))
+
+
+def test_pins_are_private(open_datapath: Opener, pin_dir: Path) -> None:
+    open_datapath(8)
+    assert stat.S_IMODE(os.stat(pin_dir).st_mode) == 0o700
+    for name in ("filter", "counters"):
+        assert stat.S_IMODE(os.stat(pin_dir / name).st_mode) == 0o600
+
+
+def test_a_second_owner_is_refused_until_the_first_closes(open_datapath: Opener, pin_dir: Path) -> None:
+    first = open_datapath(8)
+    with pytest.raises(PinDirBusy, match="owns"):
+        EbpfDatapath.open(pin_dir, filter_size=8)
+    reader = EbpfDatapath.open_pinned(pin_dir)  # readers never take ownership
+    reader.close()
+    first.close()
+    open_datapath(8)
+
+
+def test_a_pin_with_another_layout_is_refused_with_the_fix(open_datapath: Opener, pin_dir: Path) -> None:
+    pin_dir.mkdir(mode=0o700)
+    run("bpftool", "map", "create", str(pin_dir / "filter"), "type", "hash", "key", "4", "value", "4",
+        "entries", "8", "name", "filter")
+    with pytest.raises(PinMismatch, match=r"rm .*filter"):
+        open_datapath(8)
+
+
+def test_a_swap_interrupted_by_a_crash_is_cleaned_up(open_datapath: Opener, pin_dir: Path) -> None:
+    open_datapath(8).close()
+    leftover = pin_dir / "filter__swap"
+    subprocess.run(["bpftool", "map", "create", str(leftover), "type", "hash", "key", "4", "value", "4",
+                    "entries", "8", "name", "leftover"], check=True)
+    dp = open_datapath(8)
+    assert not leftover.exists()
+    assert dp.capacity == 8
+
+
+def _map_id(pin: Path) -> int:
+    out = run("bpftool", "-j", "map", "show", "pinned", str(pin))
+    return int(json.loads(out)["id"])
