@@ -1,0 +1,115 @@
+"""The operator's Kubernetes parts against the lab API server over real HTTP: Lease election, config status."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from lightkube import AsyncClient
+from lightkube.config.kubeconfig import KubeConfig
+
+from lab_server import LabServer, lab_apiserver
+from podmeter.runtime.leadership import KubeLeaseStore, LeaderElector, LeaseConflict, LeaseRecord
+from podmeter.runtime.operator import ConfigurationStatus, KubeConfigApi, OperatorMetrics
+
+__all__ = ["lab_apiserver"]
+
+LEASE, RENEW, RETRY = 2.0, 1.2, 0.1
+
+
+@pytest.fixture
+async def client(lab_apiserver: LabServer) -> AsyncIterator[AsyncClient]:
+    c = AsyncClient(config=KubeConfig.from_file(str(lab_apiserver.kubeconfig)))
+    yield c
+    await c.close()
+
+
+def elector(client: AsyncClient, name: str) -> LeaderElector:
+    store = KubeLeaseStore(client, "default", "podmeter-operator")
+    return LeaderElector(store, name, lease_duration=LEASE, renew_deadline=RENEW, retry_period=RETRY)
+
+
+async def test_lease_store_optimistic_concurrency(client: AsyncClient) -> None:
+    store = KubeLeaseStore(client, "default", "lock")
+    assert await store.get() is None
+    first = await store.create(LeaseRecord("a", 15))
+    with pytest.raises(LeaseConflict):
+        await store.create(LeaseRecord("b", 15))
+    got = await store.get()
+    assert got is not None and (got.holder, got.duration_s) == ("a", 15)
+    second = await store.update(LeaseRecord("a", 15, transitions=1, resource_version=first.resource_version))
+    assert second.resource_version != first.resource_version
+    with pytest.raises(LeaseConflict):  # a stale resourceVersion loses
+        await store.update(LeaseRecord("b", 15, resource_version=first.resource_version))
+
+
+async def test_leader_killed_other_takes_over_within_lease_duration(
+    client: AsyncClient, lab_apiserver: LabServer
+) -> None:
+    a, b = elector(client, "a"), elector(client, "b")
+    for _ in range(5):
+        await a.step()
+        await b.step()
+        assert not (a.is_leader and b.is_leader)
+        await asyncio.sleep(RETRY)
+    assert a.is_leader and not b.is_leader
+    died = time.monotonic()  # a stops renewing: killed
+    while not await b.step():
+        assert time.monotonic() - died < LEASE + 3 * RETRY + 0.5
+        await asyncio.sleep(RETRY)
+    status, _, body = lab_apiserver.request(
+        "GET", "/apis/coordination.k8s.io/v1/namespaces/default/leases/podmeter-operator"
+    )
+    assert status == 200
+    assert (body["spec"]["holderIdentity"], body["spec"]["leaseTransitions"]) == ("b", 1)
+
+
+MC_PATH = "/apis/podmeter.io/v1alpha1/metricsconfigurations"
+
+
+def create_config(server: LabServer, spec: dict[str, Any]) -> None:
+    obj = {"apiVersion": "podmeter.io/v1alpha1", "kind": "MetricsConfiguration",
+           "metadata": {"name": "default"}, "spec": spec}
+    status, _, body = server.request("POST", MC_PATH, obj)
+    assert status == 201, body
+
+
+def read_condition(server: LabServer) -> dict[str, Any]:
+    status, _, body = server.request("GET", f"{MC_PATH}/default")
+    assert status == 200
+    conditions = body["status"]["conditions"]
+    assert [c["type"] for c in conditions] == ["Accepted"]
+    return dict(conditions[0])
+
+
+async def test_invalid_configuration_status_says_why(client: AsyncClient, lab_apiserver: LabServer) -> None:
+    create_config(lab_apiserver, {"namespaces": {"include": ["prod"], "exclude": ["kube-system"]}})
+    status = ConfigurationStatus(KubeConfigApi(client), OperatorMetrics())
+    await status.reconcile()
+    cond = read_condition(lab_apiserver)
+    assert (cond["status"], cond["reason"]) == ("False", "Invalid")
+    assert "include and exclude cannot both be non-empty" in cond["message"]
+    assert cond["lastTransitionTime"]
+
+
+async def test_valid_configuration_is_accepted_and_fixed_one_too(
+    client: AsyncClient, lab_apiserver: LabServer
+) -> None:
+    create_config(lab_apiserver, {"namespaces": {"include": ["Bad Name"]}})
+    status = ConfigurationStatus(KubeConfigApi(client), OperatorMetrics())
+    await status.reconcile()
+    assert read_condition(lab_apiserver)["status"] == "False"
+    code, _, _ = lab_apiserver.request(
+        "PATCH", f"{MC_PATH}/default", {"spec": {"namespaces": {"include": ["prod"]}}},
+        content_type="application/merge-patch+json",
+    )
+    assert code == 200
+    await status.reconcile()
+    cond = read_condition(lab_apiserver)
+    assert (cond["status"], cond["reason"], cond["observedGeneration"]) == ("True", "Valid", 2)
+    writes = status.writes
+    await status.reconcile()
+    assert status.writes == writes  # steady: no rewrite
