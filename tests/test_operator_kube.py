@@ -1,4 +1,4 @@
-"""The operator's Kubernetes parts against the lab API server over real HTTP: Lease election, config status."""
+"""The operator against the lab API server over real HTTP: Lease election, configuration status."""
 
 from __future__ import annotations
 
