@@ -239,3 +239,54 @@ async def test_http_endpoints() -> None:
     assert debug["identities"] == [{"id": 256, "namespace": "batch", "labels": {"app": "web"}, "pods": 2}]
     assert debug["store"] == {"256": "batch:{app=web}"}
     await stop(task)
+
+
+async def test_two_operators_on_one_etcd_agree_and_clean_up(etcd: EtcdServer) -> None:
+    sources = [StoreSource(), StoreSource()]
+    backends = [EtcdIdentityBackend([etcd.endpoint], lease_ttl=3, owner=f"op{i}") for i in range(2)]
+    ops = [Operator(s, b, settings=OperatorSettings(sweep_period=0.3, gc_period=0.2))
+           for s, b in zip(sources, backends, strict=True)]
+    tasks = [asyncio.create_task(op.run()) for op in ops]
+    for i in range(60):  # both see the same pods, in different orders
+        sources[0].apply("ADDED", job_pod(i))
+        sources[1].apply("ADDED", job_pod(59 - i))
+        sources[i % 2].apply("ADDED", pod(f"x{i}", labels={"app": f"solo{i}"}))
+    for op, s in zip(ops, sources, strict=True):
+        await settle(op, s)
+    shared = {k: v for k, v in backends[0].held().items() if k in backends[1].held()}
+    assert shared == {k: backends[1].held()[k] for k in shared}  # one ID per key across operators
+    assert len(shared) == len(APPS)
+    every = {**backends[0].held(), **backends[1].held()}
+    assert len(set(every.values())) == len(every) == len(APPS) + 60  # never one ID for two keys
+    for i in range(60):
+        for s in sources:
+            s.apply("DELETED", job_pod(i))
+        sources[i % 2].apply("DELETED", pod(f"x{i}"))
+    for op, s in zip(ops, sources, strict=True):
+        await settle(op, s)
+    for _ in range(50):  # both operators lead here (no elector): two GC rounds empty the store
+        if not await backends[0].identities():
+            break
+        await asyncio.sleep(0.1)
+    assert await backends[0].identities() == {}
+    assert all(metric(op, "podmeter_identity_gc_released_total") == 0 for op in ops)
+    for t in tasks:
+        await stop(t)
+
+
+async def test_operator_waits_for_etcd_at_start(tmp_path: Any) -> None:
+    server = EtcdServer(tmp_path)
+    source, backend = StoreSource(), EtcdIdentityBackend([server.endpoint], lease_ttl=3, timeout=1)
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=60))
+    task = asyncio.create_task(op.run())
+    source.apply("ADDED", pod("u1", labels={"app": "x"}))
+    await asyncio.sleep(0.5)
+    assert metric(op, "podmeter_identity_errors_total", {"op": "start", "reason": "backend"}) >= 1
+    server.start()
+    try:
+        await asyncio.wait_for(op.ready.wait(), 15)
+        await settle(op, source)
+        assert set(backend.held()) == {IdentityKey("batch", ("app", "x"))}
+    finally:
+        await stop(task)
+        server.stop()

@@ -336,7 +336,7 @@ class Operator:
         return self.elector is None or self.elector.is_leader
 
     async def run(self) -> None:
-        await self.backend.start()
+        await self._start_backend()
         tasks = [asyncio.create_task(self._events(), name="operator-events")]
         tasks.append(asyncio.create_task(self._housekeeping(), name="operator-housekeeping"))
         if self.elector is not None:
@@ -352,6 +352,19 @@ class Operator:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             await self.backend.close()
+
+    async def _start_backend(self) -> None:
+        delay = 0.2
+        while True:
+            try:
+                await self.backend.start()
+                return
+            except IdentityBackendError as exc:
+                self.metrics.errors.labels("start", "backend").inc()
+                log.warning("identity backend %s not available (retrying in %.1fs): %s",
+                            self.backend.name, delay, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def _events(self) -> None:
         queue: asyncio.Queue[tuple[str, Pod] | None] = asyncio.Queue()

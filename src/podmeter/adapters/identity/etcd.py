@@ -126,10 +126,14 @@ class EtcdIdentityBackend:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._client = self._new_client()
-        await self._call(self._grant_lease)
+        """Connect, take a lease, learn the allocated IDs; may be retried after IdentityBackendError."""
+        if self._client is None:
+            self._client = self._new_client()
+        if not self._lease_id:
+            await self._call(self._grant_lease)
         await self._call(self._refresh_pool)
-        self._keepalive = asyncio.create_task(self._keep_lease(), name=f"etcd-lease-{self.owner}")
+        if self._keepalive is None:
+            self._keepalive = asyncio.create_task(self._keep_lease(), name=f"etcd-lease-{self.owner}")
 
     async def close(self) -> None:
         if self._keepalive is not None:
