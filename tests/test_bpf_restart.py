@@ -1,0 +1,107 @@
+"""Pinned state across processes: a clean restart continues the counters; a SIGKILLed agent's successor
+converges to the desired filter (I6) by driving the core's writer against the maps it left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from factories import make_pod
+from podmeter.adapters.datapath.ebpf import EbpfDatapath
+from podmeter.adapters.datapath.ebpf import frames as f
+from podmeter.model.datapath import Direction, Traffic
+from podmeter.model.view import NodeView
+from podmeter.runtime.writer import Writer
+from test_bpf_support import needs_root
+
+pytestmark = needs_root
+pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
+
+Opener = Callable[..., EbpfDatapath]
+TESTS = str(Path(__file__).parent)
+PEER = "192.0.2.1"
+
+# One agent run: open the pins, make sure the IP is observed, count N packets leaving it, report.
+COUNTING_RUN = """
+import json, sys
+from podmeter.adapters.datapath.ebpf import EbpfDatapath, frames
+pins, ip, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with EbpfDatapath.open(pins, filter_size=16) as dp:
+    dp.insert([ip])
+    dp.programs.from_pod.test_run(frames.udp_frame(ip, "192.0.2.1"), repeat=n)
+    print(json.dumps({k[0] + "/" + k[1].value: [v.packets, v.bytes] for k, v in dp.read_counters().items()}))
+"""
+
+# An agent that writes pods A, B, C through the core's writer, sees traffic of B (IPv6), then hangs (to be
+# killed).
+DOOMED_AGENT = """
+import sys, time
+from factories import make_pod
+from podmeter.adapters.datapath.ebpf import EbpfDatapath, frames
+from podmeter.model.view import NodeView
+from podmeter.runtime.writer import Writer
+pins, ips = sys.argv[1], sys.argv[2:]
+dp = EbpfDatapath.open(pins, filter_size=16)
+writer = Writer(NodeView("node-a"), dp)
+for n, ip in enumerate(ips):
+    writer.upsert_pod(make_pod(f"pod-{n}", ips=(ip,), observe=True))
+writer.flush()
+dp.programs.from_pod.test_run(frames.udp_frame(ips[1], "2001:db8::1"), repeat=9)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def python(code: str, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": TESTS}
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=env)
+
+
+def test_a_new_process_reuses_the_pins_and_counters_continue(pin_dir: Path) -> None:
+    ip = "10.60.0.1"
+    size = len(f.udp_frame(ip, PEER))
+    runs = []
+    for packets in (3, 4):
+        child = python(COUNTING_RUN, str(pin_dir), ip, str(packets))
+        out, _ = child.communicate(timeout=30)
+        assert child.returncode == 0
+        runs.append(json.loads(out))
+    assert runs == [{f"{ip}/egress": [3, 3 * size]}, {f"{ip}/egress": [7, 7 * size]}]
+
+
+def test_successor_of_a_killed_agent_converges(pin_dir: Path, open_datapath: Opener) -> None:
+    a, b, c, d = "10.61.0.1", "fd00:61::2", "10.61.0.3", "10.61.0.4"
+    doomed = python(DOOMED_AGENT, str(pin_dir), a, b, c)
+    try:
+        assert doomed.stdout is not None
+        assert doomed.stdout.readline().strip() == "ready"
+    finally:
+        doomed.send_signal(signal.SIGKILL)
+        doomed.communicate(timeout=10)
+    assert doomed.returncode == -signal.SIGKILL
+
+    # Meanwhile pods B and C were deleted and D was created; A lives on (same UID is irrelevant here:
+    # the successor knows only the current state).
+    released: dict[tuple[str, Direction], Traffic] = {}
+    view = NodeView("node-a")
+    datapath = open_datapath(16)
+    writer = Writer(view, datapath, on_release=released.update)
+    survivors = [make_pod("pod-0", ips=(a,), observe=True), make_pod("pod-3", ips=(d,), observe=True)]
+    writer.replace_pods(survivors)
+    repairs = writer.resync()
+
+    assert datapath.contents() == {a, d}
+    assert repairs.leaked == tuple(sorted([b, c]))
+    assert writer.installed == {a, d}
+    frame_size = len(f.udp_frame(b, "2001:db8::1"))
+    assert released == {(b, Direction.EGRESS): Traffic(9, 9 * frame_size)}  # B's last reading
+    assert datapath.read_counters() == {}
+    with EbpfDatapath.open_pinned(pin_dir) as reader:  # what another process sees
+        assert reader.contents() == {a, d}
+    writer.resync()
+    assert writer.stats.drift_repaired["leaked"] == 2  # the second resync found nothing more
