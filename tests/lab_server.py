@@ -201,6 +201,10 @@ class LabServer:
         except ValueError:
             return status, headers, raw.decode(errors="replace")
 
+    def watch(self, path: str, timeout: float = 30.0) -> WatchStream:
+        """Open a raw watch (``path`` with its query); read events with ``next()`` (see WatchStream)."""
+        return WatchStream(self, path, timeout)
+
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 30.0
     ) -> subprocess.CompletedProcess[str]:
@@ -212,6 +216,85 @@ class LabServer:
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr}")
         return result
+
+
+_EOF = object()
+
+
+class WatchStream:
+    """A raw watch read on a thread.
+
+    ``next(timeout)`` returns the next event dict, ``None`` at EOF, and raises ``TimeoutError`` if nothing
+    arrives in time. ``status`` is the HTTP status; ``lines`` the raw lines read so far.
+    """
+
+    def __init__(self, server: LabServer, path: str, timeout: float) -> None:
+        import http.client
+        import queue
+        import ssl
+        import urllib.parse
+
+        parsed = urllib.parse.urlsplit(server.url)
+        conn: http.client.HTTPConnection
+        if parsed.scheme == "https":
+            context = ssl.create_default_context(cafile=server.ca_file)
+            conn = http.client.HTTPSConnection(
+                parsed.hostname or "", parsed.port, timeout=timeout, context=context
+            )
+        else:
+            conn = http.client.HTTPConnection(parsed.hostname or "", parsed.port, timeout=timeout)
+        conn.request("GET", path, headers={"Authorization": f"Bearer {server.token}"})
+        self.conn = conn
+        self.response = conn.getresponse()
+        self.status = self.response.status
+        self.lines: list[bytes] = []
+        self.queue: queue.Queue[object] = queue.Queue()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                line = self.response.readline()
+                if not line:
+                    break
+                self.lines.append(line)
+                self.queue.put(line)
+        except Exception as exc:  # closed under the reader (OSError, AttributeError...): report as EOF
+            self.queue.put(exc)
+        self.queue.put(_EOF)
+
+    def next(self, timeout: float = 5.0) -> dict[str, Any] | None:
+        import queue
+
+        try:
+            item = self.queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError("no watch event in time") from None
+        if item is _EOF:
+            self.queue.put(_EOF)
+            return None
+        if isinstance(item, Exception):
+            return None
+        assert isinstance(item, bytes)
+        event: dict[str, Any] = json.loads(item)
+        return event
+
+    def events(self, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """Every event until EOF (fails with TimeoutError if the stream stays open longer)."""
+        out = []
+        while (event := self.next(timeout)) is not None:
+            out.append(event)
+        return out
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> WatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @pytest.fixture

@@ -225,7 +225,7 @@ class WatchHub:
         start = time.monotonic()
         deadline = start + opts.timeout
         next_bookmark = start + self.bookmark_interval if opts.bookmarks else None
-        final_bookmark = deadline - 1.0 if opts.bookmarks and opts.timeout > 1.5 else None
+        final_bookmark = deadline - 1.0 if opts.bookmarks and opts.timeout > 2.5 else None
         watcher.pending.extendleft(reversed(initial))
         while True:
             now = time.monotonic()
