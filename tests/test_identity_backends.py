@@ -225,3 +225,12 @@ async def test_bad_entries_in_the_store_are_counted_and_skipped(
     assert await a.identities() == {256: key(1)}
     assert a.bad_entries >= 1
 
+
+
+async def test_a_corrupt_master_is_a_clear_error(backends: Callable[..., EtcdIdentityBackend]) -> None:
+    a = backends(owner="a")
+    await a.start()
+    await a._client.put(b"/podmeter/identities/key/" + key(1).encode().encode(), b"oops")
+    with pytest.raises(IdentityBackendError, match="holds no ID"):
+        await a.acquire(key(1))
+    assert await a.acquire(key(2)) == 256  # other keys are unaffected

@@ -232,7 +232,9 @@ class EtcdIdentityBackend:
             existing = await self._client.get(self._master_key(enc))
             if existing is not None:
                 ident = self._parse_id(existing.value)
-                if ident is not None and await self._reference(enc, ident):
+                if ident is None:
+                    raise IdentityBackendError(f"etcd: the master of {key} holds no ID; repair the store")
+                if await self._reference(enc, ident):
                     return ident
                 continue
             try:
