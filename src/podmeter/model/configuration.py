@@ -11,7 +11,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
-from podmeter.model.records import DecodeError, is_dns1123_label
+from podmeter.model.records import DecodeError, is_dns1123_label, object_name
 
 DEFAULT_NAME: Final = "default"
 KIND: Final = "MetricsConfiguration"
@@ -74,7 +74,7 @@ def decode_configuration(data: bytes | dict[str, Any]) -> MetricsConfiguration:
         wire = msgspec.convert(data, _Wire) if isinstance(data, dict) else _decoder.decode(data)
     except msgspec.ValidationError as exc:
         reason, _, where = str(exc).rpartition(" - at ")
-        raise DecodeError(KIND, "", where.strip("`") or "$", reason or str(exc)) from None
+        raise DecodeError(KIND, object_name(data), where.strip("`") or "$", reason or str(exc)) from None
     except msgspec.DecodeError as exc:
         raise DecodeError(KIND, "", "$", f"malformed JSON: {exc}") from None
     spec = wire.spec or _Spec()

@@ -219,7 +219,7 @@ def _decode_wire(
         return decoder.decode(data)
     except msgspec.ValidationError as exc:
         field, reason = _split_msgspec_error(str(exc))
-        raise DecodeError(kind, _best_effort_name(data), field, reason) from None
+        raise DecodeError(kind, object_name(data), field, reason) from None
     except msgspec.DecodeError as exc:
         raise DecodeError(kind, "", "$", f"malformed JSON: {exc}") from None
 
@@ -232,7 +232,7 @@ def _split_msgspec_error(message: str) -> tuple[str, str]:
     return where.strip("`"), reason
 
 
-def _best_effort_name(data: bytes | dict[str, Any]) -> str:
+def object_name(data: bytes | dict[str, Any]) -> str:
     try:
         named = msgspec.convert(data, _NameOnly) if isinstance(data, dict) else _name_decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError):

@@ -106,7 +106,7 @@ class Writer:
     def resync(self) -> Repairs:
         """Read what the datapath really holds and repair drift both ways; count the repairs."""
         self.stats.resyncs += 1
-        self.flush()
+        self._delete(self._sort_dirty())  # inserts wait until we know what is there (a restart adopts)
         actual = self.datapath.contents()
         desired = self.view.desired
         leaked = tuple(sorted(ip for ip in actual if ip not in desired))
