@@ -88,7 +88,8 @@ def per_packet(repeat: int, runs: int, entries: int) -> tuple[float, float, floa
             samples["hit"].append(_timed(program, hit, repeat))
             samples["bare"].append(_timed(parse_only, hit, repeat))
             samples["miss"].append(_timed(program, miss, repeat))
-        return tuple(statistics.median(samples[k]) for k in ("hit", "bare", "miss"))  # type: ignore[return-value]
+        medians = {name: float(statistics.median(values)) for name, values in samples.items()}
+        return medians["hit"], medians["bare"], medians["miss"]
     finally:
         counting.close()
         bare.close()
