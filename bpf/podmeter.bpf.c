@@ -15,13 +15,15 @@
 #define PM_DIR_INGRESS 0 /* into the pod */
 #define PM_DIR_EGRESS 1	 /* out of the pod */
 
+/* Addresses in keys are byte arrays (not struct pm_addr's words) so that `bpftool map dump` prints them
+ * as readable bytes, e.g. IPv4 10.244.1.7 as [0,0,0,0,0,0,0,0,0,0,255,255,10,244,1,7]. */
 struct filter_key {
 	__u32 prefixlen; /* always 128: one host address per entry */
-	struct pm_addr addr;
+	__u8 addr[16];
 };
 
 struct counter_key {
-	struct pm_addr addr;
+	__u8 addr[16];
 	__u32 direction; /* PM_DIR_INGRESS or PM_DIR_EGRESS */
 };
 
@@ -62,10 +64,13 @@ static __always_inline void pm_add(struct counter_value *value, struct __sk_buff
  * counted between the two userspace steps belong to the leaving pod and are part of what it takes. */
 static __always_inline void pm_count(struct __sk_buff *skb, const struct pm_addr *addr, __u32 direction)
 {
-	struct counter_key ckey = { .addr = *addr, .direction = direction };
-	struct filter_key fkey = { .prefixlen = 128, .addr = *addr };
+	struct counter_key ckey = { .direction = direction };
+	struct filter_key fkey = { .prefixlen = 128 };
 	struct counter_value first = { .packets = 1, .bytes = skb->len };
 	struct counter_value *value;
+
+	__builtin_memcpy(ckey.addr, addr, sizeof(ckey.addr));
+	__builtin_memcpy(fkey.addr, addr, sizeof(fkey.addr));
 
 	value = bpf_map_lookup_elem(&counters, &ckey);
 	if (value) {
