@@ -288,6 +288,13 @@ class WatchStream:
         return out
 
     def close(self) -> None:
+        """Close the connection for real (the response's file object would otherwise keep the socket open)."""
+        import socket
+
+        sock = self.conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         self.conn.close()
 
     def __enter__(self) -> WatchStream:

@@ -36,6 +36,7 @@ log = logging.getLogger("podmeter.lab.apiserver")
 MAX_BODY = 3 * 1024 * 1024  # the real server's request body limit
 JSON = "application/json"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+COUNTED = web.RequestKey("counted", bool)  # set once a watch was counted at open
 
 
 @dataclass
@@ -131,7 +132,7 @@ class LabApiServer:
         except Exception as exc:  # a bug must not take the server down: answer 500 and log it
             log.exception("internal error on %s %s", request.method, request.path)
             response = status_response(errors.internal(f"{type(exc).__name__}: {exc}"))
-        if not admin:
+        if not admin and not request.get(COUNTED):
             self.requests.add(verb, resource, response.status, request)
         return response
 
@@ -205,7 +206,13 @@ class LabApiServer:
             if method == "GET":
                 if options.is_watch(request.query):
                     opts = options.parse_watch(r, request.query, route.namespace)
-                    return await self.hub.serve(request, r, opts)
+                    verb, key = _classify(request)
+
+                    def opened() -> None:
+                        request[COUNTED] = True
+                        self.requests.add(verb, key, 200, request)
+
+                    return await self.hub.serve(request, r, opts, opened)
                 list_opts = options.parse_list(r, request.query)
                 return json_response(await self.registry.list(r, route.namespace, list_opts))
             if method == "POST":

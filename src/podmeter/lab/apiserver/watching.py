@@ -17,6 +17,7 @@ import contextlib
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -144,14 +145,22 @@ class WatchHub:
         return count
 
     async def serve(
-        self, request: web.Request, resource: ResourceType, opts: WatchOptions
+        self,
+        request: web.Request,
+        resource: ResourceType,
+        opts: WatchOptions,
+        on_open: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
-        """Answer one watch request (HTTP 200 from here on; errors become an ERROR event)."""
+        """Answer one watch request (HTTP 200 from here on; errors become an ERROR event).
+
+        ``on_open`` runs once the 200 headers are out, so counters see a watch while it is still open."""
         response = web.StreamResponse(
             status=200, headers={"Content-Type": "application/json", "Cache-Control": "no-cache, private"}
         )
         response.enable_chunked_encoding()
         await response.prepare(request)
+        if on_open is not None:
+            on_open()
         error = await self._await_rv(opts)
         if error is not None:
             await response.write(error_line(error))
