@@ -7,8 +7,8 @@ the filter: the only thing that matters to a user whose map fills up.
 from __future__ import annotations
 
 import pytest
-from factories import make_namespace, make_pod, with_changes
 
+from factories import make_namespace, make_pod, with_changes
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.configuration import Interest
 from podmeter.model.datapath import DatapathError
@@ -282,7 +282,8 @@ def test_pod_whose_ip_changes_keeps_only_the_new_ip() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"host_network": True}, {"phase": "Succeeded"}, {"phase": "Failed"}, {"ips": ()}, {"node_name": "node-b"}],
+    [{"host_network": True}, {"phase": "Succeeded"}, {"phase": "Failed"}, {"ips": ()},
+     {"node_name": "node-b"}],
 )
 def test_ineligible_pods_never_count(kwargs: dict[str, object]) -> None:
     w, dp = writer()
@@ -356,14 +357,14 @@ def test_interleaved_namespace_and_pod_changes_match_a_recompute() -> None:
 
 
 def test_duplicate_added_is_a_no_op() -> None:
-    w, dp = writer()
+    w, _ = writer()
     pod = make_pod("p", ips=("10.0.0.1",), observe=True)
     assert w.upsert_pod(pod) is True
     settle(w)
     for _ in range(100):
         assert w.upsert_pod(pod) is False
     assert len(w.view.pods) == 1 and not w.view.desired.dirty
-    assert w.view.desired.holders["10.0.0.1"] == (pod.uid,)
+    assert w.view.desired.uids("10.0.0.1") == (pod.uid,)
 
 
 def test_relist_replay_produces_no_changes_and_drops_vanished() -> None:

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from factories import make_namespace, make_pod
-
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.configuration import Interest
 from podmeter.model.datapath import DatapathError
@@ -136,8 +135,7 @@ class CoreMachine(RuleBasedStateMachine):
             return
         view = self.writer.view
         recomputed = view.recompute()
-        assert {ip: frozenset(uids) for ip, uids in view.desired.holders.items()} == recomputed
-        assert set(view.desired.contributions) == {u for uids in recomputed.values() for u in uids}
+        assert {ip: frozenset(view.desired.uids(ip)) for ip in view.desired} == recomputed
 
     @invariant()
     def store_mirrors_the_server_when_no_event_was_lost(self) -> None:

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from factories import pod_json
 
+from factories import pod_json
 from podmeter.model.configuration import decode_configuration
 from podmeter.model.records import DecodeError, decode_namespace, decode_pod
 
@@ -111,10 +111,8 @@ def test_invalid_configuration_is_rejected_with_a_reason(spec: dict[str, object]
 
 
 def test_valid_configuration() -> None:
-    config = decode_configuration(
-        _dumps({"metadata": {"name": "default", "generation": 3}, "spec": {"namespaces": {"exclude": ["kube-system"]},
-                                                                         "annotations": False}})
-    )
+    spec = {"namespaces": {"exclude": ["kube-system"]}, "annotations": False}
+    config = decode_configuration(_dumps({"metadata": {"name": "default", "generation": 3}, "spec": spec}))
     assert config.generation == 3
     assert config.interest.exclude == frozenset({"kube-system"})
     assert config.interest.annotations is False

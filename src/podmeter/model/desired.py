@@ -10,24 +10,30 @@ from collections.abc import Iterator
 
 from podmeter.model.compaction import PeakTracker
 
+Holders = str | tuple[str, ...]  # one UID (the common case, no tuple allocated) or several
+
+
+def holder_uids(holders: Holders) -> tuple[str, ...]:
+    return (holders,) if isinstance(holders, str) else holders
+
 
 class DesiredFilter:
     """IPs that should be in the kernel filter, each with the UIDs of the observed pods holding it.
 
     Invariants:
     * an IP is a key of ``holders`` iff at least one UID holds it; no UID appears twice for one IP;
-    * ``contributions[uid]`` is exactly the set of IPs whose holders contain ``uid`` (absent if none);
+      a single holder is stored as the bare UID string (most IPs have one owner: no tuple per IP);
     * every 0->1 and 1->0 crossing of an IP puts it in ``dirty``; nothing else does;
     * iteration order of ``holders`` is the order in which IPs last became desired (the capacity rule,
       earliest first, relies on it).
+    The caller (the view) says which IPs a UID held before and holds now; the filter keeps no per-UID
+    record of its own, which is what keeps it small.
     """
 
     def __init__(self) -> None:
-        self.holders: dict[str, tuple[str, ...]] = {}
-        self.contributions: dict[str, tuple[str, ...]] = {}
+        self.holders: dict[str, Holders] = {}
         self.dirty: dict[str, None] = {}  # ordered: crossing order
         self._holders_peak = PeakTracker()
-        self._contrib_peak = PeakTracker()
 
     def __contains__(self, ip: object) -> bool:
         return ip in self.holders
@@ -38,24 +44,20 @@ class DesiredFilter:
     def __iter__(self) -> Iterator[str]:
         return iter(self.holders)
 
-    def set_contribution(self, uid: str, ips: tuple[str, ...]) -> None:
-        """Make ``uid`` hold exactly ``ips`` (empty: hold nothing)."""
-        old = self.contributions.get(uid, ())
-        if old == ips:
+    def uids(self, ip: str) -> tuple[str, ...]:
+        holders = self.holders.get(ip)
+        return () if holders is None else holder_uids(holders)
+
+    def move(self, uid: str, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+        """``uid`` held ``old`` and now holds ``new`` (either may be empty)."""
+        if old == new:
             return
         for ip in old:
-            if ip not in ips:
+            if ip not in new:
                 self._release(ip, uid)
-        for ip in ips:
+        for ip in new:
             if ip not in old:
                 self._acquire(ip, uid)
-        if ips:
-            self.contributions[uid] = ips
-            self._contrib_peak.grew_to(len(self.contributions))
-        else:
-            del self.contributions[uid]
-            if self._contrib_peak.should_rebuild(len(self.contributions)):
-                self.contributions = dict(self.contributions)
 
     def take_dirty(self) -> list[str]:
         """The IPs that crossed since the last call, in crossing order; clears the dirty set."""
@@ -66,17 +68,18 @@ class DesiredFilter:
     def _acquire(self, ip: str, uid: str) -> None:
         current = self.holders.get(ip)
         if current is None:
-            self.holders[ip] = (uid,)
+            self.holders[ip] = uid
             self._holders_peak.grew_to(len(self.holders))
             self.dirty[ip] = None
-        elif uid not in current:
-            self.holders[ip] = (*current, uid)
+            return
+        uids = holder_uids(current)
+        if uid not in uids:
+            self.holders[ip] = (*uids, uid)
 
     def _release(self, ip: str, uid: str) -> None:
-        current = self.holders.get(ip, ())
-        remaining = tuple(u for u in current if u != uid)
+        remaining = tuple(u for u in self.uids(ip) if u != uid)
         if remaining:
-            self.holders[ip] = remaining
+            self.holders[ip] = remaining[0] if len(remaining) == 1 else remaining
             return
         self.holders.pop(ip, None)
         self.dirty[ip] = None

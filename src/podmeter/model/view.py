@@ -12,7 +12,7 @@ deletes and leaves unchanged ones alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from podmeter.model.compaction import PeakTracker
@@ -34,16 +34,18 @@ class ReplaceResult:
 class NodeView:
     """Stored pods and namespaces, the interest configuration, and the desired filter.
 
-    Invariants:
-    * a UID is in ``pods`` iff it is in ``pods_by_namespace[pod.namespace]``; no UID is stored twice;
-    * ``desired.contributions[uid] == pod.ips`` iff the pod is observed under the current namespaces and
-      interest, else ``uid`` has no contribution; so ``desired`` == :meth:`recompute` at every moment.
+    Invariant: a stored pod holds exactly ``pod.ips`` in the desired filter iff it is observed under the
+    current namespaces and interest, and holds nothing otherwise; so ``desired`` == :meth:`recompute`.
+
+    No per-pod bookkeeping besides the store itself: whether a pod counted *before* a change is
+    recomputed from the state before the change (the old record, the old namespace, the old interest),
+    which is what keeps a stored pod under a kilobyte. The price: a namespace's annotation flip
+    re-evaluates every stored pod (a scan of one node's pods, rare), not an index of that namespace.
     """
 
     def __init__(self, node_name: str | None = None) -> None:
         self.node_name = node_name
         self.pods: dict[str, Pod] = {}
-        self.pods_by_namespace: dict[str, set[str]] = {}
         self.namespaces: dict[str, Namespace] = {}
         self.interest: Interest = NO_CONFIGURATION
         self.desired = DesiredFilter()
@@ -56,12 +58,10 @@ class NodeView:
         old = self.pods.get(pod.uid)
         if old == pod:
             return False
-        if old is not None and old.namespace != pod.namespace:
-            self._unindex(old)
+        held = old.ips if old is not None and self.is_observed(old) else ()
         self.pods[pod.uid] = pod
         self._pods_peak.grew_to(len(self.pods))
-        self.pods_by_namespace.setdefault(pod.namespace, set()).add(pod.uid)
-        self._evaluate(pod)
+        self.desired.move(pod.uid, held, pod.ips if self.is_observed(pod) else ())
         return True
 
     def delete_pod(self, uid: str) -> bool:
@@ -69,8 +69,8 @@ class NodeView:
         pod = self.pods.pop(uid, None)
         if pod is None:
             return False
-        self._unindex(pod)
-        self.desired.set_contribution(uid, ())
+        if self.is_observed(pod):
+            self.desired.move(uid, pod.ips, ())
         if self._pods_peak.should_rebuild(len(self.pods)):
             self.pods = dict(self.pods)
         return True
@@ -95,15 +95,16 @@ class NodeView:
         old = self.namespaces.get(namespace.name)
         if old == namespace:
             return False
-        self.namespaces[namespace.name] = namespace
-        if old is None or old.observe != namespace.observe:
-            self._evaluate_namespace(namespace.name)
+        if old is not None and old.observe == namespace.observe:
+            self.namespaces[namespace.name] = namespace  # nothing interest depends on changed
+        else:
+            self._reevaluate(lambda: self.namespaces.__setitem__(namespace.name, namespace), namespace.name)
         return True
 
     def delete_namespace(self, name: str) -> bool:
-        if self.namespaces.pop(name, None) is None:
+        if name not in self.namespaces:
             return False
-        self._evaluate_namespace(name)
+        self._reevaluate(lambda: self.namespaces.__delitem__(name), name)
         return True
 
     def replace_namespaces(self, namespaces: Iterable[Namespace]) -> ReplaceResult:
@@ -123,9 +124,7 @@ class NodeView:
         """Apply a new (already validated) configuration; re-evaluates every pod when it changed."""
         if interest == self.interest:
             return False
-        self.interest = interest
-        for pod in self.pods.values():
-            self._evaluate(pod)
+        self._reevaluate(lambda: setattr(self, "interest", interest))
         return True
 
     # --- derived state ------------------------------------------------------------------------
@@ -144,21 +143,17 @@ class NodeView:
 
     def owners(self, ip: str) -> list[Pod]:
         """The stored pods that hold ``ip`` in the desired filter."""
-        return [self.pods[uid] for uid in self.desired.holders.get(ip, ()) if uid in self.pods]
+        return [self.pods[uid] for uid in self.desired.uids(ip) if uid in self.pods]
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _evaluate(self, pod: Pod) -> None:
-        self.desired.set_contribution(pod.uid, pod.ips if self.is_observed(pod) else ())
-
-    def _evaluate_namespace(self, name: str) -> None:
-        for uid in self.pods_by_namespace.get(name, ()):
-            self._evaluate(self.pods[uid])
-
-    def _unindex(self, pod: Pod) -> None:
-        members = self.pods_by_namespace.get(pod.namespace)
-        if members is None:
-            return
-        members.discard(pod.uid)
-        if not members:
-            del self.pods_by_namespace[pod.namespace]
+    def _reevaluate(self, change: Callable[[], None], namespace: str | None = None) -> None:
+        """Apply ``change`` (to namespaces or interest) and move each affected pod from what it held
+        before the change to what it holds after it."""
+        affected = [p for p in self.pods.values() if namespace is None or p.namespace == namespace]
+        before = [self.is_observed(p) for p in affected]
+        change()
+        for pod, was in zip(affected, before, strict=True):
+            now = self.is_observed(pod)
+            if was != now:
+                self.desired.move(pod.uid, pod.ips if was else (), pod.ips if now else ())
