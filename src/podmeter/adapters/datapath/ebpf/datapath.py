@@ -57,7 +57,9 @@ def counters_size(filter_size: int) -> int:
 class EbpfDatapath:
     """The filter and counters maps, and (when opened by the agent) the programs that use them.
 
-    Not thread-safe: the writer is its only mutator; readers in other processes use their own instance.
+    Calls may come from several threads (a writer and a metrics reader): each is a self-contained
+    sequence of map syscalls and keeps no Python state between calls. Only :meth:`close` must come
+    last. The writer should stay the only caller of insert/delete/take_counters.
     """
 
     def __init__(
