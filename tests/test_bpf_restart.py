@@ -11,13 +11,16 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from factories import make_pod
-from podmeter.adapters.datapath.ebpf import EbpfDatapath
+from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath
 from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.model.datapath import Direction, Traffic
 from podmeter.model.view import NodeView
 from podmeter.runtime.writer import Writer
-from test_bpf_support import needs_root
+from test_bpf_netns import udp_echo
+from test_bpf_support import Topology, needs_root, run
 
 pytestmark = needs_root
 pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
@@ -53,6 +56,20 @@ for n, ip in enumerate(ips):
 writer.flush()
 dp.programs.from_pod.test_run(frames.udp_frame(ips[1], "2001:db8::1"), repeat=9)
 print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+# An agent with real attachments: observe one IP, attach in a netns, then hang (to be killed).
+ATTACHED_AGENT = """
+import sys, time
+from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath
+pins, ip, netns, mode = sys.argv[1:]
+dp = EbpfDatapath.open(pins, filter_size=16)
+dp.insert([ip])
+manager = AttachManager(dp.programs, mode=AttachMode(mode), netns=netns)
+manager.start()
+print("ready", len(manager.attached()), flush=True)
 time.sleep(600)
 """
 
@@ -105,3 +122,40 @@ def test_successor_of_a_killed_agent_converges(pin_dir: Path, open_datapath: Ope
         assert reader.contents() == {a, d}
     writer.resync()
     assert writer.stats.drift_repaired["leaked"] == 2  # the second resync found nothing more
+
+
+@pytest.mark.parametrize("mode", [AttachMode.TCX, AttachMode.TC], ids=["tcx", "tc"])
+def test_killed_agent_with_real_traffic(
+    mode: AttachMode, pin_dir: Path, topology: Topology, open_datapath: Opener
+) -> None:
+    """Counters survive the kill; TCX links die with the agent, tc filters stay and are replaced."""
+    pod = topology.add_pod()
+    sizes = [10, 20, 30]
+    per_round = Traffic(len(sizes), sum(size + 42 for size in sizes))
+
+    def counted() -> Traffic:
+        with EbpfDatapath.open_pinned(pin_dir) as reader:
+            return reader.read_counters().get((pod.ip, Direction.EGRESS), Traffic())
+
+    agent = python(ATTACHED_AGENT, str(pin_dir), pod.ip, topology.host_path, mode.value)
+    try:
+        assert agent.stdout is not None
+        assert agent.stdout.readline().split() == ["ready", "1"]
+        udp_echo(topology, pod, sizes)
+        assert counted() == per_round
+    finally:
+        agent.send_signal(signal.SIGKILL)
+        agent.communicate(timeout=10)
+
+    udp_echo(topology, pod, sizes)  # nobody runs: TCX counts nothing, a leftover tc filter still does
+    assert counted() == (per_round if mode is AttachMode.TCX else per_round + per_round)
+
+    datapath = open_datapath(16)
+    assert datapath.programs is not None
+    with AttachManager(datapath.programs, mode=mode, netns=topology.host_path):
+        udp_echo(topology, pod, sizes)
+        if mode is AttachMode.TC:  # the successor replaced the leftover filter: one per hook
+            shown = run("tc", "-n", topology.host, "filter", "show", "dev", pod.host_veth, "ingress")
+            assert sum("handle 0x706d" in line for line in shown.splitlines()) == 1
+    rounds_counted = 2 if mode is AttachMode.TCX else 3
+    assert counted() == Traffic(rounds_counted * per_round.packets, rounds_counted * per_round.bytes)

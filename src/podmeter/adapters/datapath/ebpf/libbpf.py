@@ -162,6 +162,8 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [
 # int (*libbpf_print_fn_t)(enum libbpf_print_level level, const char *, va_list ap)
 _PRINT_FN = ctypes.CFUNCTYPE(c_int, c_int, c_char_p, c_void_p)
 _LEVELS = {0: logging.WARNING, 1: logging.DEBUG, 2: logging.NOTSET}
+# Warnings libbpf prints for outcomes podmeter expects and handles (an existing clsact qdisc).
+_BENIGN = ("Exclusivity flag on, cannot modify",)
 
 
 class Libbpf:
@@ -212,6 +214,8 @@ class Libbpf:
             buffer = ctypes.create_string_buffer(2048)
             vsnprintf(buffer, len(buffer), fmt, args)
             text = buffer.value.decode(errors="replace").rstrip()
+            if level == 0 and any(benign in text for benign in _BENIGN):
+                level = 1
             if level == 0:
                 self.recent_warnings.append(text)
             if _LEVELS.get(level, logging.NOTSET) >= logging.DEBUG:
