@@ -184,3 +184,20 @@ def test_a_swap_interrupted_by_a_crash_is_cleaned_up(open_datapath: Opener, pin_
 def _map_id(pin: Path) -> int:
     out = run("bpftool", "-j", "map", "show", "pinned", str(pin))
     return int(json.loads(out)["id"])
+
+
+def test_batched_reads_match_key_by_key_reads_across_chunks(open_datapath: Opener) -> None:
+    """6,000 counter entries: more than one BPF_MAP_LOOKUP_BATCH chunk (4,096)."""
+    dp = open_datapath(3000)
+    observed = ips(3000)
+    assert dp.insert(observed).error is None
+    keys = [layout.counter_key(ip, direction) for ip in observed for direction in Direction]
+    values = [layout.COUNTER_VALUE.pack(n, 10 * n).ljust(dp.counters_map.value_bytes, b"\0")
+              for n in range(len(keys))]
+    assert dp.counters_map.update_batch(keys, values).error is None
+    batched = dp.counters_map.collect_items()
+    assert len(batched) == 6000
+    assert sorted(batched) == sorted(dp.counters_map.collect_items_one_by_one())
+    counters = dp.read_counters()
+    assert counters[(observed[7], Direction.EGRESS)] == Traffic(15, 150)
+    assert dp.contents() == set(observed)

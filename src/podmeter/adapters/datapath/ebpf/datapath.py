@@ -154,7 +154,7 @@ class EbpfDatapath:
     def contents(self) -> set[str]:
         """The IPs the kernel's filter holds now (keys collected first, then decoded)."""
         ips = set()
-        for key in self.filter_map.collect_keys():
+        for key, _ in self.filter_map.collect_items():
             try:
                 ips.add(layout.decode_filter_key(key))
             except ValueError as error:  # a prefix entry someone else wrote: not an IP we manage

@@ -150,6 +150,11 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [
     ("bpf_map_lookup_and_delete_elem", c_int, [c_int, c_void_p, c_void_p]),
     ("bpf_map_update_batch", c_int, [c_int, c_void_p, c_void_p, POINTER(c_uint32), POINTER(MapBatchOpts)]),
     ("bpf_map_delete_batch", c_int, [c_int, c_void_p, POINTER(c_uint32), POINTER(MapBatchOpts)]),
+    (
+        "bpf_map_lookup_batch",
+        c_int,
+        [c_int, c_void_p, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), POINTER(MapBatchOpts)],
+    ),
     ("bpf_link_create", c_int, [c_int, c_int, c_int, POINTER(LinkCreateOpts)]),
     ("bpf_tc_hook_create", c_int, [POINTER(TcHook)]),
     ("bpf_tc_attach", c_int, [POINTER(TcHook), POINTER(TcOpts)]),

@@ -23,6 +23,9 @@ from podmeter.adapters.datapath.ebpf.libbpf import (
     libbpf,
 )
 
+_BATCH_CHUNK = 4096  # elements per BPF_MAP_LOOKUP_BATCH call
+_ENOTSUPP = 524  # the kernel-internal "operation not supported" some map types return
+
 # Map types whose values are per-CPU arrays (hash, array, LRU hash, cgroup storage).
 _PER_CPU_TYPES = frozenset({BPF_MAP_TYPE_PERCPU_HASH, 6, 10, 21})
 
@@ -144,13 +147,53 @@ class BpfMap:
                 return list(seen)
 
     def collect_items(self) -> list[tuple[bytes, bytes]]:
-        """Every (key, value) present at the time of its lookup."""
+        """Every (key, value), read in chunks with BPF_MAP_LOOKUP_BATCH (two syscalls per entry
+        otherwise: 40,000 counters took 0.85 s one by one). Falls back to key-by-key reading on kernels
+        or map types without batch lookup."""
+        try:
+            return self._lookup_batches()
+        except BpfCallError as error:
+            if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP, _ENOTSUPP):
+                raise
+        return self.collect_items_one_by_one()
+
+    def collect_items_one_by_one(self) -> list[tuple[bytes, bytes]]:
+        """Every (key, value) present at the time of its lookup, one key at a time."""
         out = []
         for key in self.collect_keys():
             value = self.lookup(key)
             if value is not None:
                 out.append((key, value))
         return out
+
+    def _lookup_batches(self) -> list[tuple[bytes, bytes]]:
+        chunk = max(1, min(self.shape.max_entries, _BATCH_CHUNK))
+        token = max(self.shape.key_size, 8)  # hash maps use a bucket index, others the last key
+        position, following = ctypes.create_string_buffer(token), ctypes.create_string_buffer(token)
+        opts = MapBatchOpts(ctypes.sizeof(MapBatchOpts), 0, 0)
+        items: list[tuple[bytes, bytes]] = []
+        start = None  # NULL: from the beginning
+        while True:
+            keys = ctypes.create_string_buffer(chunk * self.shape.key_size)
+            values = ctypes.create_string_buffer(chunk * self.value_bytes)
+            count = ctypes.c_uint32(chunk)
+            ret = self._lib.lib.bpf_map_lookup_batch(
+                self.fd, start, following, keys, values, ctypes.byref(count), ctypes.byref(opts)
+            )
+            if ret == -errno.ENOSPC and count.value == 0:  # one hash bucket holds more than a chunk
+                chunk *= 2
+                continue
+            if ret < 0 and ret != -errno.ENOENT:
+                self._lib.check("bpf_map_lookup_batch", ret)
+            items.extend(self._split(keys.raw, values.raw, count.value))
+            if ret == -errno.ENOENT:  # the end; the last chunk's count is valid
+                return items
+            ctypes.memmove(position, following, token)
+            start = position
+
+    def _split(self, keys: bytes, values: bytes, count: int) -> list[tuple[bytes, bytes]]:
+        k, v = self.shape.key_size, self.value_bytes
+        return [(keys[i * k : (i + 1) * k], values[i * v : (i + 1) * v]) for i in range(count)]
 
     # --- batches --------------------------------------------------------------------------------
 
