@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from podmeter.lab.apiserver import discovery, errors, options
+from podmeter.lab.apiserver import discovery, errors, options, protobuf
 from podmeter.lab.apiserver.errors import ApiError
 from podmeter.lab.apiserver.faults import Faults
 from podmeter.lab.apiserver.registry import PATCH_TYPES, Registry, WriteContext
@@ -418,6 +418,15 @@ def _parse_json(raw: bytes, resource: ResourceType) -> Any:
 
 
 async def _read_json(request: web.Request, resource: ResourceType) -> Any:
+    if request.content_type == protobuf.CONTENT_TYPE and resource is NAMESPACES:
+        try:
+            return protobuf.decode_namespace(await _read_body(request))
+        except (protobuf.ProtobufError, UnicodeDecodeError) as exc:
+            raise errors.unsupported_media_type(f"{request.content_type} ({exc})") from exc
+    if request.content_type not in ("application/json", "", "application/octet-stream", *PATCH_TYPES):
+        # Only JSON is served: protobuf (kubectl's typed clients) and YAML get 415, as from a server
+        # without those serializers; client-go then retries in JSON.
+        raise errors.unsupported_media_type(request.content_type)
     return _parse_json(await _read_body(request), resource)
 
 

@@ -113,7 +113,7 @@ def _ip_family(text: str) -> int | None:
 
 
 def validate_pod_ips(status: dict[str, Any], base: str = "status") -> list[Cause]:
-    """``podIPs``: valid, distinct, at most one per family; ``podIP`` equal to ``podIPs[0]``."""
+    """``podIPs``: valid, distinct, at most one per family (``podIP`` was synced into them before)."""
     causes: list[Cause] = []
     pod_ips = status.get("podIPs") or []
     if not isinstance(pod_ips, list):
@@ -134,9 +134,6 @@ def validate_pod_ips(status: dict[str, Any], base: str = "status") -> list[Cause
         causes.append(
             _invalid(f"{base}.podIPs", pod_ips, "may specify no more than one IP for each IP family")
         )
-    pod_ip = status.get("podIP")
-    if pod_ip and not causes and pod_ips and pod_ips[0].get("ip") != pod_ip:
-        causes.append(_invalid(f"{base}.podIPs[0]", pod_ips[0].get("ip"), "must match podIP"))
     host_ip = status.get("hostIP")
     if host_ip and (not isinstance(host_ip, str) or _ip_family(host_ip) is None):
         causes.append(_invalid(f"{base}.hostIP", host_ip, IP_MSG))
