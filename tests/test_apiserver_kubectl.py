@@ -1,4 +1,4 @@
-"""The real kubectl drives every verb against the lab API server (a ``podmeter apiserver`` subprocess, TLS)."""
+"""The real kubectl drives every verb against the lab API server (``podmeter apiserver`` subprocess, TLS)."""
 
 from __future__ import annotations
 

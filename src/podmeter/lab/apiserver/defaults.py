@@ -130,14 +130,14 @@ def default_pod(pod: dict[str, Any]) -> None:
 def sync_pod_ips(status: dict[str, Any]) -> None:
     """Keep ``podIP`` and ``podIPs[0]`` consistent the way the real server's v1 conversion does: when both
     are given and differ, ``podIP`` wins (for older clients) and ``podIPs`` becomes ``[podIP]``."""
+    pod_ip = status.get("podIP")
     pod_ips = status.get("podIPs")
     first = pod_ips[0] if isinstance(pod_ips, list) and pod_ips else None
-    if (status.get("podIP") and isinstance(first, dict) and first.get("ip") != status["podIP"]) or (status.get("podIP") and not status.get("podIPs")):
-        status["podIPs"] = [{"ip": status["podIP"]}]
-    elif status.get("podIPs") and not status.get("podIP"):
-        first = status["podIPs"][0]
-        if isinstance(first, dict) and first.get("ip"):
-            status["podIP"] = first["ip"]
+    first_ip = first.get("ip") if isinstance(first, dict) else None
+    if pod_ip and first_ip != pod_ip:
+        status["podIPs"] = [{"ip": pod_ip}]
+    elif first_ip and not pod_ip:
+        status["podIP"] = first_ip
 
 
 def default_namespace(ns: dict[str, Any]) -> None:
