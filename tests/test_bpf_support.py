@@ -77,6 +77,8 @@ class Pod:
     host_veth: str
     ip: str
     host_ip: str
+    ip6: str | None = None  # set when the pod has IPv6 too
+    host_ip6: str | None = None
 
     @property
     def netns_path(self) -> str:
@@ -104,16 +106,22 @@ class Topology:
         self._disable_ipv6(self.host, "default")
         run("ip", "-n", self.host, "link", "set", "lo", "up")
 
-    def add_pod(self) -> Pod:
+    def add_pod(self, ipv6: bool = False) -> Pod:
+        """A pod with IPv4; with ``ipv6`` also IPv6 (and then the kernel's own ND/MLD traffic)."""
         n = next(self._subnets)
         pod = Pod(unique("pmp"), unique("pm"), f"10.231.{n}.2", f"10.231.{n}.1")
+        if ipv6:
+            pod.ip6, pod.host_ip6 = f"fd00:231:{n}::2", f"fd00:231:{n}::1"
         run("ip", "netns", "add", pod.netns)
         self.pods.append(pod)
         self._disable_ipv6(pod.netns, "default")
         run("ip", "-n", self.host, "link", "add", pod.host_veth, "type", "veth", "peer", "name", "eth0",
             "netns", pod.netns)
-        self._disable_ipv6(self.host, pod.host_veth)
-        self._disable_ipv6(pod.netns, "eth0")
+        self._disable_ipv6(self.host, pod.host_veth, not ipv6)
+        self._disable_ipv6(pod.netns, "eth0", not ipv6)
+        if pod.ip6 is not None:
+            run("ip", "-n", self.host, "addr", "add", f"{pod.host_ip6}/64", "dev", pod.host_veth, "nodad")
+            run("ip", "-n", pod.netns, "addr", "add", f"{pod.ip6}/64", "dev", "eth0", "nodad")
         run("ip", "-n", self.host, "addr", "add", f"{pod.host_ip}/24", "dev", pod.host_veth)
         run("ip", "-n", self.host, "link", "set", pod.host_veth, "up")
         run("ip", "-n", pod.netns, "addr", "add", f"{pod.ip}/24", "dev", "eth0")
@@ -129,8 +137,9 @@ class Topology:
         return netns(self.host_path)
 
     @staticmethod
-    def _disable_ipv6(namespace: str, device: str) -> None:
-        run("ip", "netns", "exec", namespace, "sysctl", "-qw", f"net.ipv6.conf.{device}.disable_ipv6=1")
+    def _disable_ipv6(namespace: str, device: str, disable: bool = True) -> None:
+        setting = f"net.ipv6.conf.{device}.disable_ipv6={int(disable)}"
+        run("ip", "netns", "exec", namespace, "sysctl", "-qw", setting)
 
 
 @pytest.fixture
