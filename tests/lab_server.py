@@ -238,9 +238,7 @@ class WatchStream:
         conn: http.client.HTTPConnection
         if parsed.scheme == "https":
             context = ssl.create_default_context(cafile=server.ca_file)
-            conn = http.client.HTTPSConnection(
-                parsed.hostname or "", parsed.port, timeout=timeout, context=context
-            )
+            conn = http.client.HTTPSConnection(parsed.hostname or "", parsed.port, timeout=timeout, context=context)
         else:
             conn = http.client.HTTPConnection(parsed.hostname or "", parsed.port, timeout=timeout)
         conn.request("GET", path, headers={"Authorization": f"Bearer {server.token}"})

@@ -36,8 +36,7 @@ def list_rv(srv: LabServer, path: str = "/api/v1/namespaces/default/pods") -> st
 def test_close_watches_ends_every_stream_cleanly(srv: LabServer) -> None:
     rv = list_rv(srv)
     streams = [
-        srv.watch(f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={rv}&timeoutSeconds=60")
-        for _ in range(3)
+        srv.watch(f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={rv}&timeoutSeconds=60") for _ in range(3)
     ]
     deadline = time.monotonic() + 5
     while srv.admin.open_watches() < 3 and time.monotonic() < deadline:
@@ -58,9 +57,7 @@ def test_compact_makes_old_rv_expire(srv: LabServer) -> None:
     floor = srv.admin.compact()
     with srv.watch(f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={rv}&timeoutSeconds=5") as w:
         events = w.events()
-    assert [(e["type"], e["object"]["code"], e["object"]["reason"]) for e in events] == [
-        ("ERROR", 410, "Expired")
-    ]
+    assert [(e["type"], e["object"]["code"], e["object"]["reason"]) for e in events] == [("ERROR", 410, "Expired")]
     status, _, body = srv.request(
         "GET", f"/api/v1/namespaces/default/pods?resourceVersion={rv}&resourceVersionMatch=Exact"
     )
@@ -72,8 +69,7 @@ def test_compact_makes_old_rv_expire(srv: LabServer) -> None:
 def test_stall_silences_open_streams_then_delivers(srv: LabServer) -> None:
     rv = list_rv(srv)
     with srv.watch(
-        f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={rv}&allowWatchBookmarks=true"
-        "&timeoutSeconds=30"
+        f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={rv}&allowWatchBookmarks=true&timeoutSeconds=30"
     ) as w:
         time.sleep(0.1)
         srv.admin.stall()
@@ -81,9 +77,7 @@ def test_stall_silences_open_streams_then_delivers(srv: LabServer) -> None:
         with pytest.raises(TimeoutError):
             w.next(1.0)
         # A stream opened after the stall is not stalled (unless includeNew).
-        with srv.watch(
-            f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={rv}&timeoutSeconds=1"
-        ) as fresh:
+        with srv.watch(f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={rv}&timeoutSeconds=1") as fresh:
             assert [e["type"] for e in fresh.events()] == ["ADDED"]
         srv.admin.unstall()
         event = w.next(2)
@@ -140,9 +134,7 @@ def test_restart_drops_connections_keeps_state() -> None:
     with LabServer(process=True) as srv:
         srv.request("POST", "/api/v1/namespaces/default/pods", pod("a"))
         rv = list_rv(srv)
-        with srv.watch(
-            f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={rv}&timeoutSeconds=60"
-        ) as w:
+        with srv.watch(f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={rv}&timeoutSeconds=60") as w:
             time.sleep(0.1)
             srv.admin.restart(down_seconds=0.5)
             assert w.next(5) is None  # connection dropped

@@ -70,9 +70,7 @@ def test_annotate_label_patch(srv: LabServer) -> None:
     srv.kubectl("-n", "kc", "label", "pod", "web-2", "tier=fe")
     srv.kubectl("-n", "kc", "label", "pod", "web-2", "tier=be", "--overwrite")
     srv.kubectl("-n", "kc", "patch", "pod", "web-2", "-p", '{"metadata":{"labels":{"s":"1"}}}')
-    srv.kubectl(
-        "-n", "kc", "patch", "pod", "web-2", "--type=merge", "-p", '{"metadata":{"labels":{"m":"2"}}}'
-    )
+    srv.kubectl("-n", "kc", "patch", "pod", "web-2", "--type=merge", "-p", '{"metadata":{"labels":{"m":"2"}}}')
     srv.kubectl(
         "-n",
         "kc",

@@ -168,8 +168,7 @@ def test_malformed_json_is_400_with_real_prefix(srv: LabServer) -> None:
     assert status == 400
     assert body["reason"] == "BadRequest" and body["code"] == 400
     assert body["message"].startswith(
-        "the object provided is unrecognized (must be of type Pod): couldn't get "
-        "version/kind; json parse error"
+        "the object provided is unrecognized (must be of type Pod): couldn't get version/kind; json parse error"
     )
 
 
@@ -179,17 +178,11 @@ def test_stale_update_is_409_conflict(srv: LabServer) -> None:
     path = "/api/v1/namespaces/conflict/pods/web-1"
     first = {**created, "metadata": {**created["metadata"], "labels": {"app": "v2"}}}
     status, _, updated = srv.request("PUT", path, first)
-    assert status == 200 and int(updated["metadata"]["resourceVersion"]) > int(
-        created["metadata"]["resourceVersion"]
-    )
-    status, _, body = srv.request(
-        "PUT", path, {**created, "metadata": {**created["metadata"], "labels": {"x": "y"}}}
-    )
+    assert status == 200 and int(updated["metadata"]["resourceVersion"]) > int(created["metadata"]["resourceVersion"])
+    status, _, body = srv.request("PUT", path, {**created, "metadata": {**created["metadata"], "labels": {"x": "y"}}})
     assert status == 409
     assert body == recorded("error-409-conflict-stale-update.json")["body"] | {"message": body["message"]}
-    assert body["message"].startswith(
-        'Operation cannot be fulfilled on pods "web-1": the object has been modified'
-    )
+    assert body["message"].startswith('Operation cannot be fulfilled on pods "web-1": the object has been modified')
     # A pod update without resourceVersion is refused (pods allow no unconditional update).
     no_rv = {**updated, "metadata": {k: v for k, v in updated["metadata"].items() if k != "resourceVersion"}}
     status, _, body = srv.request("PUT", path, no_rv)
@@ -223,15 +216,11 @@ def test_list_chunking_like_recording(srv: LabServer) -> None:
     }
     # A change between pages does not leak into the snapshot the pages are read from.
     srv.request("DELETE", "/api/v1/namespaces/chunks/pods/web-4")
-    _, _, page2 = srv.request(
-        "GET", f"/api/v1/namespaces/chunks/pods?limit=2&continue={page1['metadata']['continue']}"
-    )
+    _, _, page2 = srv.request("GET", f"/api/v1/namespaces/chunks/pods?limit=2&continue={page1['metadata']['continue']}")
     assert page2["metadata"]["resourceVersion"] == page1["metadata"]["resourceVersion"]
     assert [p["metadata"]["name"] for p in page2["items"]] == ["web-3", "web-4"]
     assert page2["metadata"]["remainingItemCount"] == 1
-    _, _, page3 = srv.request(
-        "GET", f"/api/v1/namespaces/chunks/pods?limit=2&continue={page2['metadata']['continue']}"
-    )
+    _, _, page3 = srv.request("GET", f"/api/v1/namespaces/chunks/pods?limit=2&continue={page2['metadata']['continue']}")
     assert [p["metadata"]["name"] for p in page3["items"]] == ["web-5"]
     assert "continue" not in page3["metadata"]
     status, _, bad = srv.request("GET", "/api/v1/namespaces/chunks/pods?limit=2&continue=garbage!")
@@ -274,9 +263,7 @@ def test_list_resource_version_semantics(srv: LabServer) -> None:
     for rv in ("0", str(rv_a)):
         _, _, body = srv.request("GET", f"/api/v1/namespaces/rvsem/pods?resourceVersion={rv}")
         assert len(body["items"]) == 2  # not older than rv: the current state
-    _, _, exact = srv.request(
-        "GET", f"/api/v1/namespaces/rvsem/pods?resourceVersion={rv_a}&resourceVersionMatch=Exact"
-    )
+    _, _, exact = srv.request("GET", f"/api/v1/namespaces/rvsem/pods?resourceVersion={rv_a}&resourceVersionMatch=Exact")
     assert [p["metadata"]["name"] for p in exact["items"]] == ["a"]
     assert exact["metadata"]["resourceVersion"] == str(rv_a)
     started = time.monotonic()
@@ -339,8 +326,7 @@ def test_watch_from_rv_like_recording(srv: LabServer) -> None:
     rv = listed["metadata"]["resourceVersion"]
     with (
         srv.watch(
-            f"/api/v1/namespaces/fromrv/pods?watch=1&resourceVersion={rv}&allowWatchBookmarks=true"
-            "&timeoutSeconds=3"
+            f"/api/v1/namespaces/fromrv/pods?watch=1&resourceVersion={rv}&allowWatchBookmarks=true&timeoutSeconds=3"
         ) as w,
         srv.watch(
             f"/api/v1/pods?watch=1&fieldSelector=spec.nodeName%3Dnode-a&resourceVersion={rv}&timeoutSeconds=2"
@@ -374,10 +360,7 @@ def test_watch_from_rv_like_recording(srv: LabServer) -> None:
         int(events[2]["object"]["metadata"]["resourceVersion"])
         == int(events[1]["object"]["metadata"]["resourceVersion"]) + 1
     )
-    assert (
-        events[-1]["object"]["metadata"]["resourceVersion"]
-        == events[-2]["object"]["metadata"]["resourceVersion"]
-    )
+    assert events[-1]["object"]["metadata"]["resourceVersion"] == events[-2]["object"]["metadata"]["resourceVersion"]
     want_node = [
         (e["type"], e["object"]["metadata"]["name"])
         for e in recorded("watch-node-filtered-from-rv.json")["body"]
@@ -385,9 +368,7 @@ def test_watch_from_rv_like_recording(srv: LabServer) -> None:
     ]
     assert [(e["type"], e["object"]["metadata"]["name"]) for e in node_events] == want_node
     late = node_events[-1]["object"]
-    assert (
-        late["metadata"]["resourceVersion"] == events[-2]["object"]["metadata"]["resourceVersion"]
-    )  # binding RV
+    assert late["metadata"]["resourceVersion"] == events[-2]["object"]["metadata"]["resourceVersion"]  # binding RV
 
 
 def test_object_leaving_selector_arrives_as_deleted(srv: LabServer) -> None:
@@ -411,9 +392,7 @@ def test_object_leaving_selector_arrives_as_deleted(srv: LabServer) -> None:
         back = w.next()
     assert gone["type"] == "DELETED" and gone["object"]["metadata"]["labels"] == {"app": "web"}
     assert back["type"] == "ADDED" and back["object"]["metadata"]["labels"] == {"app": "web"}
-    assert int(back["object"]["metadata"]["resourceVersion"]) > int(
-        gone["object"]["metadata"]["resourceVersion"]
-    )
+    assert int(back["object"]["metadata"]["resourceVersion"]) > int(gone["object"]["metadata"]["resourceVersion"])
 
 
 def test_namespace_deletion_sequence(srv: LabServer) -> None:
@@ -423,16 +402,13 @@ def test_namespace_deletion_sequence(srv: LabServer) -> None:
     rv = listed["metadata"]["resourceVersion"]
     with (
         srv.watch(
-            f"/api/v1/namespaces?watch=1&fieldSelector=metadata.name%3Ddoomed&resourceVersion={rv}"
-            "&timeoutSeconds=1"
+            f"/api/v1/namespaces?watch=1&fieldSelector=metadata.name%3Ddoomed&resourceVersion={rv}&timeoutSeconds=1"
         ) as nsw,
         srv.watch(f"/api/v1/namespaces/doomed/pods?watch=1&resourceVersion={rv}&timeoutSeconds=1") as pw,
     ):
         status, _, body = srv.request("DELETE", "/api/v1/namespaces/doomed")
         ns_events, pod_events = nsw.events(), pw.events()
-    assert (
-        status == 200 and body["status"] == {"phase": "Terminating"} and body["metadata"]["deletionTimestamp"]
-    )
+    assert status == 200 and body["status"] == {"phase": "Terminating"} and body["metadata"]["deletionTimestamp"]
     assert [e["type"] for e in ns_events] == ["MODIFIED", "DELETED"]
     assert ns_events[0]["object"]["status"]["phase"] == "Terminating"
     assert [e["type"] for e in pod_events] == ["DELETED"]
@@ -467,9 +443,7 @@ def test_periodic_bookmarks_carry_current_rv() -> None:
             events = [first, *w.events()]
         assert {e["type"] for e in events} == {"BOOKMARK"}
         assert len(events) >= 3
-        assert int(events[-1]["object"]["metadata"]["resourceVersion"]) > int(
-            listed["metadata"]["resourceVersion"]
-        )
+        assert int(events[-1]["object"]["metadata"]["resourceVersion"]) > int(listed["metadata"]["resourceVersion"])
 
 
 def test_history_window_answers_410_error_event() -> None:
@@ -478,9 +452,7 @@ def test_history_window_answers_410_error_event() -> None:
         old = int(listed["metadata"]["resourceVersion"])
         for i in range(8):
             create_pod(srv, "default", f"p{i}")
-        with srv.watch(
-            f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={old}&timeoutSeconds=5"
-        ) as w:
+        with srv.watch(f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={old}&timeoutSeconds=5") as w:
             assert w.status == 200
             events = w.events()
         assert len(events) == 1 and events[0]["type"] == "ERROR"
@@ -492,9 +464,7 @@ def test_history_window_answers_410_error_event() -> None:
         # Still inside the window: served from history.
         _, _, now = srv.request("GET", "/api/v1/namespaces/default/pods")
         recent = int(now["metadata"]["resourceVersion"]) - 2
-        with srv.watch(
-            f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={recent}&timeoutSeconds=1"
-        ) as w:
+        with srv.watch(f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={recent}&timeoutSeconds=1") as w:
             assert [e["type"] for e in w.events()] == ["ADDED", "ADDED"]
 
 

@@ -31,19 +31,13 @@ def register(subparsers: Any) -> None:
         description="In-memory Kubernetes API server for the lab (namespaces, pods, leases, "
         "metricsconfigurations). 'podmeter apiserver fault KNOB --url URL --token T' pokes a running one.",
     )
-    parser.add_argument(
-        "--listen", type=_listen, default=("127.0.0.1", 6443), help="HOST:PORT (port 0: any free)"
-    )
+    parser.add_argument("--listen", type=_listen, default=("127.0.0.1", 6443), help="HOST:PORT (port 0: any free)")
     parser.add_argument("--kubeconfig-out", type=Path, help="write a kubeconfig for this server here")
     parser.add_argument("--token", help="bearer token clients must send (default: random)")
     parser.add_argument("--tls", action="store_true", help="serve HTTPS with a self-signed certificate")
-    parser.add_argument(
-        "--tls-dir", type=Path, help="where to put the certificate (default: beside the kubeconfig)"
-    )
+    parser.add_argument("--tls-dir", type=Path, help="where to put the certificate (default: beside the kubeconfig)")
     parser.add_argument("--history", type=int, default=10_000, help="events kept for watch resumption")
-    parser.add_argument(
-        "--bookmark-interval", type=float, default=60.0, help="seconds between watch bookmarks"
-    )
+    parser.add_argument("--bookmark-interval", type=float, default=60.0, help="seconds between watch bookmarks")
     parser.add_argument(
         "--graceful-pod-deletion",
         action="store_true",
@@ -101,8 +95,7 @@ def _run(args: argparse.Namespace) -> int:
 def _fault(args: argparse.Namespace) -> int:
     if not args.knob or not args.url or not args.token:
         print(
-            "usage: podmeter apiserver fault KNOB --url URL --token TOKEN [...]; KNOB is one of "
-            + ", ".join(_KNOBS),
+            "usage: podmeter apiserver fault KNOB --url URL --token TOKEN [...]; KNOB is one of " + ", ".join(_KNOBS),
             file=sys.stderr,
         )
         return 2
@@ -111,9 +104,7 @@ def _fault(args: argparse.Namespace) -> int:
         if args.knob == "stats":
             result: Any = client.stats()
         elif args.knob == "fail":
-            result = client.fault(
-                "fail", count=args.count, code=args.code, retryAfter=args.retry_after, verb=args.verb
-            )
+            result = client.fault("fail", count=args.count, code=args.code, retryAfter=args.retry_after, verb=args.verb)
         elif args.knob == "stall":
             result = client.fault("stall", seconds=args.seconds, includeNew=args.include_new)
         elif args.knob == "restart":

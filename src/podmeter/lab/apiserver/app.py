@@ -82,9 +82,7 @@ class RequestLog:
         )
 
     def to_json(self) -> list[dict[str, Any]]:
-        return [
-            {"verb": v, "resource": r, "code": c, "count": n} for (v, r, c), n in sorted(self.counts.items())
-        ]
+        return [{"verb": v, "resource": r, "code": c, "count": n} for (v, r, c), n in sorted(self.counts.items())]
 
 
 class LabApiServer:
@@ -139,9 +137,7 @@ class LabApiServer:
     def _authenticate(self, request: web.Request) -> None:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.settings.token.encode()
-        ):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.settings.token.encode()):
             raise errors.unauthorized()
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
@@ -190,9 +186,7 @@ class LabApiServer:
                 doc = discovery.api_group(parts[1])
             elif parts[0] == "apis" and len(parts) == 3:
                 doc = discovery.resource_list(parts[1], parts[2])
-            discovery_path = (parts[0] == "api" and len(parts) == 2) or (
-                parts[0] == "apis" and len(parts) in (2, 3)
-            )
+            discovery_path = (parts[0] == "api" and len(parts) == 2) or (parts[0] == "apis" and len(parts) in (2, 3))
             if doc is None and discovery_path:
                 raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
         return None if doc is None else json_response(encode(doc))
@@ -226,9 +220,7 @@ class LabApiServer:
         ctx = _context(request)
         if method == "PUT":
             body = await _read_json(request, r)
-            updated = self.registry.update(
-                r, route.namespace, route.name, body, subresource=route.subresource, ctx=ctx
-            )
+            updated = self.registry.update(r, route.namespace, route.name, body, subresource=route.subresource, ctx=ctx)
             return json_response(updated, 200, ctx)
         if method == "PATCH":
             content_type = request.content_type
@@ -317,9 +309,7 @@ class LabApiServer:
             raise errors.bad_request(f"unknown resource {body.get('resource')!r}; one of {sorted(BY_KEY)}")
         if "rawLine" in body:
             line = str(body["rawLine"]).encode()
-            return {
-                "watchers": self.hub.inject_line(resource, line if line.endswith(b"\n") else line + b"\n")
-            }
+            return {"watchers": self.hub.inject_line(resource, line if line.endswith(b"\n") else line + b"\n")}
         obj = body.get("object")
         if not isinstance(obj, dict):
             raise errors.bad_request("inject needs an object")
@@ -481,7 +471,5 @@ def _classify(request: web.Request) -> tuple[str, str]:
             "DELETE": "deletecollection",
         }.get(method, method.lower())
     else:
-        verb = {"GET": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(
-            method, method.lower()
-        )
+        verb = {"GET": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method, method.lower())
     return verb, route.resource.key + (f"/{route.subresource}" if route.subresource else "")

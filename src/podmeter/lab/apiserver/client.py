@@ -48,9 +48,7 @@ class AdminClient:
     def requests(self, verb: str | None = None, resource: str | None = None) -> list[dict[str, Any]]:
         """Recent requests (newest last), optionally only of one verb/resource (e.g. "watch", "pods")."""
         query = "&".join(f"{k}={v}" for k, v in (("verb", verb), ("resource", resource)) if v)
-        result: list[dict[str, Any]] = self._call("GET", "/_lab/requests" + (f"?{query}" if query else ""))[
-            "recent"
-        ]
+        result: list[dict[str, Any]] = self._call("GET", "/_lab/requests" + (f"?{query}" if query else ""))["recent"]
         return result
 
     def count(self, verb: str, resource: str | None = None) -> int:

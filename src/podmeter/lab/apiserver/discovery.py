@@ -113,8 +113,7 @@ def openapi_root() -> dict[str, Any]:
     gvs = sorted({(r.group, r.version) for r in ALL})
     return {
         "paths": {
-            _gv_path(g, v): {"serverRelativeURL": f"/openapi/v3/{_gv_path(g, v)}?hash=podmeter-lab"}
-            for g, v in gvs
+            _gv_path(g, v): {"serverRelativeURL": f"/openapi/v3/{_gv_path(g, v)}?hash=podmeter-lab"} for g, v in gvs
         }
     }
 
@@ -122,9 +121,7 @@ def openapi_root() -> dict[str, Any]:
 def _operation(r: ResourceType, action: str, params: list[str]) -> dict[str, Any]:
     return {
         "operationId": f"{action}{r.kind}",
-        "parameters": [
-            {"name": p, "in": "query", "schema": {"type": "string", "uniqueItems": True}} for p in params
-        ],
+        "parameters": [{"name": p, "in": "query", "schema": {"type": "string", "uniqueItems": True}} for p in params],
         "responses": {"200": {"description": "OK"}},
         "x-kubernetes-action": action,
         "x-kubernetes-group-version-kind": {"group": r.group, "version": r.version, "kind": r.kind},

@@ -78,9 +78,7 @@ def _qualified(plural: str, group: str) -> str:
 
 
 def not_found(plural: str, name: str, group: str = "") -> ApiError:
-    return ApiError(
-        404, "NotFound", f'{_qualified(plural, group)} "{name}" not found', _details(name, plural, group)
-    )
+    return ApiError(404, "NotFound", f'{_qualified(plural, group)} "{name}" not found', _details(name, plural, group))
 
 
 def already_exists(plural: str, name: str, group: str = "") -> ApiError:
@@ -107,9 +105,7 @@ def invalid(kind: str, name: str, causes: list[Cause], group: str = "") -> ApiEr
     parts = [f"{c.field}: {c.message}" if c.field else c.message for c in causes]
     joined = parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
     qualified = f"{kind}.{group}" if group else kind
-    return ApiError(
-        422, "Invalid", f'{qualified} "{name}" is invalid: {joined}', _details(name, kind, group, causes)
-    )
+    return ApiError(422, "Invalid", f'{qualified} "{name}" is invalid: {joined}', _details(name, kind, group, causes))
 
 
 def bad_request(message: str) -> ApiError:
@@ -125,9 +121,7 @@ def forbidden(message: str, plural: str = "", name: str = "", group: str = "") -
 
 
 def method_not_allowed() -> ApiError:
-    return ApiError(
-        405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
-    )
+    return ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested resource")
 
 
 def unsupported_media_type(content_type: str) -> ApiError:
@@ -164,9 +158,7 @@ def too_many_requests(retry_after: int) -> ApiError:
 
 
 def internal(message: str) -> ApiError:
-    return ApiError(
-        500, "InternalError", f"Internal error occurred: {message}", {"causes": [{"message": message}]}
-    )
+    return ApiError(500, "InternalError", f"Internal error occurred: {message}", {"causes": [{"message": message}]})
 
 
 def rv_too_large(requested: int, current: int) -> ApiError:

@@ -144,8 +144,7 @@ def parse_watch(resource: ResourceType, query: Mapping[str, str], namespace: str
             causes.append(
                 Cause(
                     "FieldValueForbidden",
-                    "Forbidden: resourceVersionMatch is forbidden for watch "
-                    "unless sendInitialEvents is provided",
+                    "Forbidden: resourceVersionMatch is forbidden for watch unless sendInitialEvents is provided",
                     "resourceVersionMatch",
                 )
             )

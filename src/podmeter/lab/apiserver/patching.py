@@ -149,9 +149,7 @@ def json_patch(target: Any, ops: Any) -> Any:
             doc = _remove(doc, path)
         elif name == "replace":
             _get(doc, path)
-            doc = (
-                _add(_remove(doc, path), path, copy.deepcopy(op["value"])) if _pointer(path) else op["value"]
-            )
+            doc = _add(_remove(doc, path), path, copy.deepcopy(op["value"])) if _pointer(path) else op["value"]
         elif name in ("move", "copy"):
             source = op.get("from")
             if not isinstance(source, str):

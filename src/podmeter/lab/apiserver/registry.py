@@ -90,14 +90,8 @@ def _kind_check(resource: ResourceType, obj: Any) -> dict[str, Any]:
     meta = obj["metadata"]
     for mapping in ("labels", "annotations"):
         value = meta.get(mapping)
-        if value is not None and (
-            not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values())
-        ):
-            bad = (
-                value
-                if not isinstance(value, dict)
-                else next(v for v in value.values() if not isinstance(v, str))
-            )
+        if value is not None and (not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values())):
+            bad = value if not isinstance(value, dict) else next(v for v in value.values() if not isinstance(v, str))
             raise _type_error(
                 resource,
                 bad,
@@ -290,9 +284,7 @@ class Registry:
         record_manager(obj, manager=ctx.manager, api_version=resource.api_version, now=now, touched=requested)
         if resource is NAMESPACES:
             labels = {"metadata": {"labels": obj["metadata"]["labels"]}}
-            record_manager(
-                obj, manager=ctx.manager, api_version=resource.api_version, now=now, touched=labels
-            )
+            record_manager(obj, manager=ctx.manager, api_version=resource.api_version, now=now, touched=labels)
         self._validate(resource, obj, name)
         if ctx.dry_run:
             obj["metadata"]["resourceVersion"] = str(self.store.rv)
@@ -450,9 +442,7 @@ class Registry:
         if _same(new, old):
             return self.full(resource, current)
         section = (
-            {"status": touched.get("status")}
-            if subresource == "status" and isinstance(touched, dict)
-            else touched
+            {"status": touched.get("status")} if subresource == "status" and isinstance(touched, dict) else touched
         )
         record_manager(
             new,
@@ -518,9 +508,7 @@ class Registry:
             spec: dict[str, Any] = raw_spec if isinstance(raw_spec, dict) else {}
             grace = int(spec.get("terminationGracePeriodSeconds", 30) or 0) if graceful else 0
         meta = pod["metadata"]
-        if meta.get("deletionTimestamp") is None or grace < int(
-            meta.get("deletionGracePeriodSeconds", 0) or 0
-        ):
+        if meta.get("deletionTimestamp") is None or grace < int(meta.get("deletionGracePeriodSeconds", 0) or 0):
             if meta.get("deletionTimestamp") is None:
                 meta["generation"] = int(meta.get("generation", 1)) + 1
             meta["deletionTimestamp"] = now_text()

@@ -133,8 +133,7 @@ def _parse_label_clause(clause: str) -> Requirement:
         if op in (">", "<"):
             if not re.fullmatch(r"-?\d+", value):
                 raise bad_request(
-                    f"unable to parse requirement: for 'Gt', 'Lt' operators, the value must be an "
-                    f"integer: {value}"
+                    f"unable to parse requirement: for 'Gt', 'Lt' operators, the value must be an integer: {value}"
                 )
         else:
             _check_value(value)

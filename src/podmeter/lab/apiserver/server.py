@@ -104,9 +104,7 @@ class RunningServer:
         if tls is not None:
             self.ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             self.ssl_context.load_cert_chain(str(tls.cert), str(tls.key))
-        self.runner = web.AppRunner(
-            lab.make_app(), handle_signals=False, access_log=None, shutdown_timeout=0.5
-        )
+        self.runner = web.AppRunner(lab.make_app(), handle_signals=False, access_log=None, shutdown_timeout=0.5)
         self.site: web.TCPSite | None = None
         lab.restart_hook = self.restart
 
@@ -121,9 +119,7 @@ class RunningServer:
         await self._listen()
 
     async def _listen(self) -> None:
-        self.site = web.TCPSite(
-            self.runner, self.host, self.port, ssl_context=self.ssl_context, reuse_address=True
-        )
+        self.site = web.TCPSite(self.runner, self.host, self.port, ssl_context=self.ssl_context, reuse_address=True)
         await self.site.start()
         if self.port == 0:
             server = self.site._server

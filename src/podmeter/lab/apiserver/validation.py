@@ -131,9 +131,7 @@ def validate_pod_ips(status: dict[str, Any], base: str = "status") -> list[Cause
         seen.add(ip)  # type: ignore[arg-type]
         families.append(family)
     if len(pod_ips) > 2 or len(set(families)) < len(families):
-        causes.append(
-            _invalid(f"{base}.podIPs", pod_ips, "may specify no more than one IP for each IP family")
-        )
+        causes.append(_invalid(f"{base}.podIPs", pod_ips, "may specify no more than one IP for each IP family"))
     host_ip = status.get("hostIP")
     if host_ip and (not isinstance(host_ip, str) or _ip_family(host_ip) is None):
         causes.append(_invalid(f"{base}.hostIP", host_ip, IP_MSG))
@@ -197,7 +195,5 @@ def validate_pod_spec_update(old: dict[str, Any], new: dict[str, Any]) -> list[C
         break
     old_node, new_node = old.get("nodeName"), new.get("nodeName")
     if old_node and old_node != new_node:
-        causes.append(
-            Cause("FieldValueForbidden", "Forbidden: pod is already bound to a node", "spec.nodeName")
-        )
+        causes.append(Cause("FieldValueForbidden", "Forbidden: pod is already bound to a node", "spec.nodeName"))
     return causes
