@@ -273,6 +273,21 @@ def test_tc_mode_never_removes_what_it_did_not_create(topology: Topology, open_d
     assert "clsact" in run(*tc, "qdisc", "show", "dev", pod.host_veth)
 
 
+def test_tc_mode_refuses_a_device_with_a_legacy_ingress_qdisc(topology: Topology, open_datapath: Opener) -> None:
+    """Attaching there would put the egress program on ingress: refuse, report, attach the others."""
+    datapath = open_datapath(8)
+    assert datapath.programs is not None
+    blocked, fine = topology.add_pod(), topology.add_pod()
+    run("tc", "-n", topology.host, "qdisc", "add", "dev", blocked.host_veth, "ingress")
+    with AttachManager(datapath.programs, mode=AttachMode.TC, netns=topology.host_path) as manager:
+        assert set(manager.attached()) == {fine.host_veth}
+        assert "legacy `ingress` qdisc" in manager.errors[blocked.host_veth]
+        run("tc", "-n", topology.host, "qdisc", "del", "dev", blocked.host_veth, "ingress")
+        manager.sync()
+        assert set(manager.attached()) == {fine.host_veth, blocked.host_veth}
+        assert manager.errors == {}
+
+
 def test_capture_parser_reads_ipv4_addresses() -> None:
     """The test's own oracle: the offsets it reads are the IPv4 source and destination."""
     frame = b"\x00" * 12 + b"\x08\x00" + struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20, 0, 0, 64, 17, 0,

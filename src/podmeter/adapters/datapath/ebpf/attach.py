@@ -112,6 +112,8 @@ class Attacher:
                 return Attachment(ifindex, ifname, self.mode, self._tcx_attach(ifindex))
             self._tc_attach(ifindex)
             return Attachment(ifindex, ifname, self.mode)
+        except AttachError as error:
+            raise AttachError(f"cannot attach podmeter to {ifname}: {error}") from error
         except BpfCallError as error:
             raise AttachError(f"cannot attach podmeter to {ifname} ({self.mode.value}): {error}") from error
 
@@ -142,6 +144,13 @@ class Attacher:
         return fds
 
     def _tc_attach(self, ifindex: int) -> None:
+        if _has_legacy_ingress_qdisc(ifindex):
+            # clsact and ingress share the handle ffff:, so the egress program would land on the ingress
+            # qdisc and silently count packets leaving the pod as entering it.
+            raise AttachError(
+                f"ifindex {ifindex} has a legacy `ingress` qdisc, which cannot coexist with clsact: "
+                "remove it (`tc qdisc del dev DEV ingress`) or use TCX (kernel >= 6.6)"
+            )
         lib = libbpf()
         hook = TcHook(ctypes.sizeof(TcHook), ifindex, BPF_TC_INGRESS, 0)
         ret = lib.lib.bpf_tc_hook_create(ctypes.byref(hook))
@@ -180,7 +189,7 @@ class AttachManager:
         self.attacher = Attacher(programs, mode)
         self.netns = netns
         self.resync_interval = resync_interval
-        self.errors: dict[str, str] = {}
+        self._errors: dict[str, str] = {}
         self._attached: dict[int, Attachment] = {}
         self._lock = threading.Condition()
         self._passes = 0
@@ -188,6 +197,7 @@ class AttachManager:
         self._failure: BaseException | None = None
         self._wake_r, self._wake_w = os.pipe()
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     @property
     def mode(self) -> AttachMode:
@@ -207,11 +217,20 @@ class AttachManager:
         self._wait_for_pass(target, timeout)
 
     def attached(self) -> dict[str, Attachment]:
+        """Interfaces the programs are attached to now, by name."""
         with self._lock:
             return {a.ifname: a for a in self._attached.values()}
 
+    @property
+    def errors(self) -> dict[str, str]:
+        """Selected interfaces whose last attach failed (name -> reason); retried on every pass."""
+        with self._lock:
+            return dict(self._errors)
+
     def stop(self, timeout: float = 10.0) -> None:
-        """Detach from every interface and stop the worker."""
+        """Detach from every interface and stop the worker (idempotent)."""
+        if self._closed:
+            return
         with self._lock:
             self._stopping = True
         os.write(self._wake_w, b"q")
@@ -219,6 +238,7 @@ class AttachManager:
             self._thread.join(timeout)
         os.close(self._wake_r)
         os.close(self._wake_w)
+        self._closed = True
 
     def __enter__(self) -> AttachManager:
         self.start()
@@ -240,9 +260,17 @@ class AttachManager:
                 self._detach_all(ipr)
         except BaseException as error:  # reported to start()/sync() callers
             log.exception("attach manager stopped")
+            self._abandon()
             with self._lock:
                 self._failure = error
                 self._lock.notify_all()
+
+    def _abandon(self) -> None:
+        """After a failure: close TCX links (a tc filter left behind is replaced by the next start)."""
+        for index, attachment in list(self._attached.items()):
+            with contextlib.suppress(OSError):
+                self.attacher.detach(attachment, exists=False)
+            self._forget(index)
 
     def _pass(self, ipr: IPRoute) -> None:
         present = _links(ipr)
@@ -255,6 +283,7 @@ class AttachManager:
             if index not in self._attached:
                 self._attach(index, name)
         with self._lock:
+            self._errors = {name: e for name, e in self._errors.items() if name in wanted.values()}
             self._passes += 1
             self._lock.notify_all()
 
@@ -262,12 +291,13 @@ class AttachManager:
         try:
             attachment = self.attacher.attach(index, name)
         except AttachError as error:
-            self.errors[name] = str(error)
+            with self._lock:
+                self._errors[name] = str(error)
             log.warning("%s", error)
             return
-        self.errors.pop(name, None)
         log.info("attached to %s (ifindex %d, %s)", name, index, attachment.mode.value)
         with self._lock:
+            self._errors.pop(name, None)
             self._attached[index] = attachment
 
     def _forget(self, index: int) -> None:
@@ -295,6 +325,11 @@ class AttachManager:
                 raise AttachError(f"the attach manager failed: {self._failure}") from self._failure
             if not done:
                 raise AttachError(f"the attach manager did not complete a pass within {timeout} s")
+
+
+def _has_legacy_ingress_qdisc(ifindex: int) -> bool:
+    with IPRoute() as ipr:  # in the calling thread's netns: the worker's
+        return any(q.get_attr("TCA_KIND") == "ingress" for q in ipr.get_qdiscs(index=ifindex))
 
 
 def _links(ipr: IPRoute) -> dict[int, tuple[str, str | None]]:
