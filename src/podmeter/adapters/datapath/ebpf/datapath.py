@@ -189,4 +189,4 @@ class EbpfDatapath:
         failed = ips[applied] if applied < len(ips) else "?"
         if error.errno_name == "ENOSPC" and op == "insert":
             return FilterFull(f"filter map is full ({self.capacity} entries); {failed} was not inserted")
-        return DatapathError(error.errno_name, f"filter {op} of {failed} failed: {error.strerror}")
+        return DatapathError(error.errno_name, f"filter {op} of {failed} failed: {os.strerror(error.errno or 0)}")
