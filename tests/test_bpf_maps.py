@@ -7,10 +7,12 @@ import json
 import os
 import stat
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from factories import make_pod
 from podmeter.adapters.datapath.ebpf import (
@@ -20,10 +22,11 @@ from podmeter.adapters.datapath.ebpf import (
     layout,
 )
 from podmeter.adapters.datapath.ebpf import frames as f
+from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.datapath import DatapathError, Direction, FilterFull, Traffic
 from podmeter.model.view import NodeView
 from podmeter.runtime.writer import Writer
-from test_bpf_support import needs_root, run
+from test_bpf_support import BPFFS, needs_root, remove_pin_dir, run, unique
 
 pytestmark = needs_root
 pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
@@ -201,3 +204,44 @@ def test_batched_reads_match_key_by_key_reads_across_chunks(open_datapath: Opene
     counters = dp.read_counters()
     assert counters[(observed[7], Direction.EGRESS)] == Traffic(15, 150)
     assert dp.contents() == set(observed)
+
+
+POOL = ips(10)
+
+
+@pytest.fixture(scope="module")
+def kernel_datapath() -> Iterator[EbpfDatapath]:
+    """One small map for all Hypothesis examples (loading per example would dominate the run time)."""
+    path = BPFFS / unique("pmhyp")
+    try:
+        with EbpfDatapath.open(path, filter_size=6) as datapath:
+            yield datapath
+    finally:
+        remove_pin_dir(path)
+
+
+batches = st.lists(
+    st.tuples(st.sampled_from(["insert", "delete"]), st.lists(st.sampled_from(POOL), max_size=5)),
+    max_size=12,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(batches)
+def test_the_kernel_map_has_the_memory_datapaths_semantics(
+    kernel_datapath: EbpfDatapath, operations: list[tuple[str, list[str]]]
+) -> None:
+    """Same batches, same applied counts, same errors, same contents: the writer can rely on either."""
+    kernel_datapath.delete(sorted(kernel_datapath.contents()))
+    memory = MemoryDatapath(capacity=6)
+    for op, batch in operations:
+        expected = getattr(memory, op)(batch)
+        got = getattr(kernel_datapath, op)(batch)
+        assert got.applied == expected.applied, (op, batch)
+        assert _errno(got.error) == _errno(expected.error), (op, batch)
+        assert type(got.error) is type(expected.error)
+        assert kernel_datapath.contents() == memory.contents()
+
+
+def _errno(error: DatapathError | None) -> str | None:
+    return None if error is None else error.errno_name
