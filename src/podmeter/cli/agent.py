@@ -1,16 +1,101 @@
-"""`podmeter agent`: not built yet."""
+"""``podmeter agent``: watch this node's pods and keep their IPs in the datapath's filter."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import signal
 from typing import Any
+
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+
+from podmeter.adapters.kube.connection import ConnectionConfigError, load_connection
+from podmeter.adapters.metrics.agent_state import AgentStateCollector
+from podmeter.runtime.agent import Agent, AgentSettings
+from podmeter.runtime.datapaths import open_datapath
+from podmeter.runtime.endpoints import build_app, parse_listen, serve
+from podmeter.runtime.logs import setup_logging
+
+log = logging.getLogger("podmeter.agent")
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser("agent", help="(not built yet)")
-    parser.set_defaults(func=_run)
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "agent", help="run the node agent", description=__doc__,
+        epilog="Every option can also be set with an environment variable PODMETER_<OPTION> "
+               "(e.g. PODMETER_NODE_NAME).")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, then the in-cluster account)")
+    p.add_argument("--context", help="kubeconfig context (default: the current one)")
+    p.add_argument("--node-name", required=True, help="this node's name (spec.nodeName of its pods)")
+    p.add_argument("--datapath", choices=("ebpf", "memory"), default="ebpf",
+                   help="ebpf: the kernel (root); memory: no kernel, for the lab and tests (default ebpf)")
+    p.add_argument("--bpffs", default="/sys/fs/bpf/podmeter", help="pin directory of the eBPF maps")
+    p.add_argument("--filter-map-size", type=_positive, default=65536, help="filter map max_entries")
+    p.add_argument("--interface", action="append", default=[],
+                   help="also attach to this interface (repeatable); veths named pm*, veth*, lxc*, cali* "
+                        "are found by themselves")
+    p.add_argument("--listen", default="127.0.0.1:9965", help="HTTP address for /metrics, /healthz, /readyz")
+    p.add_argument("--debug-remote", action="store_true",
+                   help="let /debug/state answer non-loopback clients too (default: loopback only)")
+    p.add_argument("--resync-interval", type=_positive_float, default=60.0,
+                   help="seconds between full resyncs against the kernel")
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.set_defaults(func=run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    print("podmeter agent: not built yet")
-    return 2
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {value}")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {value}")
+    return number
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level, args.log_format)
+    try:
+        parse_listen(args.listen)
+        connection = load_connection(args.kubeconfig, args.context)
+    except (ValueError, ConnectionConfigError) as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        opened = open_datapath(args.datapath, args.bpffs, args.filter_map_size, tuple(args.interface))
+    except Exception as exc:  # setup errors carry an actionable message; refuse to run half-blind
+        log.error("cannot open the %s datapath: %s", args.datapath, exc)
+        return 1
+    try:
+        return asyncio.run(_serve(args, connection, opened.datapath))
+    finally:
+        opened.close()
+
+
+async def _serve(args: argparse.Namespace, connection: Any, datapath: Any) -> int:
+    settings = AgentSettings(node_name=args.node_name, resync_interval=args.resync_interval)
+    agent = Agent(settings, connection, datapath)
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    registry.register(AgentStateCollector(agent.snapshot))
+    app = build_app(registry, agent.ready.is_set, {"/debug/state": agent.debug_state}, args.debug_remote)
+    runner, port = await serve(app, args.listen)
+    log.info("agent for node %s: API server %s (%s), HTTP on port %d", args.node_name, connection.server,
+             connection.source, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await agent.start()
+    await stop.wait()
+    log.info("stopping: pinned state stays for the next agent")
+    await agent.stop()
+    await runner.cleanup()
+    return 0

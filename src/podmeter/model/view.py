@@ -12,7 +12,7 @@ deletes and leaves unchanged ones alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from podmeter.model.compaction import PeakTracker
@@ -75,10 +75,11 @@ class NodeView:
             self.pods = dict(self.pods)
         return True
 
-    def replace_pods(self, pods: Iterable[Pod]) -> ReplaceResult:
-        """Make the stored pods exactly ``pods`` (a relist): vanished ones are deleted."""
+    def replace_pods(self, pods: Iterable[Pod], keep: Collection[str] = ()) -> ReplaceResult:
+        """Make the stored pods exactly ``pods`` (a relist): vanished ones are deleted. UIDs in ``keep``
+        were listed but could not be decoded: their last good state stays."""
         listed: dict[str, Pod] = {pod.uid: pod for pod in pods}
-        vanished = [uid for uid in self.pods if uid not in listed]
+        vanished = [uid for uid in self.pods if uid not in listed and uid not in keep]
         for uid in vanished:
             self.delete_pod(uid)
         added = updated = 0
@@ -107,9 +108,9 @@ class NodeView:
         self._reevaluate(lambda: self.namespaces.__delitem__(name), name)
         return True
 
-    def replace_namespaces(self, namespaces: Iterable[Namespace]) -> ReplaceResult:
+    def replace_namespaces(self, namespaces: Iterable[Namespace], keep: Collection[str] = ()) -> ReplaceResult:
         listed = {ns.name: ns for ns in namespaces}
-        vanished = [name for name in self.namespaces if name not in listed]
+        vanished = [name for name in self.namespaces if name not in listed and name not in keep]
         for name in vanished:
             self.delete_namespace(name)
         added = updated = 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from podmeter.model.datapath import Datapath, DatapathError, Direction, FilterFull, Traffic
@@ -73,8 +73,8 @@ class Writer:
     def delete_pod(self, uid: str) -> bool:
         return self.view.delete_pod(uid)
 
-    def replace_pods(self, pods: Iterable[Pod]) -> ReplaceResult:
-        return self.view.replace_pods(pods)
+    def replace_pods(self, pods: Iterable[Pod], keep: Collection[str] = ()) -> ReplaceResult:
+        return self.view.replace_pods(pods, keep)
 
     def upsert_namespace(self, namespace: Namespace) -> bool:
         return self.view.upsert_namespace(namespace)
@@ -82,8 +82,8 @@ class Writer:
     def delete_namespace(self, name: str) -> bool:
         return self.view.delete_namespace(name)
 
-    def replace_namespaces(self, namespaces: Iterable[Namespace]) -> ReplaceResult:
-        return self.view.replace_namespaces(namespaces)
+    def replace_namespaces(self, namespaces: Iterable[Namespace], keep: Collection[str] = ()) -> ReplaceResult:
+        return self.view.replace_namespaces(namespaces, keep)
 
     # --- pushing to the datapath --------------------------------------------------------------
 

@@ -1,0 +1,73 @@
+"""Where the API server is and how to authenticate: kubeconfig, ``KUBECONFIG`` or the service account.
+
+The maintained client library (lightkube) parses the configuration and builds the HTTP client: bearer
+tokens, client certificates, CA bundles, the insecure flag, exec plugins, and the in-cluster service
+account whose token file is re-read when the API server answers 401 (the kubelet rotates it). podmeter
+owns only what comes after: the reflector.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2 as httpx
+from lightkube.config import client_adapter
+from lightkube.config.kubeconfig import KubeConfig, SingleConfig
+from lightkube.core.exceptions import ConfigError
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+class ConnectionConfigError(RuntimeError):
+    """No usable API server configuration; the message says what was tried."""
+
+
+@dataclass(frozen=True)
+class Connection:
+    """An API server endpoint with its credentials; ``source`` says where it came from (for logs)."""
+
+    config: SingleConfig
+    source: str
+
+    @property
+    def server(self) -> str:
+        return str(self.config.cluster.server)
+
+    def http_client(self, request_timeout: float = 30.0) -> httpx.AsyncClient:
+        """An async HTTP client with auth and TLS set up. Reads have no timeout: the reflector applies its
+        own inactivity deadline to watch streams, and a request timeout to everything else."""
+        timeout = httpx.Timeout(request_timeout, read=None)
+        params = client_adapter.ConnectionParams(timeout=timeout, trust_env=False)
+        return client_adapter.AsyncClient(self.config, params)
+
+
+def load_connection(kubeconfig: str | None, context: str | None = None) -> Connection:
+    """The ``--kubeconfig`` flag, else ``$KUBECONFIG``, else the in-cluster service account."""
+    path = kubeconfig or os.environ.get("KUBECONFIG")
+    if path:
+        return _from_file(path, context)
+    if SERVICE_ACCOUNT_DIR.joinpath("token").exists() and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        try:
+            config = KubeConfig.from_service_account(SERVICE_ACCOUNT_DIR).get()
+        except (ConfigError, KeyError) as exc:
+            raise ConnectionConfigError(f"in-cluster service account unusable: {exc}") from exc
+        assert config is not None
+        return Connection(config, "in-cluster service account")
+    raise ConnectionConfigError(
+        "no API server configured: pass --kubeconfig PATH, set KUBECONFIG, "
+        "or run in a pod with a service account"
+    )
+
+
+def _from_file(path: str, context: str | None) -> Connection:
+    if not Path(path).is_file():
+        raise ConnectionConfigError(f"kubeconfig {path} does not exist")
+    try:
+        config = KubeConfig.from_file(path).get(context_name=context)
+    except (ConfigError, KeyError, ValueError, TypeError) as exc:
+        raise ConnectionConfigError(f"kubeconfig {path} is not usable: {exc}") from exc
+    if config is None:
+        raise ConnectionConfigError(f"kubeconfig {path} has no current context")
+    return Connection(config, f"kubeconfig {path}")

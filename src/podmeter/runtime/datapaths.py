@@ -1,0 +1,49 @@
+"""Choosing and opening the agent's datapath: ``memory`` (no root, lab and tests) or ``ebpf`` (the kernel)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from podmeter.adapters.datapath.memory import MemoryDatapath
+from podmeter.model.datapath import Datapath
+
+log = logging.getLogger("podmeter.datapath")
+
+
+@dataclass
+class OpenDatapath:
+    """A datapath with whatever it needs closed at shutdown (attach manager, descriptors)."""
+
+    datapath: Datapath
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            try:
+                close()
+            except Exception:  # shutdown must go on: log and continue
+                log.exception("error while closing the datapath")
+
+
+def open_datapath(kind: str, bpffs: str, filter_map_size: int, interfaces: tuple[str, ...] = (),
+                  patterns: tuple[str, ...] | None = None) -> OpenDatapath:
+    """Open the datapath; raises with an actionable message (the agent refuses to start half-blind)."""
+    if kind == "memory":
+        return OpenDatapath(MemoryDatapath(filter_map_size))
+    if kind != "ebpf":
+        raise ValueError(f"--datapath must be ebpf or memory, not {kind!r}")
+    from podmeter.adapters.datapath.ebpf import AttachManager, EbpfDatapath, InterfaceRule
+
+    datapath = EbpfDatapath.open(bpffs, filter_size=filter_map_size)
+    assert datapath.programs is not None, "EbpfDatapath.open loads the programs"
+    rule = InterfaceRule(explicit=interfaces) if patterns is None else InterfaceRule(patterns, interfaces)
+    manager = AttachManager(datapath.programs, rule=rule)
+    try:
+        manager.start()
+    except BaseException:
+        datapath.close()
+        raise
+    log.info("eBPF datapath open: pins in %s, filter size %d", bpffs, datapath.capacity)
+    return OpenDatapath(datapath, [datapath.close, manager.stop])

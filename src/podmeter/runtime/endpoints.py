@@ -1,0 +1,79 @@
+"""HTTP endpoints of the agent and the operator: ``/metrics``, ``/healthz``, ``/readyz``, ``/debug/...``.
+
+Debug endpoints answer only requests from loopback unless ``debug_remote`` is set: they list pod names
+and IPs, which a node's metrics port (often reachable cluster-wide for Prometheus) should not.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+DebugViews = dict[str, Callable[[], Any]]
+
+
+def build_app(registry: CollectorRegistry, ready: Callable[[], bool], debug: DebugViews,
+              debug_remote: bool = False) -> web.Application:
+    app = web.Application()
+
+    async def metrics(_: web.Request) -> web.Response:
+        body = generate_latest(registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(_: web.Request) -> web.Response:
+        if ready():
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text="not ready: waiting for the first lists and the datapath\n")
+
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    for path, view in debug.items():
+        app.router.add_get(path, _debug_handler(view, debug_remote))
+    return app
+
+
+def _debug_handler(view: Callable[[], Any], debug_remote: bool) -> Callable[[web.Request], Any]:
+    async def handler(request: web.Request) -> web.Response:
+        if not debug_remote and not _is_loopback(request.remote):
+            return web.Response(status=403, text="debug endpoints answer on loopback only (--debug-remote)\n")
+        return web.Response(text=json.dumps(view(), indent=1, sort_keys=True) + "\n",
+                            content_type="application/json")
+
+    return handler
+
+
+def _is_loopback(remote: str | None) -> bool:
+    try:
+        return remote is not None and ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:9965`` for IPv6) -> (host, port); ValueError with a clear message."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--listen {value!r}: expected HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+async def serve(app: web.Application, listen: str) -> tuple[web.AppRunner, int]:
+    """Start serving; returns the runner (for cleanup) and the bound port (useful with port 0)."""
+    host, port = parse_listen(listen)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = port
+    for address in runner.addresses:  # the real port when 0 was asked for
+        bound = int(address[1])
+    return runner, bound
