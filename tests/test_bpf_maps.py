@@ -68,6 +68,21 @@ def test_full_trie_stops_the_batch_with_filter_full_and_an_exact_count(open_data
     assert dp.contents() == set(batch[2:10])
 
 
+def test_element_wise_fallback_has_the_batch_semantics(open_datapath: Opener) -> None:
+    """What kernels without batch writes for LPM tries get: same counts, same errors."""
+    dp = open_datapath(4)
+    keys = [layout.filter_key(ip) for ip in ips(6)]
+    outcome = dp.filter_map.update_each(keys, [layout.FILTER_VALUE] * 6)
+    assert outcome.applied == 4
+    assert outcome.error is not None
+    assert outcome.error.errno_name == "ENOSPC"
+    outcome = dp.filter_map.delete_each([keys[0], keys[5], keys[1]])
+    assert outcome.applied == 1
+    assert outcome.error is not None
+    assert outcome.error.errno_name == "ENOENT"
+    assert dp.contents() == set(ips(4)[1:])
+
+
 def test_delete_of_an_absent_ip_stops_the_batch_with_enoent(open_datapath: Opener) -> None:
     dp = open_datapath(16)
     present = ips(4)

@@ -24,7 +24,7 @@ from podmeter.adapters.datapath.ebpf.libbpf import (
 )
 
 _BATCH_CHUNK = 4096  # elements per BPF_MAP_LOOKUP_BATCH call
-_ENOTSUPP = 524  # the kernel-internal "operation not supported" some map types return
+_ENOTSUPP = 524  # what the bpf() syscall returns for a batch operation the map type lacks
 
 # Map types whose values are per-CPU arrays (hash, array, LRU hash, cgroup storage).
 _PER_CPU_TYPES = frozenset({BPF_MAP_TYPE_PERCPU_HASH, 6, 10, 21})
@@ -212,7 +212,18 @@ class BpfMap:
         ret = self._lib.lib.bpf_map_update_batch(
             self.fd, self._keys(keys), b"".join(values), ctypes.byref(count), ctypes.byref(opts)
         )
+        if ret == -_ENOTSUPP:  # a kernel without batch writes for this map type
+            return self.update_each(keys, values, flags)
         return self._outcome("bpf_map_update_batch", ret, count.value, len(keys))
+
+    def update_each(self, keys: Sequence[bytes], values: Sequence[bytes], flags: int = BPF_ANY) -> BatchOutcome:
+        """:meth:`update_batch` one element per syscall, with the same stop-at-first-error result."""
+        for applied, (key, value) in enumerate(zip(keys, values, strict=True)):
+            try:
+                self.update(key, value, flags)
+            except BpfCallError as error:
+                return BatchOutcome(applied, error)
+        return BatchOutcome(len(keys))
 
     def delete_batch(self, keys: Sequence[bytes]) -> BatchOutcome:
         """Delete elements in order; an absent key stops the batch with ENOENT."""
@@ -223,7 +234,17 @@ class BpfMap:
         ret = self._lib.lib.bpf_map_delete_batch(
             self.fd, self._keys(keys), ctypes.byref(count), ctypes.byref(opts)
         )
+        if ret == -_ENOTSUPP:
+            return self.delete_each(keys)
         return self._outcome("bpf_map_delete_batch", ret, count.value, len(keys))
+
+    def delete_each(self, keys: Sequence[bytes]) -> BatchOutcome:
+        """:meth:`delete_batch` one element per syscall (an absent key stops it with ENOENT)."""
+        for applied, key in enumerate(keys):
+            ret = self._lib.lib.bpf_map_delete_elem(self.fd, self._key(key))
+            if ret < 0:
+                return BatchOutcome(applied, BpfCallError("bpf_map_delete_elem", -ret))
+        return BatchOutcome(len(keys))
 
     # --- internals ------------------------------------------------------------------------------
 
