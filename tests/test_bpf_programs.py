@@ -146,3 +146,11 @@ def test_counting_stops_when_the_ip_leaves_and_restarts_from_zero(datapath: Ebpf
     assert datapath.insert([POD_V4]).error is None
     run(from_pod, frame)
     assert datapath.read_counters() == {(POD_V4, Direction.EGRESS): Traffic(1, len(frame))}
+
+
+def test_ipv4_options_do_not_matter(datapath: EbpfDatapath) -> None:
+    """Only the fixed header is read: a packet with options (IHL 6) counts like any other."""
+    from_pod, _ = programs(datapath)
+    frame = f.ethernet(f.ETH_P_IP, f.ipv4(POD_V4, PEER_V4, b"\x01\x01\x01\x00" + f.udp(b"o"), ihl=6))
+    run(from_pod, frame)
+    assert datapath.read_counters() == {(POD_V4, Direction.EGRESS): Traffic(1, len(frame))}
