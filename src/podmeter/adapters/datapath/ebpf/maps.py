@@ -59,7 +59,10 @@ class BatchOutcome:
 
 
 class BpfMap:
-    """Owns one map file descriptor (closed by :meth:`close`). Not thread-safe; one user at a time."""
+    """Owns one map file descriptor (closed by :meth:`close`, which must come last).
+
+    Calls from several threads may overlap: after construction nothing but the kernel's map changes.
+    """
 
     def __init__(self, fd: int, name: str, lib: Libbpf | None = None) -> None:
         self.fd = fd
@@ -135,16 +138,15 @@ class BpfMap:
         following = ctypes.create_string_buffer(size)
         seen: dict[bytes, None] = {}
         previous = None  # NULL: start from the first key
-        while True:
+        for _ in range(4 * self.shape.max_entries + 16):  # bounded: restarts under heavy churn end
             ret = self._lib.lib.bpf_map_get_next_key(self.fd, previous, following)
             if ret == -errno.ENOENT:
-                return list(seen)
+                break
             self._lib.check("bpf_map_get_next_key", ret)
             ctypes.memmove(current, following, size)
             seen[current.raw] = None
             previous = current
-            if len(seen) > self.shape.max_entries * 2:  # a map changing under us faster than we read
-                return list(seen)
+        return list(seen)
 
     def collect_items(self) -> list[tuple[bytes, bytes]]:
         """Every (key, value), read in chunks with BPF_MAP_LOOKUP_BATCH (two syscalls per entry
