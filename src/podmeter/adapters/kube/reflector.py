@@ -97,6 +97,7 @@ class ReflectorSettings:
     page_size: int = 500
     watch_timeout: tuple[float, float] = (300.0, 600.0)  # timeoutSeconds drawn uniformly in [lo, hi)
     inactivity_grace: float = 30.0  # silence allowed beyond timeoutSeconds before the stream is dead
+    inactivity_deadline: float | None = None  # fixed deadline instead of timeoutSeconds + grace
     request_timeout: float = 30.0
     field_selector: str | None = None
     label_selector: str | None = None
@@ -192,7 +193,7 @@ class Reflector:
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(timeout),
         }
-        deadline = timeout + self.settings.inactivity_grace
+        deadline = self.settings.inactivity_deadline or timeout + self.settings.inactivity_grace
         async with self.client.stream("GET", self.kind.path, params=params) as response:
             self.stats.requests += 1
             if response.status_code != 200:
