@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from lab_server import LabServer
-
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.adapters.kube.backoff import Backoff
 from podmeter.adapters.kube.connection import load_connection
@@ -142,8 +141,8 @@ class Cluster:
                 "metadata": {"name": "default"}, "spec": spec}
         status, _, _ = self.server.request("GET", f"{path}/default")
         if status == 404:
-            status, _, answer = self.server.request("POST", path, body)
+            status, _, _ = self.server.request("POST", path, body)
         else:
-            status, _, answer = self.server.request("PATCH", f"{path}/default", {"spec": spec},
+            status, _, _ = self.server.request("PATCH", f"{path}/default", {"spec": spec},
                                                     "application/merge-patch+json")
         return status

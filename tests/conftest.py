@@ -2,3 +2,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Fixtures shared by many test files: the lab API server (in-process and as a subprocess).
+pytest_plugins = ["lab_server"]

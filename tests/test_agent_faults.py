@@ -6,8 +6,7 @@ from __future__ import annotations
 import time
 
 from agent_harness import AgentHarness, Cluster, wait_for
-from lab_server import LabServer, lab_apiserver  # noqa: F401 (fixture)
-
+from lab_server import LabServer
 from podmeter.adapters.kube.backoff import Backoff
 from podmeter.adapters.kube.reflector import ReflectorSettings
 from podmeter.adapters.kube.resources import ResourceKind

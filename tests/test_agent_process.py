@@ -12,8 +12,9 @@ import urllib.error
 import urllib.request
 
 import pytest
+
 from agent_harness import Cluster, wait_for
-from lab_server import LabServer, lab_apiserver  # noqa: F401 (fixture)
+from lab_server import LabServer
 
 
 def free_port() -> int:
@@ -24,7 +25,7 @@ def free_port() -> int:
 
 def get(url: str) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (loopback test URL)
+        with urllib.request.urlopen(url, timeout=5) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode()

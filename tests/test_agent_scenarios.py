@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from agent_harness import AgentHarness, Cluster, wait_for
-from lab_server import LabServer, lab_apiserver  # noqa: F401 (fixture)
+from lab_server import LabServer
 
 
 def test_a_namespace_annotation_removed_then_pod_deleted(lab_apiserver: LabServer) -> None:
