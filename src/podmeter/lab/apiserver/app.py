@@ -310,19 +310,15 @@ class LabApiServer:
         if "rawLine" in body:
             line = str(body["rawLine"]).encode()
             return {"watchers": self.hub.inject_line(resource, line if line.endswith(b"\n") else line + b"\n")}
-        obj = body.get("object")
-        if not isinstance(obj, dict):
-            raise errors.bad_request("inject needs an object")
-        meta = obj.get("metadata")
-        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
-            raise errors.bad_request("inject needs object.metadata.name (a string)")
-        if resource.namespaced and not isinstance(meta.get("namespace"), str):
-            raise errors.bad_request("inject needs object.metadata.namespace (a string) for this resource")
-        key = f"{meta['namespace']}/{meta['name']}" if resource.namespaced else meta["name"]
-        event_type = MODIFIED if self.store.get(resource, key) is not None else ADDED
-        meta.setdefault("uid", f"injected-{self.store.rv + 1}")
-        stored = self.store.commit(resource, event_type, obj)
-        return {"type": event_type, "resourceVersion": str(stored.rv)}
+        objects = body["objects"] if isinstance(body.get("objects"), list) else [body.get("object")]
+        keys = [_inject_key(resource, obj) for obj in objects]  # all checked before any is stored
+        result: dict[str, Any] = {}
+        for key, obj in zip(keys, objects, strict=True):
+            event_type = MODIFIED if self.store.get(resource, key) is not None else ADDED
+            obj["metadata"].setdefault("uid", f"injected-{self.store.rv + 1}")
+            stored = self.store.commit(resource, event_type, obj)
+            result = {"type": event_type, "resourceVersion": str(stored.rv), "count": len(objects)}
+        return result
 
     def _requests(self, request: web.Request) -> dict[str, Any]:
         verb, resource = request.query.get("verb"), request.query.get("resource")
@@ -433,6 +429,18 @@ async def _admin_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise errors.bad_request("admin body must be a JSON object")
     return body
+
+
+def _inject_key(resource: ResourceType, obj: Any) -> str:
+    """The store key of an object to inject; only name (and namespace) must be well-formed strings."""
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+        raise errors.bad_request("inject needs object.metadata.name (a string)")
+    if not resource.namespaced:
+        return str(meta["name"])
+    if not isinstance(meta.get("namespace"), str):
+        raise errors.bad_request("inject needs object.metadata.namespace (a string) for this resource")
+    return f"{meta['namespace']}/{meta['name']}"
 
 
 def _parse_route(path: str) -> Route | None:

@@ -94,6 +94,11 @@ class AdminClient:
         result: dict[str, Any] = self._call("POST", "/_lab/inject", {"resource": resource, "object": obj})
         return result
 
+    def inject_many(self, resource: str, objects: list[dict[str, Any]]) -> dict[str, Any]:
+        """TEST/BENCH ONLY: ``inject`` for a batch (keep each request under the 3 MiB body limit)."""
+        result: dict[str, Any] = self._call("POST", "/_lab/inject", {"resource": resource, "objects": objects})
+        return result
+
     def inject_line(self, resource: str, line: str) -> int:
         """TEST ONLY: send ``line`` verbatim to every open watch of ``resource`` (garbage on the wire)."""
         return int(self._call("POST", "/_lab/inject", {"resource": resource, "rawLine": line})["watchers"])

@@ -1,0 +1,201 @@
+"""Lab API server figures: one unchunked list of 10,000 realistic pods, and watch fan-out to 50 watchers.
+
+    .venv/bin/python -m bench.apiserver                 # ~30 s
+    .venv/bin/python -m bench.apiserver --pods 2000 --events 200
+
+The server runs as a real ``podmeter apiserver`` subprocess (its own process, as in the lab); pods are
+``podmeter.lab.podgen.realistic_pod`` (~7 KiB of JSON each), loaded through the test-only bulk inject.
+Prints a table and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from bench.measure import json_line, table, timed_ms
+from podmeter.lab.apiserver.client import AdminClient
+from podmeter.lab.podgen import realistic_pod
+
+TOKEN = "bench"
+
+
+def start_server(workdir: Path, history: int) -> tuple[subprocess.Popen[bytes], str]:
+    kubeconfig = workdir / "kubeconfig"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "podmeter",
+            "apiserver",
+            "--listen",
+            "127.0.0.1:0",
+            "--kubeconfig-out",
+            str(kubeconfig),
+            "--token",
+            TOKEN,
+            "--history",
+            str(history),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if kubeconfig.exists():
+            url: str = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+            try:
+                AdminClient(url, TOKEN).stats()
+                return proc, url
+            except OSError:
+                pass
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("apiserver did not start")
+
+
+def load_pods(admin: AdminClient, count: int) -> list[dict[str, Any]]:
+    pods = [realistic_pod(i, node=f"node-{i % 20}") for i in range(count)]
+    for start in range(0, count, 250):
+        admin.inject_many("pods", pods[start : start + 250])
+    return pods
+
+
+async def list_ms(url: str, runs: int) -> tuple[float, int]:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    times, size = [], 0
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for _ in range(runs):
+            start = time.perf_counter()
+            async with session.get(f"{url}/api/v1/pods") as resp:
+                body = await resp.read()
+            times.append((time.perf_counter() - start) * 1000)
+            size = len(body)
+    return statistics.median(times), size
+
+
+async def fanout(url: str, watchers: int, events: int, pod_names: list[tuple[str, str]]) -> tuple[float, float]:
+    """(delivered events/s across all watchers, writer-alone writes/s)."""
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    connector = aiohttp.TCPConnector(limit=watchers + 4)
+    async with aiohttp.ClientSession(headers=headers, connector=connector) as session:
+        writes_alone = await _write(session, url, events, pod_names, offset=0)
+        async with session.get(f"{url}/api/v1/pods?limit=1") as resp:
+            rv = (await resp.json())["metadata"]["resourceVersion"]
+        counts = [0] * watchers
+        done = asyncio.Event()
+
+        async def watch(i: int) -> None:
+            path = f"{url}/api/v1/pods?watch=1&resourceVersion={rv}&timeoutSeconds=300"
+            async with session.get(path, timeout=aiohttp.ClientTimeout(total=None)) as resp:
+                async for chunk in resp.content.iter_any():
+                    counts[i] += chunk.count(b"\n")
+                    if all(c >= events for c in counts):
+                        done.set()
+                    if counts[i] >= events:
+                        return
+
+        tasks = [asyncio.create_task(watch(i)) for i in range(watchers)]
+        await asyncio.sleep(0.5)  # all watches open
+        start = time.perf_counter()
+        await _write(session, url, events, pod_names, offset=events)
+        await asyncio.wait_for(done.wait(), timeout=300)
+        elapsed = time.perf_counter() - start
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return watchers * events / elapsed, writes_alone
+
+
+async def _write(
+    session: aiohttp.ClientSession, url: str, events: int, pod_names: list[tuple[str, str]], offset: int
+) -> float:
+    """``events`` status patches (one writer, sequential); returns writes/s."""
+    start = time.perf_counter()
+    for i in range(events):
+        ns, name = pod_names[i % len(pod_names)]
+        body = json.dumps({"status": {"message": f"write {offset + i}"}})
+        async with session.patch(
+            f"{url}/api/v1/namespaces/{ns}/pods/{name}/status",
+            data=body,
+            headers={"Content-Type": "application/merge-patch+json"},
+        ) as resp:
+            await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"patch failed: {resp.status}")
+    return events / (time.perf_counter() - start)
+
+
+def naive_encode_ms(pods: list[dict[str, Any]]) -> float:
+    """Reference: what a straightforward server spends encoding the same list with the json module."""
+    items = [{k: v for k, v in p.items() if k not in ("kind", "apiVersion")} for p in pods]
+    return timed_ms(
+        lambda: json.dumps(
+            {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": items}
+        )
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--pods", type=int, default=10_000)
+    parser.add_argument("--watchers", type=int, default=50)
+    parser.add_argument("--events", type=int, default=1000)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-apiserver-") as tmp:
+        proc, url = start_server(Path(tmp), history=max(10_000, 2 * args.events))
+        try:
+            admin = AdminClient(url, TOKEN)
+            pods = load_pods(admin, args.pods)
+            stats = admin.stats()
+            listed_ms, size = asyncio.run(list_ms(url, args.runs))
+            reference_ms = statistics.median(naive_encode_ms(pods) for _ in range(3))
+            names = [(p["metadata"]["namespace"], p["metadata"]["name"]) for p in pods]
+            events_per_s, writes_per_s = asyncio.run(fanout(url, args.watchers, args.events, names))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    table(
+        [
+            (
+                f"list_{args.pods // 1000}k_pods_ms",
+                listed_ms,
+                reference_ms,
+                f"{size / 2**20:.1f} MiB; reference: json.dumps of the same list",
+            ),
+            (
+                "watch_fanout_events_per_s",
+                events_per_s,
+                writes_per_s * args.watchers,
+                f"{args.watchers} watchers x {args.events} events; reference: writer alone x watchers",
+            ),
+            ("writer_alone_writes_per_s", writes_per_s, None, "status patches, one client, sequential"),
+            ("server_object_mib", stats["objectBytes"] / 2**20, None, f"{args.pods} pods as stored JSON"),
+        ]
+    )
+    json_line(
+        {
+            f"list_{args.pods // 1000}k_pods_ms": round(listed_ms, 1),
+            "list_bytes": size,
+            "list_reference_json_dumps_ms": round(reference_ms, 1),
+            "watch_fanout_events_per_s": round(events_per_s),
+            "watch_fanout_watchers": args.watchers,
+            "writer_alone_writes_per_s": round(writes_per_s),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
