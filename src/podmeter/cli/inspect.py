@@ -38,12 +38,14 @@ def _run(args: argparse.Namespace) -> int:
         print(f"podmeter inspect: cannot open the maps pinned in {args.bpffs}: {reason}", file=sys.stderr)
         return 1
     with datapath:
-        if args.what == "filter":
-            text = _filter(datapath, args.json)
-        else:
-            text = _counters(datapath.read_counters(), args.json)
-    print(text)
+        print(_render(datapath, args.what, args.json))
     return 0
+
+
+def _render(datapath: EbpfDatapath, what: str, as_json: bool) -> str:
+    if what == "filter":
+        return _filter(datapath, as_json)
+    return _counters(datapath.read_counters(), as_json)
 
 
 def _filter(datapath: EbpfDatapath, as_json: bool) -> str:
