@@ -21,7 +21,7 @@ from pathlib import Path
 
 from podmeter.adapters.datapath.ebpf import layout, preflight
 from podmeter.adapters.datapath.ebpf.libbpf import BPF_ANY, BpfCallError, libbpf
-from podmeter.adapters.datapath.ebpf.loader import Program, load
+from podmeter.adapters.datapath.ebpf.loader import Loaded, Program, load
 from podmeter.adapters.datapath.ebpf.maps import BatchOutcome, BpfMap
 from podmeter.adapters.datapath.ebpf.pins import DEFAULT_BPFFS, PinDir
 from podmeter.model.datapath import BatchResult, DatapathError, Direction, FilterFull, Traffic
@@ -52,6 +52,24 @@ class Programs:
 def counters_size(filter_size: int) -> int:
     """Two directions per filter entry (see the module invariant)."""
     return 2 * filter_size
+
+
+def _check_prerequisites(bpffs: str | os.PathLike[str], object_path: Path | None) -> Path:
+    """Everything that can be checked before touching the kernel; returns the object to load."""
+    preflight.check_privileges()
+    preflight.check_kernel()
+    path = object_path or preflight.object_path()
+    libbpf()  # raises LibbpfMissing
+    preflight.check_bpffs(str(bpffs))
+    return path
+
+
+def _load_owned(pins: PinDir, path: Path, filter_size: int) -> Loaded:
+    """Load with the maps of a pin directory this process owns (cleaning a crashed resize first)."""
+    for name in pins.remove_leftovers():
+        log.warning("removed %s left by an interrupted map resize", name)
+    sizes = {FILTER_MAP: filter_size, COUNTERS_MAP: counters_size(filter_size)}
+    return load(path, pins, sizes, [FROM_POD, TO_POD])
 
 
 class EbpfDatapath:
@@ -88,19 +106,12 @@ class EbpfDatapath:
         """
         if not 1 <= filter_size <= MAX_FILTER_SIZE:
             raise ValueError(f"--filter-map-size must be between 1 and {MAX_FILTER_SIZE}, not {filter_size}")
-        preflight.check_privileges()
-        preflight.check_kernel()
-        path = object_path or preflight.object_path()
-        libbpf()  # LibbpfMissing, before touching anything
-        preflight.check_bpffs(str(bpffs))
+        path = _check_prerequisites(bpffs, object_path)
         pins = PinDir(bpffs)
         pins.ensure()
         pins.lock()
         try:
-            for name in pins.remove_leftovers():
-                log.warning("removed %s left by an interrupted map resize", name)
-            sizes = {FILTER_MAP: filter_size, COUNTERS_MAP: counters_size(filter_size)}
-            loaded = load(path, pins, sizes, [FROM_POD, TO_POD])
+            loaded = _load_owned(pins, path, filter_size)
         except BaseException:
             pins.unlock()
             raise
