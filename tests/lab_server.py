@@ -52,7 +52,7 @@ class LabServer:
         tls: bool = False,
         process: bool = True,
         args: Sequence[str] = (),
-        token: str = "lab-token",  # noqa: S107 (a test server's token)
+        token: str = "lab-token",
         startup_timeout: float = 15.0,
     ) -> None:
         self.tls = tls
@@ -184,7 +184,7 @@ class LabServer:
         import ssl
 
         data = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else None)
-        req = urllib.request.Request(  # noqa: S310 (the test server's own URL)
+        req = urllib.request.Request(
             self.url + path,
             data=data,
             method=method,
@@ -192,7 +192,7 @@ class LabServer:
         )
         context = ssl.create_default_context(cafile=self.ca_file) if self.tls else None
         try:
-            with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:  # noqa: S310
+            with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
                 raw, status, headers = resp.read(), resp.status, dict(resp.headers)
         except urllib.error.HTTPError as err:
             raw, status, headers = err.read(), err.code, dict(err.headers)
@@ -210,7 +210,7 @@ class LabServer:
     ) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this server (needs ``tls=True``: kubectl sends no token over HTTP)."""
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "HOME": str(self.dir)}
-        result = subprocess.run(  # noqa: PLW1510 (the status is checked below, with stderr in the message)
+        result = subprocess.run(
             [KUBECTL, *args], input=input, capture_output=True, text=True, env=env, timeout=timeout
         )
         if check and result.returncode != 0:

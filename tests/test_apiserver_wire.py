@@ -472,9 +472,9 @@ def test_watch_count_and_no_token(srv: LabServer) -> None:
     import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(srv.url + "/api/v1/namespaces")  # noqa: S310
+    req = urllib.request.Request(srv.url + "/api/v1/namespaces")
     with pytest.raises(urllib.error.HTTPError) as info:
-        urllib.request.urlopen(req, timeout=5)  # noqa: S310
+        urllib.request.urlopen(req, timeout=5)
     body = json.loads(info.value.read())
     assert info.value.code == 401
     assert body == {
@@ -504,3 +504,26 @@ def test_discovery_shapes(srv: LabServer) -> None:
     assert coord["resources"][0] == {k: v for k, v in lease.items() if k != "storageVersionHash"}
     _, _, groups = srv.request("GET", "/apis")
     assert {g["name"] for g in groups["groups"]} == {"coordination.k8s.io", "podmeter.io"}
+
+
+def test_binding_subresource_binds_once(srv: LabServer) -> None:
+    make_ns(srv, "bind")
+    create_pod(srv, "bind", "p", node=None)
+    with srv.watch("/api/v1/pods?watch=1&fieldSelector=spec.nodeName%3Dnode-z&timeoutSeconds=1") as w:
+        status, _, body = srv.request(
+            "POST",
+            "/api/v1/namespaces/bind/pods/p/binding",
+            {
+                "apiVersion": "v1",
+                "kind": "Binding",
+                "metadata": {"name": "p"},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": "node-z"},
+            },
+        )
+        events = w.events()
+    assert status == 201 and body["status"] == "Success"
+    assert [e["type"] for e in events] == ["ADDED"]
+    conditions = events[0]["object"]["status"]["conditions"]
+    assert [(c["type"], c["status"]) for c in conditions] == [("PodScheduled", "True")]
+    status, _, body = srv.request("POST", "/api/v1/namespaces/bind/pods/p/binding", {"target": {"name": "n2"}})
+    assert status == 409 and body["reason"] == "Conflict"

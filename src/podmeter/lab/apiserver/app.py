@@ -27,7 +27,7 @@ from podmeter.lab.apiserver import discovery, errors, options, protobuf
 from podmeter.lab.apiserver.errors import ApiError
 from podmeter.lab.apiserver.faults import Faults
 from podmeter.lab.apiserver.registry import PATCH_TYPES, Registry, WriteContext
-from podmeter.lab.apiserver.resources import BY_KEY, NAMESPACES, ResourceType, lookup
+from podmeter.lab.apiserver.resources import BY_KEY, NAMESPACES, PODS, ResourceType, lookup
 from podmeter.lab.apiserver.store import ADDED, MODIFIED, Store, decode, encode
 from podmeter.lab.apiserver.watching import WatchHub
 
@@ -194,6 +194,9 @@ class LabApiServer:
     # --- resources -------------------------------------------------------------------------------------
     async def _resource(self, request: web.Request, route: Route) -> web.StreamResponse:
         method, r = request.method, route.resource
+        if route.subresource == "binding" and r is PODS and route.name is not None and method == "POST":
+            body = await _read_json(request, r)
+            return json_response(self.registry.bind(route.namespace, route.name, body, _context(request)), 201)
         if route.subresource not in (None, "status") or (route.subresource == "status" and not r.has_status):
             raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
         if route.name is None:
@@ -470,7 +473,8 @@ def _classify(request: web.Request) -> tuple[str, str]:
     """(verb, resource) for counters and the fail fault."""
     route = _parse_route(request.path)
     if route is None:
-        return ("admin" if request.path.startswith("/_lab/") else "discovery"), request.path
+        # Not the path itself: counters must stay bounded whatever URLs clients try.
+        return ("admin" if request.path.startswith("/_lab/") else "discovery"), "-"
     method = request.method
     if route.name is None:
         verb = {

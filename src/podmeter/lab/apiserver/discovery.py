@@ -76,6 +76,10 @@ def _entries(r: ResourceType) -> list[dict[str, Any]]:
     if r.categories:
         main["categories"] = list(r.categories)
     out = [main]
+    if r.kind == "Pod":
+        out.append(
+            {"name": "pods/binding", "singularName": "", "namespaced": True, "kind": "Binding", "verbs": ["create"]}
+        )
     if r.has_status:
         out.append(
             {

@@ -463,6 +463,38 @@ class Registry:
             return object_bytes(resource, _encode(new))
         return self.full(resource, self.store.commit(resource, MODIFIED, new))
 
+    def bind(self, namespace: str | None, name: str, body: Any, ctx: WriteContext) -> bytes:
+        """``pods/binding`` (what a scheduler posts): set ``spec.nodeName`` once, mark PodScheduled."""
+        target = body.get("target") if isinstance(body, dict) else None
+        node = target.get("name") if isinstance(target, dict) else None
+        if not isinstance(node, str) or not node:
+            raise errors.invalid("Binding", name, [Cause("FieldValueRequired", "Required value", "target.name")])
+        current = self._existing(PODS, namespace, name)
+        pod = current.decode()
+        spec = pod.get("spec")
+        if not isinstance(spec, dict):
+            raise errors.internal(f"pod {name} has no spec")
+        if spec.get("nodeName"):
+            raise errors.conflict("pods", name, why=f'pod {name} is already assigned to node "{spec["nodeName"]}"')
+        spec["nodeName"] = node
+        status = pod.setdefault("status", {})
+        conditions = [c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"]
+        conditions.append(
+            {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": now_text()}
+        )
+        status["conditions"] = conditions
+        record_manager(
+            pod,
+            manager=ctx.manager,
+            api_version="v1",
+            now=now_text(),
+            touched={"spec": {"nodeName": node}},
+            subresource=None,
+        )
+        if not ctx.dry_run:
+            self.store.commit(PODS, MODIFIED, pod)
+        return b'{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Success","code":201}'
+
     # --- delete ----------------------------------------------------------------------------------------
     def delete(
         self,
