@@ -7,12 +7,14 @@ AF_PACKET socket (an independent view of the same frames) and derives the expect
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -294,3 +296,36 @@ def test_capture_parser_reads_ipv4_addresses() -> None:
                                                      socket.inet_aton("1.2.3.4"), socket.inet_aton("5.6.7.8"))
     assert socket.inet_ntoa(frame[26:30]) == "1.2.3.4"
     assert socket.inet_ntoa(frame[30:34]) == "5.6.7.8"
+
+
+def test_manager_keeps_up_with_a_burst_of_links(topology: Topology, open_datapath: Opener, tmp_path: Path) -> None:
+    """30 veths appear at once, then vanish at once: every one is attached, then none."""
+    datapath = open_datapath(8)
+    assert datapath.programs is not None
+    names = [unique("pmb") for _ in range(30)]
+    adds = "".join(f"link add {name} type veth peer name {unique('qb')}\n" for name in names)
+    dels = "".join(f"link del {name}\n" for name in names)
+    (tmp_path / "add").write_text(adds)
+    (tmp_path / "del").write_text(dels)
+    with AttachManager(datapath.programs, netns=topology.host_path, resync_interval=3600) as manager:
+        run("ip", "-n", topology.host, "-batch", str(tmp_path / "add"))
+        wait_until(lambda: set(manager.attached()) == set(names))
+        run("ip", "-n", topology.host, "-batch", str(tmp_path / "del"))
+        wait_until(lambda: manager.attached() == {})
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_nothing_leaks_across_open_attach_stop_close(topology: Topology, pin_dir: Path) -> None:
+    topology.add_pod()
+    before, threads = open_fds(), threading.active_count()
+    for _ in range(5):
+        datapath = EbpfDatapath.open(pin_dir, filter_size=8)
+        assert datapath.programs is not None
+        with AttachManager(datapath.programs, netns=topology.host_path) as manager:
+            assert len(manager.attached()) == 1
+        datapath.close()
+    assert open_fds() == before
+    assert threading.active_count() == threads
