@@ -32,6 +32,9 @@ _ShortText = Annotated[str, msgspec.Meta(max_length=64)]
 _IPText = Annotated[str, msgspec.Meta(max_length=64)]
 
 _T = TypeVar("_T")
+# A dotted quad without leading zeros is already canonical: skip ipaddress (the hot path of decoding).
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_CANONICAL_V4: Final = re.compile(rf"{_OCTET}(?:\.{_OCTET}){{3}}")
 
 _DNS1123_LABEL: Final = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -92,6 +95,11 @@ class _PodWire(msgspec.Struct):
     metadata: _Meta
     spec: _PodSpec | None = None
     status: _PodStatus | None = None
+
+
+class _PodEventWire(msgspec.Struct):
+    type: _ShortText
+    object: _PodWire
 
 
 class _NamespaceStatus(msgspec.Struct):
@@ -158,6 +166,7 @@ class Namespace(msgspec.Struct, frozen=True, gc=False):
 # --- decoding ----------------------------------------------------------------------------------------
 
 _pod_decoder: Final = msgspec.json.Decoder(_PodWire)
+_pod_event_decoder: Final = msgspec.json.Decoder(_PodEventWire)
 _ns_decoder: Final = msgspec.json.Decoder(_NamespaceWire)
 _name_decoder: Final = msgspec.json.Decoder(_NameOnly)
 
@@ -172,7 +181,23 @@ def canonical_ip(text: str) -> str:
 
 def decode_pod(data: bytes | dict[str, Any]) -> Pod:
     """Decode a Pod from JSON bytes (or an already-parsed dict, for the lab and tests)."""
-    wire = _decode_wire("Pod", data, _pod_decoder, _PodWire)
+    return _pod_record(_decode_wire("Pod", data, _pod_decoder, _PodWire))
+
+
+def decode_pod_event(line: bytes) -> tuple[str, Pod]:
+    """One watch line carrying a pod, decoded in a single pass: (event type, pod).
+
+    The fast path of the agent's pod watch. Anything it cannot take (a BOOKMARK or ERROR object, a bad
+    pod) raises :class:`DecodeError`; the caller then takes the general path, which names the problem.
+    """
+    try:
+        event = _pod_event_decoder.decode(line)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise DecodeError("Pod", "", "$", str(exc)) from None
+    return event.type, _pod_record(event.object)
+
+
+def _pod_record(wire: _PodWire) -> Pod:
     meta, spec = wire.metadata, wire.spec or _PodSpec()
     status = wire.status or _PodStatus()
     name = f"{meta.namespace}/{meta.name}"
@@ -256,7 +281,7 @@ def _pod_ips(status: _PodStatus, name: str) -> tuple[str, ...]:
     ips: list[str] = []
     for text in raw:
         try:
-            ip = canonical_ip(text)
+            ip = text if _CANONICAL_V4.fullmatch(text) else canonical_ip(text)
         except ValueError:
             raise DecodeError("Pod", name, field, f"invalid IP address {text[:64]!r}") from None
         if ip not in ips:

@@ -80,7 +80,7 @@ class Agent:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._client = self.connection.http_client()
+        self._client = self.connection.transport()
         for kind in (PODS, NAMESPACES, METRICS_CONFIGURATIONS):
             settings = self.settings.reflector(kind)
             if kind is PODS:
@@ -101,7 +101,7 @@ class Agent:
         if self.ready.is_set():
             self.writer.flush()
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
 
     # --- the writer task -------------------------------------------------------------------------
 

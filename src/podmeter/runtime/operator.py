@@ -14,7 +14,8 @@ Pieces, each testable alone:
 
 The pod source is a small interface (:class:`PodSource`): an async iterator of ``(event type, Pod)`` plus
 the store those events were applied to. Whatever feeds it must apply an event to the store before it
-yields it, and synthesise deletes for objects that vanished across a relist.
+yields it, and synthesise deletes for objects that vanished across a relist; :class:`ReflectorPodSource`
+does that over the kube reflector.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from podmeter.adapters.identity.base import IdentityBackend, IdentityBackendError
+from podmeter.adapters.kube.connection import Connection
+from podmeter.adapters.kube.deltas import Delete, Delta, Replace, Upsert
+from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
+from podmeter.adapters.kube.resources import PODS
 from podmeter.model.configuration import DEFAULT_NAME, decode_configuration
 from podmeter.model.identity import (
     BadIdentityKey,
@@ -61,6 +66,60 @@ class PodSource(Protocol):
     def events(self) -> AsyncIterator[tuple[str, Pod]]: ...
 
     def pods(self) -> Iterable[Pod]: ...
+
+
+class ReflectorPodSource:
+    """:class:`PodSource` over the kube reflector, watching every pod of the cluster.
+
+    The reflector queues deltas; :meth:`events` applies each one to ``store`` as it yields the events it
+    implies (a relist is diffed against the store: synthetic DELETED for what vanished, ADDED/MODIFIED for
+    what is new or changed). Invariant: ``store`` is exactly the state after the last yielded event, so a
+    sweep between events never races the event stream. Objects the relist could not decode (``keep``)
+    keep their last good state.
+    """
+
+    def __init__(self, connection: Connection, settings: ReflectorSettings | None = None) -> None:
+        self.connection = connection
+        self.settings = settings or ReflectorSettings()
+        self.store: dict[str, Pod] = {}
+        self.reflector: Reflector | None = None
+        self._deltas: asyncio.Queue[Delta] = asyncio.Queue(maxsize=10_000)
+
+    def pods(self) -> Iterable[Pod]:
+        return self.store.values()
+
+    async def events(self) -> AsyncIterator[tuple[str, Pod]]:
+        client = self.connection.transport()
+        self.reflector = Reflector(PODS, client, self._deltas.put, self.settings)
+        task = asyncio.create_task(self.reflector.run(), name="reflector-pods")
+        try:
+            while True:
+                for item in self._apply(await self._deltas.get()):
+                    yield item
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await client.close()
+
+    def _apply(self, delta: Delta) -> list[tuple[str, Pod]]:
+        if isinstance(delta, Upsert):
+            old = self.store.get(delta.item.uid)
+            self.store[delta.item.uid] = delta.item
+            return [("ADDED" if old is None else "MODIFIED", delta.item)]
+        if isinstance(delta, Delete):
+            gone = self.store.pop(delta.key, None) or delta.item
+            return [("DELETED", gone)] if gone is not None else []
+        return self._replace(delta)
+
+    def _replace(self, delta: Replace) -> list[tuple[str, Pod]]:
+        new: dict[str, Pod] = {p.uid: p for p in delta.items}
+        new.update((k, self.store[k]) for k in delta.keep if k in self.store and k not in new)
+        out = [("DELETED", p) for uid, p in self.store.items() if uid not in new]
+        out += [("ADDED" if uid not in self.store else "MODIFIED", p)
+                for uid, p in new.items() if self.store.get(uid) != p]
+        self.store = new  # a fresh dict: the old one's peak size is not kept
+        return out
 
 
 class OperatorMetrics:

@@ -12,10 +12,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx2 as httpx
-from lightkube.config import client_adapter
 from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 from lightkube.core.exceptions import ConfigError
+
+from podmeter.adapters.kube.transport import Transport, make_transport
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -35,12 +35,9 @@ class Connection:
     def server(self) -> str:
         return str(self.config.cluster.server)
 
-    def http_client(self, request_timeout: float = 30.0) -> httpx.AsyncClient:
-        """An async HTTP client with auth and TLS set up. Reads have no timeout: the reflector applies its
-        own inactivity deadline to watch streams, and a request timeout to everything else."""
-        timeout = httpx.Timeout(request_timeout, read=None)
-        params = client_adapter.ConnectionParams(timeout=timeout, trust_env=False)
-        return client_adapter.AsyncClient(self.config, params)
+    def transport(self, request_timeout: float = 30.0) -> Transport:
+        """The HTTP transport for the reflectors, with auth and TLS set up (see :mod:`.transport`)."""
+        return make_transport(self.config, request_timeout)
 
 
 def load_connection(kubeconfig: str | None, context: str | None = None) -> Connection:

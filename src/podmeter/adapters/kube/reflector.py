@@ -25,13 +25,14 @@ import random
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-import httpx2 as httpx
 import msgspec
 
 from podmeter.adapters.kube.backoff import Backoff
 from podmeter.adapters.kube.deltas import Delete, Delta, Replace, Upsert
 from podmeter.adapters.kube.resources import ResourceKind
+from podmeter.adapters.kube.transport import Answer, Transport, TransportError
 from podmeter.model.records import DecodeError
 
 log = logging.getLogger("podmeter.reflector")
@@ -122,10 +123,10 @@ class Reflector:
     the last list, event or bookmark seen, which is always safe to resume a watch from.
     """
 
-    def __init__(self, kind: ResourceKind, client: httpx.AsyncClient, sink: Sink,
+    def __init__(self, kind: ResourceKind, transport: Transport, sink: Sink,
                  settings: ReflectorSettings | None = None) -> None:
         self.kind = kind
-        self.client = client
+        self.transport = transport
         self.sink = sink
         self.settings = settings or ReflectorSettings()
         self.stats = ReflectorStats()
@@ -140,10 +141,10 @@ class Reflector:
             try:
                 if self.resource_version is None:
                     await self._list()
-                await self._watch()
+                await self.watch_once()
             except ApiError as exc:
                 await self._after_api_error(exc)
-            except (httpx.TransportError, StreamStalled, OSError) as exc:
+            except (TransportError, StreamStalled, OSError) as exc:
                 await self._after_failure(type(exc).__name__, str(exc) or type(exc).__name__, None)
 
     # --- list ------------------------------------------------------------------------------------
@@ -171,8 +172,8 @@ class Reflector:
         params = self._selectors() | {"limit": str(self.settings.page_size)}
         if token:
             params["continue"] = token
-        response = await self._request(params)
-        return _list_decoder.decode(response.content)
+        answer = await self._request(params)
+        return _list_decoder.decode(answer.body)
 
     def _decode_into(self, raw: msgspec.Raw, items: list[object], keep: set[str]) -> None:
         try:
@@ -185,7 +186,8 @@ class Reflector:
 
     # --- watch -----------------------------------------------------------------------------------
 
-    async def _watch(self) -> None:
+    async def watch_once(self) -> None:
+        """One watch request from ``resource_version`` until EOF; raises on errors (run() handles them)."""
         timeout = int(self._rng.uniform(*self.settings.watch_timeout))
         params = self._selectors() | {
             "watch": "1",
@@ -194,15 +196,16 @@ class Reflector:
             "timeoutSeconds": str(timeout),
         }
         deadline = self.settings.inactivity_deadline or timeout + self.settings.inactivity_grace
-        async with self.client.stream("GET", self.kind.path, params=params) as response:
+        async with self.transport.stream(self.kind.path, params) as stream:
             self.stats.requests += 1
-            if response.status_code != 200:
-                await response.aread()
-                raise _api_error(response)
-            async for line in _lines(response, deadline):
+            if stream.answer.status != 200:
+                raise _api_error(stream.answer)
+            async for line in _lines(stream.chunks(), deadline):
                 await self._on_line(line)
 
     async def _on_line(self, line: bytes) -> None:
+        if self.kind.decode_event is not None and await self._on_line_fast(line, self.kind.decode_event):
+            return
         try:
             event = _event_decoder.decode(line)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -217,6 +220,22 @@ class Reflector:
         rv = _decode_meta(bytes(event.object)).resourceVersion
         if rv:
             self.resource_version = rv
+
+    async def _on_line_fast(self, line: bytes, decode_event: Callable[[bytes], tuple[str, Any]]) -> bool:
+        """One-pass decode of an ordinary event; False sends the line down the general path."""
+        try:
+            kind, item = decode_event(line)
+        except DecodeError:
+            return False
+        if kind not in ("ADDED", "MODIFIED", "DELETED"):
+            return False
+        self.stats.events[kind] += 1
+        if kind == "DELETED":
+            await self.sink(Delete(self.kind.name, self.kind.key(item), item))
+        else:
+            await self.sink(Upsert(self.kind.name, item))
+        self.resource_version = self.kind.resource_version(item) or self.resource_version
+        return True
 
     async def _on_object(self, kind: str, raw: msgspec.Raw) -> None:
         try:
@@ -270,13 +289,12 @@ class Reflector:
             params["labelSelector"] = self.settings.label_selector
         return params
 
-    async def _request(self, params: dict[str, str]) -> httpx.Response:
+    async def _request(self, params: dict[str, str]) -> Answer:
         self.stats.requests += 1
-        response = await self.client.get(self.kind.path, params=params,
-                                         timeout=self.settings.request_timeout)
-        if response.status_code != 200:
-            raise _api_error(response)
-        return response
+        answer = await self.transport.get(self.kind.path, params, self.settings.request_timeout)
+        if answer.status != 200:
+            raise _api_error(answer)
+        return answer
 
     def _raw_key(self, raw: msgspec.Raw) -> str:
         meta = _decode_meta(bytes(raw))
@@ -284,13 +302,14 @@ class Reflector:
         return value if isinstance(value, str) and 0 < len(value) <= 253 else ""
 
 
-async def _lines(response: httpx.Response, deadline: float) -> AsyncIterator[bytes]:
+async def _lines(stream: AsyncIterator[bytes], deadline: float) -> AsyncIterator[bytes]:
     """Split a watch stream into lines, failing with StreamStalled when it goes silent too long."""
-    chunks = response.aiter_bytes().__aiter__()
+    chunks = stream.__aiter__()
     buffer = b""
     while True:
         try:
-            chunk = await asyncio.wait_for(chunks.__anext__(), deadline)
+            async with asyncio.timeout(deadline):
+                chunk = await chunks.__anext__()
         except StopAsyncIteration:
             return
         except TimeoutError:
@@ -316,11 +335,11 @@ def _decode_status(raw: bytes) -> _Status:
         return _Status(500, "InternalError", "undecodable Status")
 
 
-def _api_error(response: httpx.Response) -> ApiError:
-    status = _decode_status(response.content) if response.content else _Status()
-    retry_after = _retry_after(response.headers.get("Retry-After"))
-    return ApiError(status.code or response.status_code, status.reason or response.reason_phrase,
-                    status.message or response.text[:200], retry_after)
+def _api_error(answer: Answer) -> ApiError:
+    status = _decode_status(answer.body) if answer.body else _Status()
+    retry_after = _retry_after(answer.headers.get("Retry-After"))
+    return ApiError(status.code or answer.status, status.reason or answer.reason,
+                    status.message or answer.body[:200].decode(errors="replace"), retry_after)
 
 
 def _retry_after(value: str | None) -> float | None:

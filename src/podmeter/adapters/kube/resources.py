@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from podmeter.model.configuration import MetricsConfiguration, decode_configuration
-from podmeter.model.records import Namespace, Pod, decode_namespace, decode_pod
+from podmeter.model.records import Namespace, Pod, decode_namespace, decode_pod, decode_pod_event
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class ResourceKind:
     key: Callable[[Any], str]
     key_field: str  # "uid" or "name": read from the raw metadata when the object does not decode
     resource_version: Callable[[Any], str]
+    decode_event: Callable[[bytes], tuple[str, Any]] | None = None  # one-pass fast path for watch lines
 
 
 def _pod_key(pod: Pod) -> str:
@@ -50,7 +51,7 @@ def _config_rv(config: MetricsConfiguration) -> str:
     return config.resource_version
 
 
-PODS = ResourceKind("pods", "/api/v1/pods", decode_pod, _pod_key, "uid", _pod_rv)
+PODS = ResourceKind("pods", "/api/v1/pods", decode_pod, _pod_key, "uid", _pod_rv, decode_pod_event)
 NAMESPACES = ResourceKind("namespaces", "/api/v1/namespaces", decode_namespace, _ns_key, "name", _ns_rv)
 METRICS_CONFIGURATIONS = ResourceKind(
     "metricsconfigurations",
