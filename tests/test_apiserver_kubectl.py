@@ -159,6 +159,27 @@ def test_get_watch_sees_changes(srv: LabServer) -> None:
     assert watched and watched[-1]["metadata"]["labels"].get("seen") == "yes"
 
 
+def test_get_prints_server_side_table(srv: LabServer) -> None:
+    srv.kubectl("create", "-f", "-", input=POD.replace("web-1", "tabled"))
+    srv.kubectl(
+        "-n",
+        "kc",
+        "patch",
+        "pod",
+        "tabled",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        '{"status":{"phase":"Running","podIP":"10.244.1.7"}}',
+    )
+    lines = srv.kubectl("-n", "kc", "get", "pod", "tabled", "-o", "wide").stdout.splitlines()
+    assert lines[0].split()[:6] == ["NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP"]
+    assert lines[1].split()[:3] == ["tabled", "0/1", "Running"] and "10.244.1.7" in lines[1]
+    namespaces = srv.kubectl("get", "namespaces").stdout.splitlines()
+    assert namespaces[0].split() == ["NAME", "STATUS", "AGE"]
+    assert any(line.split()[:2] == ["kc", "Active"] for line in namespaces)
+
+
 def test_leases_and_namespace_deletion(srv: LabServer) -> None:
     srv.kubectl("create", "namespace", "gone")
     lease = (

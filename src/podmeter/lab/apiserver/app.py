@@ -13,6 +13,7 @@ Admin endpoints live under ``/_lab/`` (same bearer token, never counted, never f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -23,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from podmeter.lab.apiserver import discovery, errors, options, protobuf
+from podmeter.lab.apiserver import discovery, errors, options, protobuf, tables
 from podmeter.lab.apiserver.errors import ApiError
 from podmeter.lab.apiserver.faults import Faults
 from podmeter.lab.apiserver.registry import PATCH_TYPES, Registry, WriteContext
@@ -201,8 +202,12 @@ class LabApiServer:
             raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
         if route.name is None:
             if method == "GET":
+                table = tables.wants_table(request.headers.get("Accept", ""))
+                include = request.query.get("includeObject", "Metadata")
                 if options.is_watch(request.query):
                     opts = options.parse_watch(r, request.query, route.namespace)
+                    if table is not None:
+                        opts = dataclasses.replace(opts, transform=tables.watch_transform(r, include, table))
                     verb, key = _classify(request)
 
                     def opened() -> None:
@@ -211,7 +216,10 @@ class LabApiServer:
 
                     return await self.hub.serve(request, r, opts, opened)
                 list_opts = options.parse_list(r, request.query)
-                return json_response(await self.registry.list(r, route.namespace, list_opts))
+                listed = await self.registry.list(r, route.namespace, list_opts)
+                if table is not None:
+                    listed = tables.list_table(r, listed, include, table)
+                return json_response(listed)
             if method == "POST":
                 ctx = _context(request)
                 body = await _read_json(request, r)
@@ -219,7 +227,11 @@ class LabApiServer:
                 return json_response(created, 201, ctx)
             raise errors.method_not_allowed()
         if method == "GET":
-            return json_response(self.registry.get(r, route.namespace, route.name))
+            got = self.registry.get(r, route.namespace, route.name)
+            table = tables.wants_table(request.headers.get("Accept", ""))
+            if table is not None and route.subresource is None:
+                got = tables.object_table(r, got, request.query.get("includeObject", "Metadata"), table)
+            return json_response(got)
         ctx = _context(request)
         if method == "PUT":
             body = await _read_json(request, r)

@@ -42,6 +42,7 @@ class WatchOptions:
     bookmarks: bool
     timeout: float
     send_initial_events: bool | None
+    transform: Callable[[bytes], bytes] | None = None  # e.g. into Table rows for kubectl
 
 
 def bookmark_line(resource: ResourceType, rv: int, initial_end: bool = False) -> bytes:
@@ -245,7 +246,10 @@ class WatchHub:
                 watcher.wake.clear()
                 continue
             if watcher.pending:
-                chunk = b"".join(watcher.pending)
+                lines = list(watcher.pending)
+                if opts.transform is not None:
+                    lines = [opts.transform(line) for line in lines]
+                chunk = b"".join(lines)
                 watcher.pending.clear()
                 watcher.wake.clear()
                 if not await _write(response, chunk):
