@@ -194,76 +194,72 @@ class LabApiServer:
 
     # --- resources -------------------------------------------------------------------------------------
     async def _resource(self, request: web.Request, route: Route) -> web.StreamResponse:
-        method, r = request.method, route.resource
-        if route.subresource == "binding" and r is PODS and route.name is not None and method == "POST":
+        r = route.resource
+        if route.subresource == "binding" and r is PODS and route.name is not None and request.method == "POST":
             body = await _read_json(request, r)
             return json_response(self.registry.bind(route.namespace, route.name, body, _context(request)), 201)
         if route.subresource not in (None, "status") or (route.subresource == "status" and not r.has_status):
             raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
         if route.name is None:
-            if method == "GET":
-                table = tables.wants_table(request.headers.get("Accept", ""))
-                include = request.query.get("includeObject", "Metadata")
-                if options.is_watch(request.query):
-                    opts = options.parse_watch(r, request.query, route.namespace)
-                    if table is not None:
-                        opts = dataclasses.replace(opts, transform=tables.watch_transform(r, include, table))
-                    verb, key = _classify(request)
+            return await self._collection(request, route)
+        return await self._item(request, route, route.name)
 
-                    def opened() -> None:
-                        request[COUNTED] = True
-                        self.requests.add(verb, key, 200, request)
-
-                    return await self.hub.serve(request, r, opts, opened)
-                list_opts = options.parse_list(r, request.query)
-                listed = await self.registry.list(r, route.namespace, list_opts)
-                if table is not None:
-                    listed = tables.list_table(r, listed, include, table)
-                return json_response(listed)
-            if method == "POST":
-                ctx = _context(request)
-                body = await _read_json(request, r)
-                created = self.registry.create(r, route.namespace, body, ctx)
-                return json_response(created, 201, ctx)
+    async def _collection(self, request: web.Request, route: Route) -> web.StreamResponse:
+        """list, watch and create."""
+        r = route.resource
+        if request.method == "POST":
+            ctx = _context(request)
+            body = await _read_json(request, r)
+            return json_response(self.registry.create(r, route.namespace, body, ctx), 201, ctx)
+        if request.method != "GET":
             raise errors.method_not_allowed()
+        table = tables.wants_table(request.headers.get("Accept", ""))
+        include = request.query.get("includeObject", "Metadata")
+        if options.is_watch(request.query):
+            opts = options.parse_watch(r, request.query, route.namespace)
+            if table is not None:
+                opts = dataclasses.replace(opts, transform=tables.watch_transform(r, include, table))
+            verb, key = _classify(request)
+
+            def opened() -> None:
+                request[COUNTED] = True
+                self.requests.add(verb, key, 200, request)
+
+            return await self.hub.serve(request, r, opts, opened)
+        listed = await self.registry.list(r, route.namespace, options.parse_list(r, request.query))
+        if table is not None:
+            listed = tables.list_table(r, listed, include, table)
+        return json_response(listed)
+
+    async def _item(self, request: web.Request, route: Route, name: str) -> web.StreamResponse:
+        """get, update, patch and delete of one object (or its status)."""
+        r, method, sub = route.resource, request.method, route.subresource
         if method == "GET":
-            got = self.registry.get(r, route.namespace, route.name)
+            got = self.registry.get(r, route.namespace, name)
             table = tables.wants_table(request.headers.get("Accept", ""))
-            if table is not None and route.subresource is None:
+            if table is not None and sub is None:
                 got = tables.object_table(r, got, request.query.get("includeObject", "Metadata"), table)
             return json_response(got)
         ctx = _context(request)
         if method == "PUT":
             body = await _read_json(request, r)
-            updated = self.registry.update(r, route.namespace, route.name, body, subresource=route.subresource, ctx=ctx)
-            return json_response(updated, 200, ctx)
+            return json_response(
+                self.registry.update(r, route.namespace, name, body, subresource=sub, ctx=ctx), 200, ctx
+            )
         if method == "PATCH":
-            content_type = request.content_type
-            if content_type not in PATCH_TYPES:
-                raise errors.unsupported_media_type(content_type)
+            if request.content_type not in PATCH_TYPES:
+                raise errors.unsupported_media_type(request.content_type)
             patch = await _read_json(request, r)
             patched = self.registry.patch(
-                r,
-                route.namespace,
-                route.name,
-                patch_type=content_type,
-                patch=patch,
-                subresource=route.subresource,
-                ctx=ctx,
+                r, route.namespace, name, patch_type=request.content_type, patch=patch, subresource=sub, ctx=ctx
             )
             return json_response(patched, 200, ctx)
-        if method == "DELETE" and route.subresource is None:
-            raw = await _read_body(request)
-            body = _parse_json(raw, r) if raw.strip() else {}
-            delete_opts = body if isinstance(body, dict) else {}
-            grace = request.query.get("gracePeriodSeconds")
-            if grace is not None and grace.lstrip("-").isdigit():
-                delete_opts["gracePeriodSeconds"] = int(grace)
+        if method == "DELETE" and sub is None:
             deleted = self.registry.delete(
                 r,
                 route.namespace,
-                route.name,
-                options=delete_opts,
+                name,
+                options=await _delete_options(request, r),
                 graceful_pods=self.settings.graceful_pod_deletion,
                 ctx=ctx,
             )
@@ -444,6 +440,17 @@ async def _admin_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise errors.bad_request("admin body must be a JSON object")
     return body
+
+
+async def _delete_options(request: web.Request, resource: ResourceType) -> dict[str, Any]:
+    """DeleteOptions from the body (if any) and the ``gracePeriodSeconds`` query parameter."""
+    raw = await _read_body(request)
+    body = _parse_json(raw, resource) if raw.strip() else {}
+    opts: dict[str, Any] = body if isinstance(body, dict) else {}
+    grace = request.query.get("gracePeriodSeconds")
+    if grace is not None and grace.lstrip("-").isdigit():
+        opts["gracePeriodSeconds"] = int(grace)
+    return opts
 
 
 def _inject_key(resource: ResourceType, obj: Any) -> str:

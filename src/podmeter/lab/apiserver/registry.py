@@ -9,6 +9,7 @@ taken from the client. An update that changes nothing is a no-op: same RV, no ev
 from __future__ import annotations
 
 import asyncio
+import bisect
 import copy
 import random
 import time
@@ -32,6 +33,13 @@ from podmeter.lab.apiserver.resources import (
 from podmeter.lab.apiserver.store import ADDED, DELETED, MODIFIED, Store, Stored, object_bytes
 
 _NAME_CHARS = "bcdfghjklmnpqrstvwxz2456789"
+CONTINUE_EXPIRED = (
+    "The provided continue parameter is too old to display a consistent list result. You can start a new "
+    "list without the continue parameter, or use the continue token in this response to retrieve the "
+    "remainder of the results. Continuing with the provided token results in an inconsistent list - objects "
+    "that were created, modified, or deleted between the time the first chunk was returned and now may show "
+    "up in the list."
+)
 _PROTECTED_NAMESPACES = ("default", "kube-system", "kube-public")
 PATCH_TYPES = (
     "application/merge-patch+json",
@@ -180,49 +188,22 @@ class Registry:
             raise errors.rv_too_large(rv, self.store.rv)
 
     async def list(self, resource: ResourceType, namespace: str | None, opts: ListOptions) -> bytes:
+        """One page: the snapshot at the list RV, in key order, filtered, cut at ``limit``."""
         if opts.resource_version not in ("", "0"):
             await self.wait_for_rv(int(opts.resource_version))
-        if opts.continue_rv is not None:
-            rv = opts.continue_rv
-            if rv < self.store.floor:
-                raise errors.expired(
-                    "The provided continue parameter is too old to display a consistent list "
-                    "result. You can start a new list without the continue parameter, or use the "
-                    "continue token in this response to retrieve the remainder of the results. "
-                    "Continuing with the provided token results in an inconsistent list - objects "
-                    "that were created, modified, or deleted between the time the first chunk "
-                    "was returned and now may show up in the list."
-                )
-        elif opts.match == EXACT:
-            rv = int(opts.resource_version)
-        else:
-            rv = self.store.rv
+        rv = self._list_rv(opts)
         table = self.store.snapshot(resource, rv)
         keys = sorted(table)
         if opts.continue_key is not None:
-            import bisect
-
             keys = keys[bisect.bisect_right(keys, opts.continue_key) :]
-        items: list[bytes] = []
-        last_key, scanned = None, 0
-        selective = not (opts.labels.empty and opts.fields.empty)
-        for key in keys:
-            stored = table[key]
-            scanned += 1
-            if namespace is not None and stored.namespace != namespace:
-                continue
-            if opts.labels.matches(stored.labels) and opts.fields.matches(stored.fields):
-                items.append(stored.body)
-                last_key = key
-                if opts.limit and len(items) >= opts.limit:
-                    break
+        items, last_key, scanned = _page(table, keys, namespace, opts)
         meta = b'"resourceVersion":"' + str(rv).encode() + b'"'
         remaining = 0
         if opts.limit:
             remaining = sum(1 for k in keys[scanned:] if namespace is None or table[k].namespace == namespace)
         if remaining and last_key is not None:
             meta += b',"continue":"' + encode_continue(rv, last_key).encode() + b'"'
-            if not selective:
+            if opts.labels.empty and opts.fields.empty:  # the real server omits it with selectors
                 meta += b',"remainingItemCount":' + str(remaining).encode()
         head = (
             b'{"kind":"'
@@ -240,52 +221,31 @@ class Registry:
         items[-1] = items[-1] + b"]}"
         return b",".join(items)
 
+    def _list_rv(self, opts: ListOptions) -> int:
+        """The snapshot a list reads: the continue token's, the Exact RV, or now."""
+        if opts.continue_rv is not None:
+            if opts.continue_rv < self.store.floor:
+                raise errors.expired(CONTINUE_EXPIRED)
+            return opts.continue_rv
+        if opts.match == EXACT:
+            return int(opts.resource_version)
+        return self.store.rv
+
     # --- create ----------------------------------------------------------------------------------------
     def create(self, resource: ResourceType, namespace: str | None, body: Any, ctx: WriteContext) -> bytes:
         obj = _kind_check(resource, body)
         self._check_fields(resource, obj, ctx)
         meta = _meta(obj)
-        if resource.namespaced:
-            ns = meta.get("namespace") or namespace
-            if namespace is not None and ns != namespace:
-                raise errors.bad_request(
-                    "the namespace of the provided object does not match the namespace sent on the request"
-                )
-            meta["namespace"] = ns
-        else:
-            meta.pop("namespace", None)
-        if not meta.get("name") and isinstance(meta.get("generateName"), str) and meta["generateName"]:
-            meta["name"] = meta["generateName"] + "".join(random.choice(_NAME_CHARS) for _ in range(5))
-        name = meta.get("name")
-        name_causes = validation.validate_name(name, resource.dns_label_names)
-        if name_causes:
-            labels_causes = validation.validate_metadata(meta)
-            raise errors.invalid(resource.kind, str(name or ""), name_causes + labels_causes, resource.group)
-        assert isinstance(name, str)
-        if resource.namespaced:
-            self._require_namespace(resource, str(meta["namespace"]), name)
-        if self.store.get(resource, self._key(resource, meta.get("namespace"), name)) is not None:
-            raise errors.already_exists(resource.plural, name, resource.group)
+        _place(resource, meta, namespace)
+        name = self._check_new_name(resource, meta)
         now = now_text()
-        fresh: dict[str, Any] = {"name": name}
-        for key in ("generateName", "namespace"):
-            if key in meta:
-                fresh[key] = meta[key]
-        fresh["uid"] = str(uuid.uuid4())
-        fresh["resourceVersion"] = ""
-        if resource.keeps_generation:
-            fresh["generation"] = 1
-        fresh["creationTimestamp"] = now
-        for key in ("labels", "annotations", "ownerReferences", "finalizers"):
-            if meta.get(key):
-                fresh[key] = meta[key]
         requested = copy.deepcopy(obj)
         obj = {
-            "metadata": fresh,
+            "metadata": _fresh_metadata(resource, meta, name, now),
             **{k: v for k, v in obj.items() if k not in ("metadata", "kind", "apiVersion")},
         }
         if resource.has_status and resource is not NAMESPACES:
-            obj.pop("status", None)
+            obj.pop("status", None)  # set through the status subresource, as on a real server
         resource.default(obj)
         record_manager(obj, manager=ctx.manager, api_version=resource.api_version, now=now, touched=requested)
         if resource is NAMESPACES:
@@ -296,6 +256,21 @@ class Registry:
             obj["metadata"]["resourceVersion"] = str(self.store.rv)
             return object_bytes(resource, _encode(obj))
         return self.full(resource, self.store.commit(resource, ADDED, obj))
+
+    def _check_new_name(self, resource: ResourceType, meta: dict[str, Any]) -> str:
+        """A valid, free name (generated from ``generateName`` if needed) in an existing namespace."""
+        if not meta.get("name") and isinstance(meta.get("generateName"), str) and meta["generateName"]:
+            meta["name"] = meta["generateName"] + "".join(random.choice(_NAME_CHARS) for _ in range(5))
+        name = meta.get("name")
+        name_causes = validation.validate_name(name, resource.dns_label_names)
+        if name_causes or not isinstance(name, str):
+            causes = name_causes + validation.validate_metadata(meta)
+            raise errors.invalid(resource.kind, str(name or ""), causes, resource.group)
+        if resource.namespaced:
+            self._require_namespace(resource, str(meta["namespace"]), name)
+        if self.store.get(resource, self._key(resource, meta.get("namespace"), name)) is not None:
+            raise errors.already_exists(resource.plural, name, resource.group)
+        return name
 
     def _require_namespace(self, resource: ResourceType, namespace: str, name: str) -> None:
         ns = self.store.get(NAMESPACES, namespace)
@@ -408,42 +383,9 @@ class Registry:
         old = current.decode()
         old_meta = old["metadata"]
         if subresource == "status":
-            new = current.decode()  # a second fresh copy: much cheaper than deepcopy
-            if "status" in requested:
-                new["status"] = requested["status"]
-            if isinstance(new.get("status"), dict) and resource is PODS:
-                sync_pod_ips(new["status"])
+            new = _status_update(resource, current, requested)
         else:
-            new = {k: v for k, v in requested.items() if k not in ("kind", "apiVersion")}
-            meta = dict(new["metadata"])
-            for key in (
-                "uid",
-                "creationTimestamp",
-                "deletionTimestamp",
-                "deletionGracePeriodSeconds",
-                "generation",
-                "namespace",
-                "name",
-            ):
-                if key in old_meta:
-                    meta[key] = old_meta[key]
-                else:
-                    meta.pop(key, None)
-            meta.setdefault("managedFields", old_meta.get("managedFields", []))
-            new["metadata"] = {k: meta[k] for k in _meta_order(meta)}
-            if resource.has_status:
-                if "status" in old:
-                    new["status"] = old["status"]
-                else:
-                    new.pop("status", None)
-            if resource is NAMESPACES:
-                new["spec"] = old.get("spec", {})
-            if resource is PODS:
-                causes = validation.validate_pod_spec_update(old.get("spec") or {}, new.get("spec") or {})
-                if causes:
-                    raise errors.invalid(resource.kind, current.name, causes)
-            if resource.keeps_generation and new.get("spec") != old.get("spec"):
-                new["metadata"]["generation"] = int(old_meta.get("generation", 1)) + 1
+            new = _main_update(resource, old, requested)
         new["metadata"]["resourceVersion"] = old_meta.get("resourceVersion")
         if _same(new, old):
             return self.full(resource, current)
@@ -580,6 +522,104 @@ class Registry:
                 self.store.commit(resource, DELETED, final)
         self.store.commit(NAMESPACES, DELETED, current.decode())
         return response
+
+
+_SERVER_OWNED = (
+    "uid",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "generation",
+    "namespace",
+    "name",
+)
+
+
+def _status_update(resource: ResourceType, current: Stored, requested: dict[str, Any]) -> dict[str, Any]:
+    """Through ``/status`` only ``status`` changes (pod IPs synced as the v1 conversion does)."""
+    new = current.decode()  # a second fresh copy: much cheaper than deepcopy
+    if "status" in requested:
+        new["status"] = requested["status"]
+    if isinstance(new.get("status"), dict) and resource is PODS:
+        sync_pod_ips(new["status"])
+    return new
+
+
+def _main_update(resource: ResourceType, old: dict[str, Any], requested: dict[str, Any]) -> dict[str, Any]:
+    """Through the main resource: server-owned metadata and ``status`` stay as they were; pod spec rules."""
+    old_meta = old["metadata"]
+    new = {k: v for k, v in requested.items() if k not in ("kind", "apiVersion")}
+    meta = dict(new["metadata"])
+    for key in _SERVER_OWNED:
+        if key in old_meta:
+            meta[key] = old_meta[key]
+        else:
+            meta.pop(key, None)
+    meta.setdefault("managedFields", old_meta.get("managedFields", []))
+    new["metadata"] = {k: meta[k] for k in _meta_order(meta)}
+    if resource.has_status:
+        if "status" in old:
+            new["status"] = old["status"]
+        else:
+            new.pop("status", None)
+    if resource is NAMESPACES:
+        new["spec"] = old.get("spec", {})
+    if resource is PODS:
+        causes = validation.validate_pod_spec_update(old.get("spec") or {}, new.get("spec") or {})
+        if causes:
+            raise errors.invalid(resource.kind, str(old_meta.get("name", "")), causes)
+    if resource.keeps_generation and new.get("spec") != old.get("spec"):
+        new["metadata"]["generation"] = int(old_meta.get("generation", 1)) + 1
+    return new
+
+
+def _place(resource: ResourceType, meta: dict[str, Any], namespace: str | None) -> None:
+    """Namespace from the URL; a different one in the body is a 400; cluster-scoped objects have none."""
+    if not resource.namespaced:
+        meta.pop("namespace", None)
+        return
+    ns = meta.get("namespace") or namespace
+    if namespace is not None and ns != namespace:
+        raise errors.bad_request(
+            "the namespace of the provided object does not match the namespace sent on the request"
+        )
+    meta["namespace"] = ns
+
+
+def _fresh_metadata(resource: ResourceType, meta: dict[str, Any], name: str, now: str) -> dict[str, Any]:
+    """Server-owned fields set anew, client fields kept, in the real server's key order."""
+    fresh: dict[str, Any] = {"name": name}
+    for key in ("generateName", "namespace"):
+        if key in meta:
+            fresh[key] = meta[key]
+    fresh["uid"] = str(uuid.uuid4())
+    fresh["resourceVersion"] = ""
+    if resource.keeps_generation:
+        fresh["generation"] = 1
+    fresh["creationTimestamp"] = now
+    for key in ("labels", "annotations", "ownerReferences", "finalizers"):
+        if meta.get(key):
+            fresh[key] = meta[key]
+    return fresh
+
+
+def _page(
+    table: dict[str, Stored], keys: list[str], namespace: str | None, opts: ListOptions
+) -> tuple[list[bytes], str | None, int]:
+    """Matching bodies from ``keys`` (up to ``limit``), the last returned key, and how many keys were read."""
+    items: list[bytes] = []
+    last_key, scanned = None, 0
+    for key in keys:
+        stored = table[key]
+        scanned += 1
+        if namespace is not None and stored.namespace != namespace:
+            continue
+        if opts.labels.matches(stored.labels) and opts.fields.matches(stored.fields):
+            items.append(stored.body)
+            last_key = key
+            if opts.limit and len(items) >= opts.limit:
+                break
+    return items, last_key, scanned
 
 
 _META_ORDER = (
