@@ -1,16 +1,66 @@
-"""`podmeter node`: not built yet."""
+"""``podmeter node``: act as kubelet + CNI for one lab node (see :mod:`podmeter.lab.node`)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
 from typing import Any
+
+from podmeter.adapters.kube.connection import ConnectionConfigError
+from podmeter.lab.kube import KubeClient
+from podmeter.lab.netns import is_root
+from podmeter.lab.node import IpPool, Node, NodeSettings
+from podmeter.runtime.logs import setup_logging
+
+log = logging.getLogger("podmeter.node")
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser("node", help="(not built yet)")
-    parser.set_defaults(func=_run)
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "node", help="run a lab node: pods become network namespaces with veths and IPs",
+        description=__doc__)
+    p.add_argument("--kubeconfig", help="kubeconfig of the (lab) API server (default: $KUBECONFIG)")
+    p.add_argument("--node-name", required=True, help="pods with this spec.nodeName run here")
+    p.add_argument("--pod-cidr", default="10.244.0.0/26",
+                   help="IPv4 CIDR the pod IPs come from; small, so IPs are reused quickly")
+    p.add_argument("--datapath", choices=("ebpf", "memory"), default="ebpf",
+                   help="ebpf: real namespaces and veths (root); memory: assign IPs only")
+    p.add_argument("--node-ip", default="192.168.255.1", help="IP given to host-network pods")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.set_defaults(func=run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    print("podmeter node: not built yet")
-    return 2
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level, "text")
+    if args.datapath == "ebpf" and not is_root():
+        print("podmeter node: --datapath ebpf builds namespaces and veths and needs root; "
+              "use --datapath memory to assign IPs only", file=sys.stderr)
+        return 1
+    try:
+        IpPool(args.pod_cidr)
+        client = KubeClient.from_kubeconfig(args.kubeconfig or "")
+    except (ValueError, ConnectionConfigError) as exc:
+        print(f"podmeter node: {exc}", file=sys.stderr)
+        return 2
+    node = Node(NodeSettings(args.node_name, args.pod_cidr, args.datapath, args.node_ip), client)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        node.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    # A daemon thread: a watch blocked in a read must not keep the process after a stop.
+    worker = threading.Thread(target=node.run, name="node", daemon=True)
+    worker.start()
+    log.info("node %s: pod CIDR %s (%d IPs), datapath %s", args.node_name, args.pod_cidr, node.pool.size,
+             args.datapath)
+    while worker.is_alive() and not node.stopping:
+        worker.join(timeout=0.2)
+    worker.join(timeout=2.0)
+    node.teardown_all()  # idempotent: whatever the worker did not remove yet
+    log.info("node stopped: %d pods started, %d stopped", node.stats.started, node.stats.stopped)
+    return 0

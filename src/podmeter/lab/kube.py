@@ -1,0 +1,135 @@
+"""A small synchronous Kubernetes client for the lab's own processes (node, scenario runner, checks).
+
+Standard library HTTP (one call per request, any thread, no event loop): the lab's writers are few and
+slow compared with the agent's watch, and the checks must not share code paths with the product they
+judge. Configuration comes from a kubeconfig through the product's loader (token or CA only; the lab API
+server needs nothing else).
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+from podmeter.adapters.kube.connection import load_connection
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class KubeError(RuntimeError):
+    """The API server answered an error status (``status``), or could not be reached (``status`` 0)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}" if status else message)
+        self.status = status
+
+
+class KubeClient:
+    """``KubeClient.from_kubeconfig(path).list("/api/v1/pods", fieldSelector=...)`` and friends."""
+
+    def __init__(self, server: str, token: str | None, ca_file: str | None, timeout: float = 10.0) -> None:
+        self.server = server.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        self._context = ssl.create_default_context(cafile=ca_file) if self.server.startswith("https") else None
+
+    @classmethod
+    def from_kubeconfig(cls, path: str, timeout: float = 10.0) -> KubeClient:
+        config = load_connection(path).config
+        return cls(config.cluster.server, config.user.token if config.user else None,
+                   config.cluster.certificate_auth, timeout)
+
+    # --- verbs ------------------------------------------------------------------------------------
+
+    def get(self, path: str, **query: str) -> dict[str, Any] | None:
+        """The object at ``path``, or None when it does not exist (404)."""
+        try:
+            return self._call("GET", path, query)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, path: str, **query: str) -> dict[str, Any]:
+        return self._call("GET", path, query)
+
+    def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", path, {}, body)
+
+    def patch(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """A merge patch; None when the object is gone (a pod deleted meanwhile is no error for the lab)."""
+        try:
+            return self._call("PATCH", path, {}, body, MERGE_PATCH)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def delete(self, path: str, grace_seconds: int | None = None) -> bool:
+        """Delete; False when it was already gone."""
+        body = {"gracePeriodSeconds": grace_seconds} if grace_seconds is not None else None
+        try:
+            self._call("DELETE", path, {}, body)
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def watch(self, path: str, timeout_seconds: int, **query: str) -> Iterator[dict[str, Any]]:
+        """Watch events (parsed lines) until the server ends the stream; raises KubeError on failure."""
+        params = {**query, "watch": "1", "timeoutSeconds": str(timeout_seconds), "allowWatchBookmarks": "true"}
+        request = self._request("GET", path, params, None, None)
+        try:
+            with urllib.request.urlopen(  # noqa: S310 (the kubeconfig's server)
+                request, timeout=timeout_seconds + 10, context=self._context
+            ) as response:
+                for line in response:
+                    if line.strip():
+                        yield json.loads(line)
+        except urllib.error.HTTPError as exc:
+            raise KubeError(exc.code, exc.read().decode(errors="replace")[:500]) from None
+        except (OSError, ValueError) as exc:
+            raise KubeError(0, f"watch {path}: {exc}") from None
+
+    # --- plumbing ---------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, query: dict[str, str], body: dict[str, Any] | None,
+                 content_type: str | None) -> urllib.request.Request:
+        url = self.server + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        headers = {"Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = content_type or "application/json"
+        return urllib.request.Request(url, data=data, method=method, headers=headers)  # noqa: S310
+
+    def _call(self, method: str, path: str, query: dict[str, str], body: dict[str, Any] | None = None,
+              content_type: str | None = None) -> dict[str, Any]:
+        request = self._request(method, path, query, body, content_type)
+        try:
+            with urllib.request.urlopen(  # noqa: S310 (the kubeconfig's server)
+                request, timeout=self.timeout, context=self._context
+            ) as response:
+                result: dict[str, Any] = json.loads(response.read() or b"{}")
+                return result
+        except urllib.error.HTTPError as exc:
+            raise KubeError(exc.code, f"{method} {path}: {exc.read().decode(errors='replace')[:500]}") from None
+        except OSError as exc:
+            raise KubeError(0, f"{method} {path}: {exc}") from None
+
+
+def pod_path(namespace: str, name: str = "", subresource: str = "") -> str:
+    path = f"/api/v1/namespaces/{namespace}/pods"
+    if name:
+        path += f"/{name}"
+    if subresource:
+        path += f"/{subresource}"
+    return path

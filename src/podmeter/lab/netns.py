@@ -1,0 +1,121 @@
+"""Pod sandboxes: a network namespace per pod, wired to the node by a veth pair (what a CNI plugin does).
+
+Layout, the one Calico uses (no bridge, so every pod has its own host-side device for the agent):
+
+* the pod's namespace ``/run/netns/pmpod-<id>`` has ``lo`` and ``eth0`` with the pod IP as a /32, a link
+  route to the gateway 169.254.1.1 and a default route through it;
+* the host side ``pm<id>`` stays in the node's namespace (the caller's), carries 169.254.1.1/32 (so it
+  answers the pod's ARP for the gateway) and a /32 route to the pod IP; the node forwards between pods.
+
+Everything is netlink through pyroute2 (no shell); :meth:`Sandbox.destroy` is idempotent and also
+cleans up a half-built sandbox, so a failure midway leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyroute2 import IPRoute
+from pyroute2 import netns as pyroute2_netns
+from pyroute2.netlink.exceptions import NetlinkError
+
+from podmeter.adapters.datapath.ebpf.netns import netns
+
+GATEWAY = "169.254.1.1"
+NETNS_DIR = Path("/run/netns")
+SCOPE_LINK = 253
+HOST_PREFIX = "pm"
+NETNS_PREFIX = "pmpod-"
+
+
+def short_id(uid: str) -> str:
+    """11 hex-ish characters of a pod UID: ``pm`` + this fits an interface name (15 characters)."""
+    cleaned = "".join(c for c in uid.lower() if c.isalnum())
+    return cleaned[-11:].rjust(11, "0")
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """One pod's network: its namespace name, the host-side device and its IPv4 address."""
+
+    netns: str
+    host_device: str
+    ip: str
+
+    @classmethod
+    def for_pod(cls, uid: str, ip: str) -> Sandbox:
+        sid = short_id(uid)
+        return cls(f"{NETNS_PREFIX}{sid}", f"{HOST_PREFIX}{sid}", ip)
+
+    @property
+    def netns_path(self) -> str:
+        return str(NETNS_DIR / self.netns)
+
+    def create(self) -> None:
+        """Build the namespace, the veth pair, addresses and routes; on failure undo what was built."""
+        try:
+            pyroute2_netns.create(self.netns)
+            with IPRoute() as ipr:
+                ipr.link("add", ifname=self.host_device, kind="veth",
+                         peer={"ifname": "eth0", "net_ns_fd": self.netns_path})
+                index = ipr.link_lookup(ifname=self.host_device)[0]
+                ipr.addr("add", index=index, address=GATEWAY, prefixlen=32)
+                ipr.link("set", index=index, state="up")
+                ipr.route("add", dst=f"{self.ip}/32", oif=index, scope=SCOPE_LINK)
+            with netns(self.netns_path), IPRoute() as ipr:
+                eth0 = ipr.link_lookup(ifname="eth0")[0]
+                ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+                ipr.addr("add", index=eth0, address=self.ip, prefixlen=32)
+                ipr.link("set", index=eth0, state="up")
+                ipr.route("add", dst=f"{GATEWAY}/32", oif=eth0, scope=SCOPE_LINK)
+                ipr.route("add", dst="0.0.0.0/0", gateway=GATEWAY, oif=eth0)
+        except BaseException:
+            self.destroy()
+            raise
+
+    def destroy(self) -> None:
+        """Remove the veth pair (its /32 route goes with it) and the namespace; absent parts are fine."""
+        with IPRoute() as ipr, contextlib.suppress(NetlinkError):
+            ipr.link("del", ifname=self.host_device)
+        if (NETNS_DIR / self.netns).exists():
+            with contextlib.suppress(OSError):
+                pyroute2_netns.remove(self.netns)
+
+    def exists(self) -> bool:
+        return (NETNS_DIR / self.netns).exists()
+
+
+def enable_forwarding() -> None:
+    """Forward IPv4 in the caller's namespace (the node), so pods reach each other through it."""
+    # /proc/sys/net is the namespace of the thread that opens it: the node's, here.
+    Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
+
+
+@contextlib.contextmanager
+def node_namespace(name: str) -> Iterator[str]:
+    """A fresh network namespace standing for the lab node's root namespace, removed afterwards.
+
+    Running the lab node inside it keeps the lab off the machine's own interfaces, routes and sysctls.
+    """
+    pyroute2_netns.create(name)
+    path = str(NETNS_DIR / name)
+    try:
+        with netns(path), IPRoute() as ipr:
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            pyroute2_netns.remove(name)
+
+
+def in_namespace(path: str) -> contextlib.AbstractContextManager[None]:
+    """Run the calling thread inside ``path``'s namespace for a block (sockets made there stay there)."""
+    return netns(path)
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
