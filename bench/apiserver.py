@@ -32,6 +32,7 @@ TOKEN = "bench"
 
 
 def start_server(workdir: Path, history: int) -> tuple[subprocess.Popen[bytes], str]:
+    workdir.mkdir(parents=True, exist_ok=True)
     kubeconfig = workdir / "kubeconfig"
     proc = subprocess.Popen(
         [
@@ -137,6 +138,40 @@ async def _write(
     return events / (time.perf_counter() - start)
 
 
+def server_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+async def soak(url: str, pid: int, cycles: int) -> tuple[float, float]:
+    """Create and delete ``cycles`` realistic pods (one watcher open); server RSS after a warm-up round of
+    the same size and at the end. Live objects stay ~0, so only the history window may hold memory."""
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        watch = asyncio.create_task(_drain(session, f"{url}/api/v1/namespaces/soak/pods?watch=1&timeoutSeconds=600"))
+        await session.post(f"{url}/api/v1/namespaces", data=json.dumps({"metadata": {"name": "soak"}}))
+        baseline = 0.0
+        for round_ in range(2):
+            for i in range(cycles):
+                pod = realistic_pod(round_ * cycles + i, namespace="soak")
+                async with session.post(f"{url}/api/v1/namespaces/soak/pods", data=json.dumps(pod)) as resp:
+                    await resp.read()
+                async with session.delete(f"{url}/api/v1/namespaces/soak/pods/{pod['metadata']['name']}") as resp:
+                    await resp.read()
+            if round_ == 0:
+                baseline = server_rss_mib(pid)
+        watch.cancel()
+    return baseline, server_rss_mib(pid)
+
+
+async def _drain(session: aiohttp.ClientSession, url: str) -> None:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=None)) as resp:
+        async for _ in resp.content.iter_any():
+            pass
+
+
 def naive_encode_ms(pods: list[dict[str, Any]]) -> float:
     """Reference: what a straightforward server spends encoding the same list with the json module."""
     items = [{k: v for k, v in p.items() if k not in ("kind", "apiVersion")} for p in pods]
@@ -153,9 +188,11 @@ def main() -> None:
     parser.add_argument("--watchers", type=int, default=50)
     parser.add_argument("--events", type=int, default=1000)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--soak", type=int, default=3000, help="create+delete cycles per soak round")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-apiserver-") as tmp:
         proc, url = start_server(Path(tmp), history=max(10_000, 2 * args.events))
+        soak_proc, soak_url = start_server(Path(tmp) / "soak", history=2000)
         try:
             admin = AdminClient(url, TOKEN)
             pods = load_pods(admin, args.pods)
@@ -164,9 +201,11 @@ def main() -> None:
             reference_ms = statistics.median(naive_encode_ms(pods) for _ in range(3))
             names = [(p["metadata"]["namespace"], p["metadata"]["name"]) for p in pods]
             events_per_s, writes_per_s = asyncio.run(fanout(url, args.watchers, args.events, names))
+            rss_warm, rss_end = asyncio.run(soak(soak_url, soak_proc.pid, args.soak))
         finally:
-            proc.terminate()
-            proc.wait(10)
+            for p in (proc, soak_proc):
+                p.terminate()
+                p.wait(10)
     table(
         [
             (
@@ -183,6 +222,12 @@ def main() -> None:
             ),
             ("writer_alone_writes_per_s", writes_per_s, None, "status patches, one client, sequential"),
             ("server_object_mib", stats["objectBytes"] / 2**20, None, f"{args.pods} pods as stored JSON"),
+            (
+                "soak_rss_growth_mib",
+                rss_end - rss_warm,
+                None,
+                f"server RSS {rss_warm:.1f} -> {rss_end:.1f} MiB, 2nd round of {args.soak} create+delete",
+            ),
         ]
     )
     json_line(
@@ -193,6 +238,7 @@ def main() -> None:
             "watch_fanout_events_per_s": round(events_per_s),
             "watch_fanout_watchers": args.watchers,
             "writer_alone_writes_per_s": round(writes_per_s),
+            "soak_rss_growth_mib": round(rss_end - rss_warm, 2),
         }
     )
 

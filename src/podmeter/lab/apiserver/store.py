@@ -206,6 +206,9 @@ class Store:
         self.history.append(event)
         for watcher in list(self.watchers[event.resource.key]):
             watcher.offer(event)
+        # The rendered lines only serve this fan-out (watchers keep their own references); a replay from
+        # history renders again, so the window holds each version once.
+        event._lines.clear()
 
     def compact(self) -> int:
         """Forget all history: any watch or continue token older than now gets 410. Returns the new floor."""
