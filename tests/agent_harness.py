@@ -35,11 +35,11 @@ def fast_reflector(kind: ResourceKind) -> ReflectorSettings:
 
 class AgentHarness:
     def __init__(self, server: LabServer, node: str = "node-a", datapath: Datapath | None = None,
-                 resync_interval: float = 3600.0,
+                 resync_interval: float = 3600.0, series_grace: float = 30.0,
                  reflector: Callable[[ResourceKind], ReflectorSettings] = fast_reflector) -> None:
         self.datapath = datapath or MemoryDatapath(1024)
         settings = AgentSettings(node_name=node, resync_interval=resync_interval, retry_interval=0.2,
-                                 reflector=reflector)
+                                 reflector=reflector, series_grace=series_grace)
         self.agent = Agent(settings, load_connection(str(server.kubeconfig)), self.datapath)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

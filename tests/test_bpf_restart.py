@@ -107,7 +107,7 @@ def test_successor_of_a_killed_agent_converges(pin_dir: Path, open_datapath: Ope
     released: dict[tuple[str, Direction], Traffic] = {}
     view = NodeView("node-a")
     datapath = open_datapath(16)
-    writer = Writer(view, datapath, on_release=released.update)
+    writer = Writer(view, datapath, on_release=lambda _ips, final: released.update(final))
     survivors = [make_pod("pod-0", ips=(a,), observe=True), make_pod("pod-3", ips=(d,), observe=True)]
     writer.replace_pods(survivors)
     repairs = writer.resync()

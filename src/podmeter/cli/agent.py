@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 
 from podmeter.adapters.kube.connection import ConnectionConfigError, load_connection
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
+from podmeter.adapters.metrics.pod_traffic import PodTrafficCollector
 from podmeter.runtime.agent import Agent, AgentSettings
 from podmeter.runtime.datapaths import open_datapath
 from podmeter.runtime.endpoints import build_app, parse_listen, serve
@@ -40,6 +41,11 @@ def register(subparsers: Any) -> None:
                    help="let /debug/state answer non-loopback clients too (default: loopback only)")
     p.add_argument("--resync-interval", type=_positive_float, default=60.0,
                    help="seconds between full resyncs against the kernel")
+    p.add_argument("--series-grace", type=_positive_float, default=30.0,
+                   help="seconds a pod's traffic series stays after the pod stops being observed or is deleted, "
+                        "so the last scrape sees its final value (default 30: two 15 s scrapes)")
+    p.add_argument("--retina-compat", action="store_true",
+                   help="also export per-pod traffic as networkobservability_adv_forward_bytes/_count")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.set_defaults(func=run)
@@ -79,12 +85,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, connection: Any, datapath: Any) -> int:
-    settings = AgentSettings(node_name=args.node_name, resync_interval=args.resync_interval)
+    settings = AgentSettings(node_name=args.node_name, resync_interval=args.resync_interval,
+                             series_grace=args.series_grace)
     agent = Agent(settings, connection, datapath)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     registry.register(AgentStateCollector(agent.snapshot))
+    registry.register(PodTrafficCollector(agent.ledger, datapath.read_counters, args.retina_compat))
     app = build_app(registry, agent.ready.is_set, {"/debug/state": agent.debug_state}, args.debug_remote)
     runner, port = await serve(app, args.listen)
     log.info("agent for node %s: API server %s (%s), HTTP on port %d", args.node_name, connection.server,

@@ -30,9 +30,12 @@ class DesiredFilter:
     record of its own, which is what keeps it small.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, track_moves: bool = False) -> None:
         self.holders: dict[str, Holders] = {}
         self.dirty: dict[str, None] = {}  # ordered: crossing order
+        # IPs whose holders changed at all (not only crossings), for traffic attribution; kept only when
+        # someone consumes them with take_moved(), else it would grow without bound.
+        self.moved: dict[str, None] | None = {} if track_moves else None
         self._holders_peak = PeakTracker()
 
     def __contains__(self, ip: object) -> bool:
@@ -65,7 +68,17 @@ class DesiredFilter:
         self.dirty = {}
         return dirty
 
+    def take_moved(self) -> list[str]:
+        """IPs whose holders changed since the last call (empty unless tracking moves)."""
+        if not self.moved:
+            return []
+        moved = list(self.moved)
+        self.moved = {}
+        return moved
+
     def _acquire(self, ip: str, uid: str) -> None:
+        if self.moved is not None:
+            self.moved[ip] = None
         current = self.holders.get(ip)
         if current is None:
             self.holders[ip] = uid
@@ -77,6 +90,8 @@ class DesiredFilter:
             self.holders[ip] = (*uids, uid)
 
     def _release(self, ip: str, uid: str) -> None:
+        if self.moved is not None:
+            self.moved[ip] = None
         remaining = tuple(u for u in self.uids(ip) if u != uid)
         if remaining:
             self.holders[ip] = remaining[0] if len(remaining) == 1 else remaining

@@ -43,12 +43,12 @@ class NodeView:
     re-evaluates every stored pod (a scan of one node's pods, rare), not an index of that namespace.
     """
 
-    def __init__(self, node_name: str | None = None) -> None:
+    def __init__(self, node_name: str | None = None, track_moves: bool = False) -> None:
         self.node_name = node_name
         self.pods: dict[str, Pod] = {}
         self.namespaces: dict[str, Namespace] = {}
         self.interest: Interest = NO_CONFIGURATION
-        self.desired = DesiredFilter()
+        self.desired = DesiredFilter(track_moves)
         self._pods_peak = PeakTracker()
 
     # --- pods ---------------------------------------------------------------------------------
@@ -141,6 +141,12 @@ class NodeView:
                 for ip in pod.ips:
                     result.setdefault(ip, set()).add(pod.uid)
         return {ip: frozenset(uids) for ip, uids in result.items()}
+
+    def owner(self, ip: str) -> Pod | None:
+        """The pod the IP's traffic belongs to: its newest holder (an older one is a pod whose IP was
+        reused before its delete arrived)."""
+        uids = self.desired.uids(ip)
+        return self.pods.get(uids[-1]) if uids else None
 
     def owners(self, ip: str) -> list[Pod]:
         """The stored pods that hold ``ip`` in the desired filter."""

@@ -28,7 +28,8 @@ from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
 from podmeter.adapters.kube.resources import METRICS_CONFIGURATIONS, NAMESPACES, PODS, ResourceKind
 from podmeter.adapters.metrics.agent_state import AgentSnapshot
 from podmeter.model.configuration import DEFAULT_NAME, NO_CONFIGURATION, MetricsConfiguration
-from podmeter.model.datapath import Datapath
+from podmeter.model.datapath import Datapath, Direction, Traffic
+from podmeter.model.traffic import TrafficLedger
 from podmeter.model.view import NodeView
 from podmeter.runtime.writer import Writer
 
@@ -42,6 +43,7 @@ class AgentSettings:
     node_name: str
     resync_interval: float = 60.0
     retry_interval: float = 1.0  # pause before retrying a flush the datapath refused
+    series_grace: float = 30.0  # a pod's traffic series outlives its observation by this much (2 scrapes)
     reflector: Callable[[ResourceKind], ReflectorSettings] = field(
         default=lambda kind: ReflectorSettings()
     )
@@ -55,7 +57,11 @@ class _Retry:
     """Queued after a refused flush: try again."""
 
 
-Item = Delta | _Resync | _Retry
+class _Expire:
+    """Queued by the timer: drop traffic series whose grace period is over."""
+
+
+Item = Delta | _Resync | _Retry | _Expire
 
 
 class Agent:
@@ -65,7 +71,8 @@ class Agent:
         self.settings = settings
         self.connection = connection
         self.datapath = datapath
-        self.writer = Writer(NodeView(settings.node_name), datapath)
+        self.ledger = TrafficLedger(settings.series_grace)
+        self.writer = Writer(NodeView(settings.node_name, track_moves=True), datapath, on_release=self._released)
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=10_000)
         self.configuration: MetricsConfiguration | None = None
         self.synced: set[str] = set()
@@ -89,6 +96,7 @@ class Agent:
         self._tasks = [asyncio.create_task(r.run(), name=f"reflector-{r.kind.name}") for r in self._reflectors]
         self._tasks.append(asyncio.create_task(self._write_loop(), name="writer"))
         self._tasks.append(asyncio.create_task(self._resync_timer(), name="resync-timer"))
+        self._tasks.append(asyncio.create_task(self._expire_timer(), name="expire-timer"))
 
     async def stop(self) -> None:
         """Stop watching, push what is queued, leave the datapath's pinned state in place."""
@@ -107,12 +115,17 @@ class Agent:
 
     async def _write_loop(self) -> None:
         while True:
-            self._apply(await self.queue.get())
-            for _ in range(MAX_BATCH):
-                if self.queue.empty():
-                    break
-                self._apply(self.queue.get_nowait())
-            self._push()
+            batch = [await self.queue.get()]
+            while len(batch) < MAX_BATCH and not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            self.apply_batch(batch)
+
+    def apply_batch(self, items: list[Item]) -> None:
+        """Apply queued items, then push the result to the datapath. Only the writer task calls this
+        (tests and benchmarks drive it directly, without reflectors)."""
+        for item in items:
+            self._apply(item)
+        self._push()
 
     def _drain_queue(self) -> None:
         while not self.queue.empty():
@@ -125,6 +138,9 @@ class Agent:
             return
         if isinstance(item, _Retry):
             self._retry_scheduled = False
+            return
+        if isinstance(item, _Expire):
+            self.ledger.expire(time.monotonic())
             return
         self.deltas[type(item).__name__] += 1
         if item.resource == PODS.name:
@@ -176,21 +192,44 @@ class Agent:
             if len(self.synced) < len(self._reflectors):
                 return
             self._resync()  # the first push: adopt or clean what a predecessor pinned
+            self._attribute()  # counters a predecessor left become the owners' baselines
             self.ready.set()
             log.info("ready: %d pods, %d desired IPs", len(self.writer.view.pods), len(self.writer.view.desired))
             return
         if not self.writer.flush() or self.writer.dirty:
             self._schedule_retry()
+        self._attribute()
 
     def _resync(self) -> None:
         self.writer.resync()
         self.last_resync = time.time()
+        self._attribute()
+
+    def _released(self, ips: list[str], final: dict[tuple[str, Direction], Traffic]) -> None:
+        """IPs left the filter: their last counters close their owners' share (called inside a flush)."""
+        self.ledger.release(ips, final, time.monotonic())
+
+    def _attribute(self) -> None:
+        """Give every IP whose holders changed to its new owner, with the kernel's counters as the base."""
+        moved = self.writer.view.desired.take_moved()
+        if not moved:
+            return
+        kernel = self.datapath.read_counters()
+        now = time.monotonic()
+        view = self.writer.view
+        for ip in moved:
+            self.ledger.assign(ip, view.owner(ip), kernel, now)
 
     def _schedule_retry(self) -> None:
         if self._retry_scheduled:
             return
         self._retry_scheduled = True
         asyncio.get_running_loop().call_later(self.settings.retry_interval, self.queue.put_nowait, _Retry())
+
+    async def _expire_timer(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.2, self.settings.series_grace / 4))
+            await self.queue.put(_Expire())
 
     async def _resync_timer(self) -> None:
         while True:

@@ -24,7 +24,8 @@ from podmeter.model.view import NodeView, ReplaceResult
 
 log = logging.getLogger("podmeter.writer")
 
-ReleaseHook = Callable[[dict[tuple[str, Direction], Traffic]], None]
+# Called with the IPs that left the filter and their last counters (read and removed from the datapath).
+ReleaseHook = Callable[[list[str], dict[tuple[str, Direction], Traffic]], None]
 
 
 @dataclass
@@ -162,7 +163,7 @@ class Writer:
         self.stats.deletes += len(ips)
         final = self.datapath.take_counters(ips)
         if self._on_release is not None:
-            self._on_release(final)
+            self._on_release(ips, final)
 
     def _room(self) -> int:
         return 0 if self.blocked else self.datapath.capacity - len(self.installed)

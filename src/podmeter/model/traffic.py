@@ -1,0 +1,160 @@
+"""Attributing the kernel's per-IP counters to pods, with a lifecycle that leaks nothing.
+
+The kernel counts by IP. A pod's series is the traffic of the IPs it held *while it held them*:
+
+* when a pod becomes the owner of an IP, the IP's current kernel value is its ``base``;
+* when it stops owning it (the IP left the filter, or passed to another pod without ever leaving it),
+  what the IP counted since ``base`` is moved into the pod's ``closed`` total; the next owner's base is
+  the kernel value at that moment, so no byte is counted twice or for the wrong pod (prior-art 21);
+* a series lives while its pod holds an IP, then ``grace`` seconds more (so the last scrape sees the final
+  value), then it is dropped (prior-art 20); its traffic stays in the node totals.
+
+Pure and synchronous: the agent calls :meth:`TrafficLedger.assign` and :meth:`TrafficLedger.release` from
+the writer task and reads :meth:`TrafficLedger.series_values` at scrape time, on the same thread.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from podmeter.model.compaction import PeakTracker
+from podmeter.model.datapath import Direction, Traffic
+from podmeter.model.records import Pod
+
+Counters = Mapping[tuple[str, Direction], Traffic]
+ZERO = Traffic()
+
+
+@dataclass(slots=True)
+class PodSeries:
+    """The traffic series of one pod (by UID). Invariant: ``ended_at`` is None iff ``ips`` is not empty."""
+
+    uid: str
+    namespace: str
+    name: str
+    workload_kind: str
+    workload_name: str
+    closed: dict[Direction, Traffic] = field(default_factory=dict)
+    ips: set[str] = field(default_factory=set)
+    ended_at: float | None = None
+
+    def add_closed(self, direction: Direction, amount: Traffic) -> None:
+        self.closed[direction] = self.closed.get(direction, ZERO) + amount
+
+
+@dataclass(slots=True)
+class _Ownership:
+    uid: str
+    base: dict[Direction, Traffic]
+
+
+class TrafficLedger:
+    """Who owns which IP's counters, and each pod's accumulated traffic.
+
+    Invariants:
+    * an IP is in ``owners`` iff it is in ``series[owners[ip].uid].ips``;
+    * a series' value is ``closed + sum(kernel(ip) - base(ip) for ip in ips)``, and never decreases;
+    * ``node_expired`` holds the final values of dropped series, so node totals never decrease either.
+    """
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.owners: dict[str, _Ownership] = {}
+        self.series: dict[str, PodSeries] = {}
+        self.node_expired: dict[Direction, Traffic] = {}
+        self._series_peak = PeakTracker()
+
+    def assign(self, ip: str, pod: Pod | None, kernel: Counters, now: float) -> None:
+        """``pod`` owns ``ip`` from now on (None: nobody). ``kernel`` holds the IP's counters now."""
+        current = self.owners.get(ip)
+        if current is not None and pod is not None and current.uid == pod.uid:
+            return
+        now_value = {d: kernel.get((ip, d), ZERO) for d in Direction}
+        if current is not None:
+            self._close(ip, current, now_value, now)
+        if pod is not None:
+            self._series_for(pod).ips.add(ip)
+            self.owners[ip] = _Ownership(pod.uid, now_value)
+
+    def release(self, ips: list[str], final: Counters, now: float) -> None:
+        """``ips`` left the filter; ``final`` are their last kernel counters (taken: the kernel starts over;
+        an IP without an entry counted nothing)."""
+        for ip in ips:
+            current = self.owners.get(ip)
+            if current is not None:
+                self._close(ip, current, {d: final.get((ip, d), ZERO) for d in Direction}, now)
+
+    def series_values(self, kernel: Counters) -> Iterator[tuple[PodSeries, Direction, Traffic]]:
+        """Every live series' value per direction, with the kernel counters read for this scrape."""
+        for series in self.series.values():
+            for direction in Direction:
+                value = series.closed.get(direction, ZERO)
+                for ip in series.ips:
+                    value = value + _since(kernel.get((ip, direction), ZERO), self.owners[ip].base[direction])
+                yield series, direction, value
+
+    def node_totals(self, kernel: Counters) -> dict[Direction, Traffic]:
+        totals = dict(self.node_expired)
+        for _series, direction, value in self.series_values(kernel):
+            totals[direction] = totals.get(direction, ZERO) + value
+        return totals
+
+    def expire(self, now: float) -> int:
+        """Drop series whose grace period is over; returns how many."""
+        done = [s for s in self.series.values() if s.ended_at is not None and now - s.ended_at >= self.grace]
+        for series in done:
+            self._drop(series)
+        if done and self._series_peak.should_rebuild(len(self.series)):
+            self.series = dict(self.series)
+        return len(done)
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _close(self, ip: str, ownership: _Ownership, now_value: Mapping[Direction, Traffic], now: float) -> None:
+        del self.owners[ip]
+        series = self.series.get(ownership.uid)
+        if series is None:
+            return
+        for direction in Direction:
+            series.add_closed(direction, _since(now_value.get(direction, ZERO), ownership.base[direction]))
+        series.ips.discard(ip)
+        if not series.ips:
+            series.ended_at = now
+
+    def _series_for(self, pod: Pod) -> PodSeries:
+        series = self.series.get(pod.uid)
+        if series is not None and series.ended_at is not None:
+            self._drop(series)  # observed again: a new series that starts from zero
+            series = None
+        if series is None:
+            kind, name = workload_of(pod)
+            series = PodSeries(pod.uid, pod.namespace, pod.name, kind, name)
+            self.series[pod.uid] = series
+            self._series_peak.grew_to(len(self.series))
+        series.ended_at = None
+        return series
+
+    def _drop(self, series: PodSeries) -> None:
+        for direction, value in series.closed.items():
+            self.node_expired[direction] = self.node_expired.get(direction, ZERO) + value
+        del self.series[series.uid]
+
+
+def _since(now_value: Traffic, base: Traffic) -> Traffic:
+    """Traffic counted since ``base``; never negative (a counter the kernel restarted counts from zero)."""
+    if now_value.packets < base.packets or now_value.bytes < base.bytes:
+        return now_value
+    return Traffic(now_value.packets - base.packets, now_value.bytes - base.bytes)
+
+
+def workload_of(pod: Pod) -> tuple[str, str]:
+    """The workload a pod belongs to: a ReplicaSet made by a Deployment is reported as the Deployment."""
+    kind, name = pod.owner_kind, pod.owner_name
+    if kind == "ReplicaSet":
+        labels = pod.label_dict()
+        suffix = "-" + labels.get("pod-template-hash", "\0")
+        if name.endswith(suffix):
+            return "Deployment", sys.intern(name[: -len(suffix)])
+    return kind, name
