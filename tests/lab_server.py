@@ -109,6 +109,7 @@ class LabServer:
             bookmark_interval=parsed.bookmark_interval,
             graceful_pod_deletion=parsed.graceful_pod_deletion,
             too_large_wait=parsed.too_large_rv_wait,
+            watch_queue_limit=parsed.watch_queue_limit,
         )
         tls_dir = (self.dir / "tls") if self.tls else None
         started = threading.Event()
@@ -210,9 +211,7 @@ class LabServer:
     ) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this server (needs ``tls=True``: kubectl sends no token over HTTP)."""
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "HOME": str(self.dir)}
-        result = subprocess.run(
-            [KUBECTL, *args], input=input, capture_output=True, text=True, env=env, timeout=timeout
-        )
+        result = subprocess.run([KUBECTL, *args], input=input, capture_output=True, text=True, env=env, timeout=timeout)
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr}")
         return result

@@ -84,6 +84,18 @@ def test_stall_silences_open_streams_then_delivers(srv: LabServer) -> None:
         assert event is not None and event["type"] == "ADDED"
 
 
+def test_watch_that_falls_too_far_behind_is_closed() -> None:
+    with LabServer(process=False, args=["--watch-queue-limit", "5"]) as srv:
+        rv = list_rv(srv)
+        with srv.watch(f"/api/v1/namespaces/default/pods?watch=1&resourceVersion={rv}&timeoutSeconds=30") as w:
+            time.sleep(0.1)
+            srv.admin.stall()
+            for i in range(6):
+                srv.request("POST", "/api/v1/namespaces/default/pods", pod(f"p{i}"))
+            assert w.next(3) is None  # closed while stalled: EOF, nothing else
+        assert srv.admin.stats()["watchesClosed"] == {"overflow": 1}
+
+
 def test_stall_include_new_and_duration(srv: LabServer) -> None:
     rv = list_rv(srv)
     srv.admin.stall(seconds=1.0, include_new=True)

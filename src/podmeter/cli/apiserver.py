@@ -49,6 +49,9 @@ def register(subparsers: Any) -> None:
         default=3.0,
         help="seconds a read at a future resourceVersion waits before 504",
     )
+    parser.add_argument(
+        "--watch-queue-limit", type=int, default=10_000, help="events a watch may fall behind before it is closed"
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("action", nargs="?", choices=["fault"], help=argparse.SUPPRESS)
     parser.add_argument("knob", nargs="?", choices=_KNOBS, help=argparse.SUPPRESS)
@@ -81,6 +84,7 @@ def _run(args: argparse.Namespace) -> int:
         bookmark_interval=args.bookmark_interval,
         graceful_pod_deletion=args.graceful_pod_deletion,
         too_large_wait=args.too_large_rv_wait,
+        watch_queue_limit=args.watch_queue_limit,
     )
     tls_dir = None
     if args.tls:

@@ -47,7 +47,7 @@ class Settings:
     bookmark_interval: float = 60.0
     graceful_pod_deletion: bool = False
     too_large_wait: float = 3.0
-    watch_queue_limit: int = 100_000
+    watch_queue_limit: int = 10_000
     server_address: str = "127.0.0.1:6443"
 
 

@@ -120,7 +120,7 @@ class WatchHub:
         store: Store,
         faults: Faults,
         bookmark_interval: float,
-        queue_limit: int = 100_000,
+        queue_limit: int = 10_000,
         too_large_wait: float = 3.0,
     ) -> None:
         self.store = store
