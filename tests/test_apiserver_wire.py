@@ -74,6 +74,7 @@ def test_create_namespace_matches_recording(srv: LabServer) -> None:
     want = recorded("create-namespace.json")
     assert status == want["status"] == 201
     assert headers["Content-Type"].startswith("application/json")
+    assert set(want["headers"]) <= {k.lower() for k in headers}  # audit-id, cache-control, content-type
     assert list(body) == list(want["body"])
     assert list(body["metadata"]) == list(want["body"]["metadata"])
     assert body["metadata"]["labels"] == {"kubernetes.io/metadata.name": "wire-ns"}

@@ -17,6 +17,7 @@ import dataclasses
 import hmac
 import logging
 import time
+import uuid
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -133,6 +134,8 @@ class LabApiServer:
             response = status_response(errors.internal(f"{type(exc).__name__}: {exc}"))
         if not admin and not request.get(COUNTED):
             self.requests.add(verb, resource, response.status, request)
+        if not response.prepared:
+            response.headers.setdefault("Audit-Id", str(uuid.uuid4()))
         return response
 
     def _authenticate(self, request: web.Request) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import random
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -156,7 +157,12 @@ class WatchHub:
 
         ``on_open`` runs once the 200 headers are out, so counters see a watch while it is still open."""
         response = web.StreamResponse(
-            status=200, headers={"Content-Type": "application/json", "Cache-Control": "no-cache, private"}
+            status=200,
+            headers={
+                "Audit-Id": str(uuid.uuid4()),
+                "Cache-Control": "no-cache, private",
+                "Content-Type": "application/json",
+            },
         )
         response.enable_chunked_encoding()
         await response.prepare(request)
