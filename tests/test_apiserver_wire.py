@@ -419,6 +419,13 @@ def test_namespace_deletion_sequence(srv: LabServer) -> None:
     assert status == 403 and body["reason"] == "Forbidden"
 
 
+def test_watch_from_a_future_rv_is_504(srv: LabServer) -> None:
+    with srv.watch("/api/v1/pods?watch=1&resourceVersion=99999999&timeoutSeconds=5") as w:
+        assert w.status == 504
+        body = w.next()
+    assert body["details"]["causes"][0]["reason"] == "ResourceVersionTooLarge"
+
+
 def test_watch_timeout_without_bookmarks_sends_nothing(srv: LabServer) -> None:
     make_ns(srv, "quiet")
     _, _, listed = srv.request("GET", "/api/v1/namespaces/quiet/pods")

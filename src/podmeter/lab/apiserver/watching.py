@@ -153,7 +153,8 @@ class WatchHub:
         opts: WatchOptions,
         on_open: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
-        """Answer one watch request (HTTP 200 from here on; errors become an ERROR event).
+        """Answer one watch request: 504 for an RV from the future, else HTTP 200 from here on (a too-old RV
+        becomes an ERROR event, as recorded).
 
         ``on_open`` runs once the 200 headers are out, so counters see a watch while it is still open."""
         response = web.StreamResponse(
@@ -164,15 +165,13 @@ class WatchHub:
                 "Content-Type": "application/json",
             },
         )
+        error = await self._await_rv(opts)
+        if error is not None:
+            raise error  # before the stream starts: a plain HTTP 504 with its Status body
         response.enable_chunked_encoding()
         await response.prepare(request)
         if on_open is not None:
             on_open()
-        error = await self._await_rv(opts)
-        if error is not None:
-            await response.write(error_line(error))
-            await response.write_eof()
-            return response
         watcher = Watcher(resource, opts, self.queue_limit, self.faults.stall_epoch)
         try:
             initial = self._start(watcher)
