@@ -1,0 +1,56 @@
+# podmeter image: the agent, the operator and the tools (inspect, doctor) in one image.
+#
+#   docker build -t podmeter:0.1.0 .
+#
+# Three stages: `bpf` compiles the eBPF object with clang (the only stage with a compiler), `build`
+# installs the package and its dependencies into a virtualenv, `runtime` is a slim Python with the system
+# libbpf (libbpf1) and that virtualenv. Nothing is compiled at run time.
+#
+# The image runs as an unprivileged user (65532) by default: that is how the operator runs. The agent's
+# DaemonSet overrides it with runAsUser 0 and exactly these capabilities, because the kernel checks them
+# on the calls the agent makes (see docs/install.md, "Why the agent needs what it asks for"):
+#   CAP_BPF        create the maps, load the programs, pin them under /sys/fs/bpf (kernel >= 5.8)
+#   CAP_NET_ADMIN  load TC (sched_cls) programs and attach them to the host-side veths (TCX or clsact)
+#   CAP_PERFMON    lets the verifier accept the packet-pointer arithmetic without Spectre v1 rewrites
+#   CAP_SYS_ADMIN  only where the container runtime or its seccomp profile predates CAP_BPF: there,
+#                  bpf(2) is allowed for CAP_SYS_ADMIN alone (deploy/components/sys-admin adds it)
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG DEBIAN_IMAGE=debian:bookworm-slim
+
+FROM ${DEBIAN_IMAGE} AS bpf
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends clang libbpf-dev linux-libc-dev \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY bpf/ bpf/
+RUN mkdir -p out \
+ && for source in bpf/*.bpf.c; do \
+      name=$(basename "$source" .c); \
+      clang -O2 -g -Wall -target bpf -I/usr/include/$(uname -m)-linux-gnu -Ibpf -c "$source" -o "out/$name.o"; \
+    done
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/podmeter
+WORKDIR /src
+COPY pyproject.toml ./
+COPY src/ src/
+COPY --from=bpf /src/out/ src/podmeter/bpf/
+RUN /opt/podmeter/bin/pip install . \
+ && /opt/podmeter/bin/python -c "import importlib.resources as r; assert r.files('podmeter').joinpath('bpf/podmeter.bpf.o').is_file()"
+
+FROM ${PYTHON_IMAGE} AS runtime
+LABEL org.opencontainers.image.title="podmeter" \
+      org.opencontainers.image.description="Pod-level network observability agent for Kubernetes with an eBPF datapath"
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libbpf1 \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=build /opt/podmeter /opt/podmeter
+ENV PATH=/opt/podmeter/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+USER 65532:65532
+EXPOSE 9965 9966
+ENTRYPOINT ["podmeter"]
+CMD ["--help"]

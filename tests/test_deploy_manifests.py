@@ -1,0 +1,346 @@
+"""deploy/: every overlay renders with the real ``kubectl kustomize``, validates offline against the Kubernetes
+schemas, grants exactly the RBAC the agent and operator need, and uses only flags the CLI really has."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import kubernetes_validate
+import pytest
+
+from podmeter.cli.main import build_parser
+from test_deploy_support import (
+    DEPLOY,
+    OVERLAYS,
+    ROOT,
+    Obj,
+    container,
+    env_map,
+    find,
+    needs_kubectl,
+    render,
+    render_with,
+)
+
+pytestmark = needs_kubectl
+
+# Oldest and newest Kubernetes this install supports (CRD validation rules are GA from 1.29 on).
+K8S_VERSIONS = ("1.29", "1.32")
+# Kinds that are not part of Kubernetes itself: checked by the tests below instead of by schema.
+NOT_KUBERNETES = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+COMPOSITIONS = {
+    "base+sys-admin": (["base"], ["components/sys-admin"]),
+    "base+etcd+servicemonitor": (["base"], ["components/etcd", "components/servicemonitor"]),
+}
+
+
+def test_the_required_overlays_exist() -> None:
+    assert {"overlays/default", "overlays/etcd"} <= set(OVERLAYS)
+
+
+def all_renders(tmp_path: Path) -> dict[str, list[Obj]]:
+    out = {name: render(name) for name in OVERLAYS}
+    for name, (resources, components) in COMPOSITIONS.items():
+        work = tmp_path / name
+        work.mkdir()
+        out[name] = render_with(work, resources, components)
+    return out
+
+
+def validate(obj: Obj, version: str) -> None:
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_rendered_object_validates_offline(tmp_path: Path, version: str) -> None:
+    for name, objects in all_renders(tmp_path).items():
+        assert objects, name
+        kinds = set()
+        for obj in objects:
+            kinds.add(obj["kind"])
+            if (obj["apiVersion"], obj["kind"]) in NOT_KUBERNETES:
+                continue
+            try:
+                validate(obj, version)
+            except kubernetes_validate.ValidationError as exc:
+                path = ".".join(str(p) for p in exc.path)
+                where = f"{obj['kind']}/{obj['metadata']['name']}"
+                raise AssertionError(f"{name}: {where}: {path}: {exc.message}") from None
+        assert {"Namespace", "CustomResourceDefinition", "DaemonSet", "Deployment", "Service",
+                "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} <= kinds, name
+
+
+@pytest.mark.parametrize(
+    ("where", "mutation"),
+    [
+        ("DaemonSet", lambda o: o["spec"]["template"]["spec"].__setitem__("hostNetwrk", True)),
+        ("DaemonSet", lambda o: o["spec"]["template"]["spec"]["containers"][0].__setitem__("args", "agent")),
+        ("Deployment", lambda o: o["spec"].__setitem__("replicas", "two")),
+        ("ClusterRole", lambda o: o["rules"][0].__setitem__("verb", ["get"])),
+    ],
+)
+def test_the_offline_validator_rejects_broken_objects(where: str, mutation: Any) -> None:
+    """Control: the validation above would notice a typo, a wrong type or an unknown field."""
+    obj = copy.deepcopy(next(o for o in render("overlays/default") if o["kind"] == where))
+    validate(obj, K8S_VERSIONS[-1])
+    mutation(obj)
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(obj, K8S_VERSIONS[-1])
+
+
+# --- RBAC ------------------------------------------------------------------------------------------------
+
+Grant = tuple[str, str, str, str, str]  # (scope: "cluster" or namespace, apiGroup, resource, verb, resourceName or "*")
+
+AGENT_GRANTS: set[Grant] = {
+    ("cluster", group, resource, verb, "*")
+    for group, resource in (("", "pods"), ("", "namespaces"), ("podmeter.io", "metricsconfigurations"))
+    for verb in ("get", "list", "watch")
+}
+OPERATOR_GRANTS: set[Grant] = {
+    *(("cluster", "", "pods", verb, "*") for verb in ("get", "list", "watch")),
+    *(("cluster", "podmeter.io", "metricsconfigurations", verb, "*") for verb in ("get", "list", "watch")),
+    ("cluster", "podmeter.io", "metricsconfigurations/status", "patch", "default"),
+    ("podmeter", "coordination.k8s.io", "leases", "create", "*"),
+    ("podmeter", "coordination.k8s.io", "leases", "get", "podmeter-operator"),
+    ("podmeter", "coordination.k8s.io", "leases", "update", "podmeter-operator"),
+}
+
+
+def grants(objects: list[Obj], namespace: str, account: str) -> set[Grant]:
+    """Every (scope, group, resource, verb, name) the bindings give ``namespace/account``; wildcards kept as-is."""
+    roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
+             for o in objects if o["kind"] in ("Role", "ClusterRole")}
+    out: set[Grant] = set()
+    for binding in (o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        subjects = binding.get("subjects", [])
+        if not any(s["kind"] == "ServiceAccount" and s["name"] == account and s.get("namespace") == namespace
+                   for s in subjects):
+            continue
+        ref = binding["roleRef"]
+        role_ns = None if ref["kind"] == "ClusterRole" else binding["metadata"]["namespace"]
+        role = roles.get((ref["kind"], role_ns, ref["name"]))
+        assert role is not None, f"{binding['metadata']['name']} refers to a missing {ref['kind']} {ref['name']}"
+        scope = "cluster" if binding["kind"] == "ClusterRoleBinding" else binding["metadata"]["namespace"]
+        for rule in role["rules"]:
+            assert "nonResourceURLs" not in rule, rule
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        for name in rule.get("resourceNames") or ["*"]:
+                            out.add((scope, group, resource, verb, name))
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rbac_grants_nothing_beyond_what_each_component_uses(overlay: str) -> None:
+    objects = render(overlay)
+    assert grants(objects, "podmeter", "podmeter-agent") == AGENT_GRANTS
+    assert grants(objects, "podmeter", "podmeter-operator") == OPERATOR_GRANTS
+    accounts = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in objects if o["kind"] == "ServiceAccount"}
+    assert accounts == {("podmeter", "podmeter-agent"), ("podmeter", "podmeter-operator")}
+    for obj in objects:  # every binding names one of podmeter's accounts, nothing else
+        if obj["kind"] in ("RoleBinding", "ClusterRoleBinding"):
+            assert {(s.get("namespace"), s["name"]) for s in obj["subjects"]} <= accounts, obj["metadata"]["name"]
+
+
+def test_the_lease_rule_names_the_lease_the_operator_uses() -> None:
+    objects = render("overlays/default")
+    env = env_map(container(find(objects, "Deployment", "podmeter-operator")))
+    assert env["PODMETER_LEASE_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    role = find(objects, "Role", "podmeter-operator-leader-election")
+    assert role["metadata"]["namespace"] == "podmeter"
+    named = [r for r in role["rules"] if r.get("resourceNames")]
+    assert named and all(r["resourceNames"] == [env["PODMETER_LEASE_NAME"]["value"]] for r in named)
+
+
+def test_workloads_run_under_their_own_accounts() -> None:
+    objects = render("overlays/default")
+    assert find(objects, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"] == "podmeter-agent"
+    operator = find(objects, "Deployment", "podmeter-operator")
+    assert operator["spec"]["template"]["spec"]["serviceAccountName"] == "podmeter-operator"
+
+
+# --- flags and env against the real CLI ------------------------------------------------------------------
+
+FIELD_VALUES = {"spec.nodeName": "node-a", "metadata.namespace": "podmeter", "metadata.name": "podmeter-operator-x",
+                "status.podIP": "10.0.0.5", "status.hostIP": "10.0.0.1"}
+
+
+def resolved_env(objects: list[Obj], cont: Obj) -> dict[str, str]:
+    """The container's environment as the kubelet would set it (downward API and ConfigMap keys resolved)."""
+    maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
+    out: dict[str, str] = {}
+    for entry in cont.get("env", []):
+        source = entry.get("valueFrom")
+        if source is None:
+            out[entry["name"]] = str(entry["value"])
+        elif "fieldRef" in source:
+            out[entry["name"]] = FIELD_VALUES[source["fieldRef"]["fieldPath"]]
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            assert ref["name"] in maps, f"{entry['name']}: ConfigMap {ref['name']} is not rendered"
+            out[entry["name"]] = maps[ref["name"]][ref["key"]]
+        else:
+            raise AssertionError(f"unexpected env source {source}")
+    return out
+
+
+def parse_as_the_container(objects: list[Obj], cont: Obj) -> tuple[Any, dict[str, str]]:
+    env = resolved_env(objects, cont)
+    argv = list(cont.get("command", [])[1:]) + list(cont["args"])
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PODMETER_") and k != "KUBECONFIG"}
+    with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
+        parser = build_parser()
+        sub = parser._subparsers._group_actions[0].choices[argv[0]]  # type: ignore[union-attr]
+        known = {"PODMETER_" + o[2:].upper().replace("-", "_")
+                 for a in sub._actions for o in a.option_strings if o.startswith("--")}
+        unknown = {k for k in env if k.startswith("PODMETER_")} - known
+        assert not unknown, f"{argv[0]}: env vars that match no option (silently ignored): {sorted(unknown)}"
+        return parser.parse_args(argv), env
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_workload_parses_with_the_real_cli(overlay: str) -> None:
+    objects = render(overlay)
+    seen = set()
+    for workload in (o for o in objects if o["kind"] in ("DaemonSet", "Deployment")):
+        cont = container(workload)
+        args, env = parse_as_the_container(objects, cont)
+        seen.add(args.command)
+        for name, value in env.items():
+            if not name.startswith("PODMETER_"):
+                continue
+            parsed = getattr(args, name.removeprefix("PODMETER_").lower())
+            assert str(parsed) == value or parsed == type(parsed)(value), (name, value, parsed)
+    assert seen == {"agent", "operator"}
+
+
+def test_the_agent_is_configured_for_a_real_node() -> None:
+    objects = render("overlays/default")
+    ds = find(objects, "DaemonSet", "podmeter-agent")
+    spec = ds["spec"]["template"]["spec"]
+    cont = container(ds)
+    args, _ = parse_as_the_container(objects, cont)
+    assert args.command == "agent" and args.datapath == "ebpf" and args.node_name == "node-a"
+    env = env_map(cont)
+    assert env["PODMETER_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # the host netns (veths), DNS that still reaches the API server, every node
+    assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert {"operator": "Exists"} in spec["tolerations"]
+    # the host's bpffs, and the pin directory inside it
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in cont["volumeMounts"]}
+    bpffs = mounts["/sys/fs/bpf"]
+    assert volumes[bpffs["name"]]["hostPath"]["path"] == "/sys/fs/bpf"
+    assert bpffs.get("mountPropagation") == "HostToContainer" and not bpffs.get("readOnly")
+    assert Path(args.bpffs).is_relative_to("/sys/fs/bpf")
+    # probes on the port the agent listens on
+    port = int(args.listen.rpartition(":")[2])
+    ports = {p["name"]: p["containerPort"] for p in cont["ports"]}
+    assert cont["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert cont["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert ports[cont[probe]["httpGet"]["port"]] == port
+    # requests and limits for both resources
+    for part in ("requests", "limits"):
+        assert {"cpu", "memory"} <= cont["resources"][part].keys()
+    # root, but with only the capabilities the datapath needs
+    security = cont["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["BPF", "NET_ADMIN", "PERFMON"]}
+    assert security["readOnlyRootFilesystem"] is True
+    assert not spec.get("hostPID") and not spec.get("hostIPC") and not security.get("privileged")
+    namespace = find(objects, "Namespace", "podmeter")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def test_the_operator_runs_two_unprivileged_replicas_with_leader_election() -> None:
+    objects = render("overlays/default")
+    deployment = find(objects, "Deployment", "podmeter-operator")
+    assert deployment["spec"]["replicas"] == 2
+    cont = container(deployment)
+    args, _ = parse_as_the_container(objects, cont)
+    assert args.command == "operator" and args.identity_backend == "memory"
+    assert args.holder_identity == FIELD_VALUES["metadata.name"]  # distinct per replica
+    pod_security = deployment["spec"]["template"]["spec"]["securityContext"]
+    assert pod_security["runAsNonRoot"] is True and pod_security["runAsUser"] != 0
+    security = cont["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False and security["capabilities"] == {"drop": ["ALL"]}
+    port = int(args.listen.rpartition(":")[2])
+    assert {p["containerPort"] for p in cont["ports"]} == {port}
+    assert find(objects, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items() <= \
+        deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_the_etcd_overlay_points_the_operators_at_etcd() -> None:
+    objects = render("overlays/etcd")
+    cont = container(find(objects, "Deployment", "podmeter-operator"))
+    names = [e["name"] for e in cont["env"]]
+    assert len(names) == len(set(names)), "the patch must replace env entries, not duplicate them"
+    args, _ = parse_as_the_container(objects, cont)
+    assert args.identity_backend == "etcd"
+    service = find(objects, "Service", "podmeter-etcd")
+    host = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+    assert args.etcd_endpoints == f"http://{host}:{service['spec']['ports'][0]['port']}"
+    etcd = find(objects, "StatefulSet", "podmeter-etcd")
+    assert etcd["spec"]["selector"]["matchLabels"].items() <= service["spec"]["selector"].items()
+    agent = container(find(objects, "DaemonSet", "podmeter-agent"))
+    assert agent == container(find(render("overlays/default"), "DaemonSet", "podmeter-agent"))
+
+
+def test_the_sys_admin_component_adds_only_sys_admin(tmp_path: Path) -> None:
+    objects = render_with(tmp_path, ["base"], ["components/sys-admin"])
+    cont = container(find(objects, "DaemonSet", "podmeter-agent"))
+    assert cont["securityContext"]["capabilities"]["add"] == ["BPF", "NET_ADMIN", "PERFMON", "SYS_ADMIN"]
+    # the API server refuses allowPrivilegeEscalation: false next to CAP_SYS_ADMIN
+    assert "allowPrivilegeEscalation" not in cont["securityContext"]
+
+
+# --- Services, ServiceMonitor, image ---------------------------------------------------------------------
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_services_and_the_servicemonitor_reach_both_metrics_ports() -> None:
+    objects = render("overlays/prometheus-operator")
+    workloads = [o for o in objects if o["kind"] in ("DaemonSet", "Deployment")]
+    services = [o for o in objects if o["kind"] == "Service"]
+    monitor = find(objects, "ServiceMonitor", "podmeter")
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == ["podmeter"]
+    scraped = [s for s in services if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])]
+    assert {s["metadata"]["name"] for s in scraped} == {"podmeter-agent", "podmeter-operator"}
+    endpoint_ports = {e["port"] for e in monitor["spec"]["endpoints"]}
+    for service in scraped:
+        selector = service["spec"]["selector"]
+        backends = [w for w in workloads if selects(selector, w["spec"]["template"]["metadata"]["labels"])]
+        assert len(backends) == 1, service["metadata"]["name"]
+        container_ports = {p["name"]: p["containerPort"] for p in container(backends[0])["ports"]}
+        for port in service["spec"]["ports"]:
+            assert container_ports[port["targetPort"]] == port["port"]
+        assert endpoint_ports <= {p["name"] for p in service["spec"]["ports"]}
+    # selectors of workloads match their own pod labels (the API server refuses otherwise)
+    for workload in workloads:
+        assert selects(workload["spec"]["selector"]["matchLabels"], workload["spec"]["template"]["metadata"]["labels"])
+
+
+def test_the_image_is_the_package_version() -> None:
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    for overlay in OVERLAYS:
+        images = {c["image"] for o in render(overlay) if o["kind"] in ("DaemonSet", "Deployment")
+                  and o["metadata"]["name"].startswith("podmeter-") and "etcd" not in o["metadata"]["name"]
+                  for c in o["spec"]["template"]["spec"]["containers"]}
+        assert images == {f"ghcr.io/podmeter/podmeter:{version}"}, overlay
+
+
+def test_docs_install_names_every_overlay_and_component() -> None:
+    text = (ROOT / "docs" / "install.md").read_text()
+    for path in [*OVERLAYS, *(p.parent.relative_to(DEPLOY).as_posix()
+                              for p in (DEPLOY / "components").glob("*/kustomization.yaml"))]:
+        assert f"deploy/{path}" in text, path
