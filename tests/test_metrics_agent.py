@@ -10,14 +10,13 @@ import threading
 import time
 import tracemalloc
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_harness import AgentHarness, Cluster, wait_for
 from factories import make_pod
 from lab_server import LabServer
 from podmeter.adapters.kube.deltas import Delete, Replace, Upsert
-from podmeter.adapters.metrics.pod_traffic import PodTrafficCollector
+from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.model.datapath import Direction
 from podmeter.runtime.agent import Agent, AgentSettings
 
@@ -25,9 +24,8 @@ IN, OUT = Direction.INGRESS, Direction.EGRESS
 
 
 def scrape(agent: AgentHarness, retina: bool = False) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    registry = CollectorRegistry()
-    registry.register(PodTrafficCollector(agent.agent.ledger, agent.datapath.read_counters, retina))
-    text = agent.on_loop(lambda: generate_latest(registry)).decode()
+    exposition = PodTrafficExposition(agent.agent.ledger, agent.datapath.read_counters, retina)
+    text = agent.on_loop(exposition.render).decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -164,7 +162,6 @@ def test_thousand_pods_leave_no_series_and_no_memory() -> None:
 
     datapath = MemoryDatapath(2048)
     agent = Agent(AgentSettings(node_name="node-a", series_grace=0.0), connection=None, datapath=datapath)  # type: ignore[arg-type]
-    agent._reflectors = [None, None, None]  # type: ignore[list-item] # three collections, listed below
     agent.apply_batch([Replace("pods", []), Replace("namespaces", []), Replace("metricsconfigurations", [])])
 
     def round_of_pods(offset: int) -> None:
@@ -191,11 +188,9 @@ def test_thousand_pods_leave_no_series_and_no_memory() -> None:
     round_of_pods(2000)
     after = ledger_bytes()
     tracemalloc.stop()
-    registry = CollectorRegistry()
-    registry.register(PodTrafficCollector(agent.ledger, datapath.read_counters))
-    text = generate_latest(registry).decode()
+    text = PodTrafficExposition(agent.ledger, datapath.read_counters).render().decode()
     assert "podmeter_pod_bytes_total{" not in text
     assert not agent.ledger.series and not agent.ledger.owners
     assert datapath.counters == {} and datapath.entries == set()
-    assert 'podmeter_node_packets_total{direction="egress"} 6000.0' in text
+    assert 'podmeter_node_packets_total{direction="egress"} 6000' in text
     assert after <= before + 1024, f"the ledger grew from {before} to {after} bytes"

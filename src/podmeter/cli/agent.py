@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 
 from podmeter.adapters.kube.connection import ConnectionConfigError, load_connection
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
-from podmeter.adapters.metrics.pod_traffic import PodTrafficCollector
+from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.runtime.agent import Agent, AgentSettings
 from podmeter.runtime.datapaths import open_datapath
 from podmeter.runtime.endpoints import build_app, parse_listen, serve
@@ -92,8 +92,9 @@ async def _serve(args: argparse.Namespace, connection: Any, datapath: Any) -> in
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     registry.register(AgentStateCollector(agent.snapshot))
-    registry.register(PodTrafficCollector(agent.ledger, datapath.read_counters, args.retina_compat))
-    app = build_app(registry, agent.ready.is_set, {"/debug/state": agent.debug_state}, args.debug_remote)
+    traffic = PodTrafficExposition(agent.ledger, datapath.read_counters, args.retina_compat)
+    app = build_app(registry, agent.ready.is_set, {"/debug/state": agent.debug_state}, args.debug_remote,
+                    [traffic.render])
     runner, port = await serve(app, args.listen)
     log.info("agent for node %s: API server %s (%s), HTTP on port %d", args.node_name, connection.server,
              connection.source, port)

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-class Direction(enum.Enum):
-    """Traffic direction as seen from the pod."""
+class Direction(enum.StrEnum):
+    """Traffic direction as seen from the pod. A ``str`` enum: hashing it is a C call, which matters on
+    the scrape path (tens of thousands of dictionary lookups per scrape)."""
 
     INGRESS = "ingress"  # into the pod
     EGRESS = "egress"  # out of the pod

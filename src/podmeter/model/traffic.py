@@ -16,7 +16,7 @@ the writer task and reads :meth:`TrafficLedger.series_values` at scrape time, on
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from podmeter.model.compaction import PeakTracker
@@ -87,17 +87,25 @@ class TrafficLedger:
                 self._close(ip, current, {d: final.get((ip, d), ZERO) for d in Direction}, now)
 
     def series_values(self, kernel: Counters) -> Iterator[tuple[PodSeries, Direction, Traffic]]:
-        """Every live series' value per direction, with the kernel counters read for this scrape."""
+        """Every live series' value per direction, with the kernel counters read for this scrape.
+        (The hot loop of a scrape: plain integers inside, one Traffic per series and direction.)"""
+        owners = self.owners
         for series in self.series.values():
             for direction in Direction:
-                value = series.closed.get(direction, ZERO)
+                closed = series.closed.get(direction, ZERO)
+                packets, size = closed.packets, closed.bytes
                 for ip in series.ips:
-                    value = value + _since(kernel.get((ip, direction), ZERO), self.owners[ip].base[direction])
-                yield series, direction, value
+                    now_value = kernel.get((ip, direction), ZERO)
+                    since = _since(now_value, owners[ip].base[direction])
+                    packets += since.packets
+                    size += since.bytes
+                yield series, direction, Traffic(packets, size)
 
-    def node_totals(self, kernel: Counters) -> dict[Direction, Traffic]:
+    def node_totals(self, kernel: Counters,
+                    values: Iterable[tuple[PodSeries, Direction, Traffic]] | None = None) -> dict[Direction, Traffic]:
+        """Expired series plus live ones (pass ``values`` when the live ones were just computed)."""
         totals = dict(self.node_expired)
-        for _series, direction, value in self.series_values(kernel):
+        for _series, direction, value in self.series_values(kernel) if values is None else values:
             totals[direction] = totals.get(direction, ZERO) + value
         return totals
 
@@ -144,6 +152,8 @@ class TrafficLedger:
 
 def _since(now_value: Traffic, base: Traffic) -> Traffic:
     """Traffic counted since ``base``; never negative (a counter the kernel restarted counts from zero)."""
+    if base is ZERO or base == ZERO:
+        return now_value
     if now_value.packets < base.packets or now_value.bytes < base.bytes:
         return now_value
     return Traffic(now_value.packets - base.packets, now_value.bytes - base.bytes)

@@ -35,6 +35,7 @@ from podmeter.runtime.writer import Writer
 
 log = logging.getLogger("podmeter.agent")
 
+COLLECTIONS = (PODS, NAMESPACES, METRICS_CONFIGURATIONS)
 MAX_BATCH = 512  # deltas applied between two flushes at most (bounds the latency of a flush)
 
 
@@ -88,7 +89,7 @@ class Agent:
 
     async def start(self) -> None:
         self._client = self.connection.transport()
-        for kind in (PODS, NAMESPACES, METRICS_CONFIGURATIONS):
+        for kind in COLLECTIONS:
             settings = self.settings.reflector(kind)
             if kind is PODS:
                 settings.field_selector = f"spec.nodeName={self.settings.node_name}"
@@ -189,7 +190,7 @@ class Agent:
 
     def _push(self) -> None:
         if not self.ready.is_set():
-            if len(self.synced) < len(self._reflectors):
+            if len(self.synced) < len(COLLECTIONS):
                 return
             self._resync()  # the first push: adopt or clean what a predecessor pinned
             self._attribute()  # counters a predecessor left become the owners' baselines

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -18,11 +18,13 @@ DebugViews = dict[str, Callable[[], Any]]
 
 
 def build_app(registry: CollectorRegistry, ready: Callable[[], bool], debug: DebugViews,
-              debug_remote: bool = False) -> web.Application:
+              debug_remote: bool = False, expositions: Sequence[Callable[[], bytes]] = ()) -> web.Application:
+    """``expositions`` render extra series in the text format themselves (the per-pod traffic: too many
+    samples to build prometheus_client objects for on every scrape)."""
     app = web.Application()
 
     async def metrics(_: web.Request) -> web.Response:
-        body = generate_latest(registry)
+        body = generate_latest(registry) + b"".join(render() for render in expositions)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(_: web.Request) -> web.Response:
