@@ -10,6 +10,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +68,11 @@ def test_agent_process_endpoints_and_sigterm(lab_apiserver: LabServer, agent_pro
     assert 'podmeter_store_objects{resource="pods"} 1.0' in metrics
     assert 'podmeter_watch_relists_total{reason="initial",resource="pods"} 1.0' in metrics
     assert "process_resident_memory_bytes" in metrics
+    documented = (Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
+    families = {line.split()[2] for line in metrics.splitlines() if line.startswith("# TYPE podmeter_")}
+    assert "podmeter_pod_bytes_total" in families
+    undocumented = sorted(f for f in families if f not in documented and f.removesuffix("_total") not in documented)
+    assert not undocumented, f"series missing from docs/metrics.md: {undocumented}"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
     lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
