@@ -101,5 +101,5 @@ def test_nothing_configured_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_unusable_kubeconfig_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "kc").write_text("apiVersion: v1\nkind: Config\nclusters: 7\n")
-    with pytest.raises(ConnectionConfigError, match="not usable|no current context"):
+    with pytest.raises(ConnectionConfigError, match=r"not usable|no current context"):
         load_connection(str(tmp_path / "kc"))
