@@ -1,16 +1,79 @@
-"""`podmeter lab`: not built yet."""
+"""``podmeter lab [SCENARIO]``: run a scenario on this machine and write a report (see docs/lab.md).
+
+Also, for tests only: ``python -m podmeter.cli.lab --faulty-agent KIND agent ARGS...`` runs a real agent
+with a planted fault (:mod:`podmeter.lab.faults`), to show that the lab's checks fail when they should.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
+from pathlib import Path
 from typing import Any
+
+from podmeter.lab.report import write_report
+from podmeter.lab.run import LabOptions, LabRun
+from podmeter.lab.scenario import ScenarioError, load_scenario, shipped_scenarios
 
 
 def register(subparsers: Any) -> None:
-    parser: argparse.ArgumentParser = subparsers.add_parser("lab", help="(not built yet)")
-    parser.set_defaults(func=_run)
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "lab", help="run a lab scenario (API server, node, agent, operator) and write a report",
+        description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("scenario", nargs="?", default="default",
+                   help=f"a scenario file, or a shipped one: {', '.join(shipped_scenarios())} (default: default)")
+    p.add_argument("--out", type=Path, default=Path("lab-report"), help="report directory (default ./lab-report)")
+    p.add_argument("--datapath", choices=("ebpf", "memory"), help="override the scenario's datapath")
+    p.add_argument("--duration", type=float, help="override the scenario's duration (seconds)")
+    p.add_argument("--no-progress", action="store_true", help="no live display")
+    p.set_defaults(func=run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    print("podmeter lab: not built yet")
-    return 2
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        scenario = load_scenario(args.scenario)
+    except ScenarioError as exc:
+        print(f"podmeter lab: {exc}", file=sys.stderr)
+        return 2
+    try:
+        lab = LabRun(scenario, LabOptions(args.out, args.datapath, not args.no_progress, args.duration))
+    except RuntimeError as exc:
+        print(f"podmeter lab: {exc}", file=sys.stderr)
+        return 2
+    for note in lab.result.notes:
+        print(f"notice: {note}")
+    result = lab.run()
+    files = write_report(result, args.out)
+    _print_summary(result, files)
+    return 0 if result.passed else 1
+
+
+def _print_summary(result: Any, files: list[Path]) -> None:
+    print(f"verdict: {'PASSED' if result.passed else 'FAILED'} ({result.scenario}, {result.datapath})")
+    if result.error:
+        print(f"error: {result.error}")
+    for failure in result.failures:
+        print(f"  {failure['invariant']} {failure['subject']}: {failure['detail']}")
+    for check in result.traffic:
+        if not check.get("ok", True):
+            print(f"  traffic {check['protocol']} {check['src']} -> {check['dst']}: {check}")
+    for name, memory in result.memory.items():
+        if isinstance(memory, dict) and not memory["returned"]:
+            print(f"  memory: {name} grew {memory['growth_mib']} MiB (tolerance {result.memory['tolerance_mib']})")
+    print(f"report: {files[-1]} (also {', '.join(str(f.name) for f in files[:-1])})")
+
+
+def _faulty_agent(argv: list[str]) -> int:
+    from podmeter.cli.main import main
+    from podmeter.lab.faults import install
+
+    install(argv[0])
+    return main(argv[1:])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--faulty-agent":
+        sys.exit(_faulty_agent(sys.argv[2:]))
+    sys.exit(2)

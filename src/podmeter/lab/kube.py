@@ -70,16 +70,15 @@ class KubeClient:
                 return None
             raise
 
-    def delete(self, path: str, grace_seconds: int | None = None) -> bool:
-        """Delete; False when it was already gone."""
+    def delete(self, path: str, grace_seconds: int | None = None) -> dict[str, Any] | None:
+        """Delete; the server's answer (the object as it was deleted), or None when it was already gone."""
         body = {"gracePeriodSeconds": grace_seconds} if grace_seconds is not None else None
         try:
-            self._call("DELETE", path, {}, body)
+            return self._call("DELETE", path, {}, body)
         except KubeError as exc:
             if exc.status == 404:
-                return False
+                return None
             raise
-        return True
 
     def watch(self, path: str, timeout_seconds: int, **query: str) -> Iterator[dict[str, Any]]:
         """Watch events (parsed lines) until the server ends the stream; raises KubeError on failure."""

@@ -1,0 +1,251 @@
+"""Continuous checks of invariants I1-I6 against truth the lab computes itself.
+
+Truth is never the agent's belief: the pods, namespaces and MetricsConfiguration come from the API server
+over HTTP, the desired filter is computed from them with the model's own records and interest functions
+(:class:`~podmeter.model.view.NodeView`, a from-scratch recompute), and the kernel's filter is read from
+the pinned map by this process (``EbpfDatapath.open_pinned``). Only in memory mode, where there is no
+kernel map, the agent's datapath contents come from its ``/debug/state``.
+
+A violation is a (invariant, subject) pair seen in a sample. It becomes a **failure** when it persists
+longer than the settle time; transient ones (an event in flight) are counted, not failed. While the lab
+holds the checks (the agent is deliberately down, a watch deliberately stalled), violations do not age:
+their clock restarts when the hold ends, so only a failure to converge *after* a fault fails the run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from podmeter.lab.kube import KubeClient
+from podmeter.model.configuration import DEFAULT_NAME, NO_CONFIGURATION, decode_configuration
+from podmeter.model.identity import IdentityKey, LabelFilter, key_of_flat
+from podmeter.model.records import DecodeError, Pod, decode_namespace, decode_pod
+from podmeter.model.view import NodeView
+from podmeter.runtime.operator import holds_identity
+
+MCONF_PATH = "/apis/podmeter.io/v1alpha1/metricsconfigurations"
+
+
+# --- truth -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Truth:
+    """What the API server says, and what follows from it by the model's rules."""
+
+    node_pods: dict[str, Pod]  # uid -> pod bound to the node
+    desired: dict[str, frozenset[str]]  # ip -> uids of observed pods holding it
+    identity_keys: set[IdentityKey]  # label sets of every pod that holds an identity (cluster-wide)
+    pod_names: set[tuple[str, str]]  # (namespace, name) of the node's pods
+
+    def holders(self, ip: str) -> list[Pod]:
+        """Every pod of the node whose status carries ``ip`` (observed or not, live or finished)."""
+        return [p for p in self.node_pods.values() if ip in p.ips]
+
+
+def read_truth(client: KubeClient, node_name: str, label_filter: LabelFilter) -> Truth:
+    """One consistent-enough snapshot: namespaces and configuration first, then pods."""
+    view = NodeView(node_name)
+    namespaces = [decode_namespace(ns) for ns in client.list("/api/v1/namespaces").get("items") or []]
+    view.replace_namespaces(namespaces)
+    config = client.get(f"{MCONF_PATH}/{DEFAULT_NAME}")
+    interest = NO_CONFIGURATION
+    if config is not None:
+        try:
+            interest = decode_configuration(config).interest
+        except DecodeError:
+            interest = NO_CONFIGURATION  # an invalid object: the agent keeps the last valid one; so do we
+    view.set_interest(interest)
+    pods = [decode_pod(p) for p in client.list("/api/v1/pods").get("items") or []]
+    node_pods = {p.uid: p for p in pods if p.node_name == node_name}
+    view.replace_pods(node_pods.values())
+    keys = {key_of_flat(p.namespace, p.labels, label_filter) for p in pods if holds_identity(p)}
+    return Truth(node_pods, view.recompute(), keys, {(p.namespace, p.name) for p in node_pods.values()})
+
+
+# --- metrics -------------------------------------------------------------------------------------------
+
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def parse_metrics(text: str | None) -> Samples:
+    """Prometheus text -> sample name -> [(labels, value)]; empty when the endpoint did not answer."""
+    result: Samples = {}
+    if not text:
+        return result
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            result.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    return result
+
+
+def metric_sum(samples: Samples, name: str, **labels: str) -> float | None:
+    rows = samples.get(name)
+    if rows is None:
+        return None
+    return sum(v for lab, v in rows if all(lab.get(k) == want for k, want in labels.items()))
+
+
+# --- violations ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Violation:
+    invariant: str  # "I1" .. "I6"
+    subject: str  # an IP, a pod, a counter name
+    detail: str
+    first_seen: float
+    last_seen: float
+
+
+@dataclass
+class Observation:
+    """One sample: truth, the kernel filter (None: not readable now), and the processes' metrics."""
+
+    at: float
+    truth: Truth
+    kernel: set[str] | None
+    capacity: int | None
+    agent: Samples
+    operator: Samples | None
+    agent_up: bool
+
+
+@dataclass
+class Checker:
+    """Turns samples into violations and failures (see the module docstring)."""
+
+    settle: float
+    metrics_grace: float = 5.0  # I5: the last scrape may still see a gone pod's final value
+    clock: Callable[[], float] = time.monotonic
+    open: dict[tuple[str, str], Violation] = field(default_factory=dict)
+    failures: list[Violation] = field(default_factory=list)
+    transient: int = 0
+    overflow_seen: int = 0
+    last_holder: dict[str, str] = field(default_factory=dict)  # ip -> "ns/name" of its last holder
+    _held: int = 0
+    _failed_keys: set[tuple[str, str]] = field(default_factory=set)
+
+    # --- holds ----------------------------------------------------------------------------------
+
+    def hold(self) -> None:
+        self._held += 1
+
+    def release(self) -> None:
+        self._held = max(0, self._held - 1)
+        if not self._held:
+            now = self.clock()
+            for violation in self.open.values():
+                violation.first_seen = max(violation.first_seen, now)
+
+    @property
+    def held(self) -> bool:
+        return self._held > 0
+
+    # --- one sample -----------------------------------------------------------------------------
+
+    def observe(self, obs: Observation) -> list[Violation]:
+        """Check one sample; returns the violations open now (failed ones included)."""
+        for pod in obs.truth.node_pods.values():
+            for ip in pod.ips:
+                self.last_holder[ip] = pod.key
+        found: dict[tuple[str, str], tuple[str, str, str]] = {}
+        for invariant, subject, detail in self._violations(obs):
+            found[(invariant, subject)] = (invariant, subject, detail)
+        now = self.clock()
+        for key in [k for k in self.open if k not in found]:
+            if key not in self._failed_keys:
+                self.transient += 1
+            del self.open[key]
+        for key, (invariant, subject, detail) in found.items():
+            violation = self.open.get(key)
+            if violation is None:
+                violation = self.open[key] = Violation(invariant, subject, detail, now, now)
+            violation.last_seen, violation.detail = now, detail
+            allowed = self.settle + (self.metrics_grace if invariant == "I5" else 0.0)
+            if not self.held and now - violation.first_seen > allowed and key not in self._failed_keys:
+                self._failed_keys.add(key)
+                self.failures.append(violation)
+        return list(self.open.values())
+
+    def _violations(self, obs: Observation) -> list[tuple[str, str, str]]:
+        found = self._filter_violations(obs) if obs.kernel is not None else []
+        if obs.agent_up:
+            found += self._store_violations(obs) + self._metric_violations(obs)
+        if obs.operator is not None:
+            found += self._identity_violations(obs)
+        return found
+
+    def _filter_violations(self, obs: Observation) -> list[tuple[str, str, str]]:
+        """I2 (both directions, capacity rule) and I3 (ineligible pods never count)."""
+        assert obs.kernel is not None
+        truth, kernel, found = obs.truth, obs.kernel, []
+        for ip in sorted(kernel - truth.desired.keys()):
+            holders = truth.holders(ip)
+            if holders:
+                who = ", ".join(f"{p.key} ({_why_not(p)})" for p in holders)
+                invariant = "I3" if any(_why_not(p) != "not observed" for p in holders) else "I2"
+                found.append((invariant, ip, f"{ip} is in the kernel filter but its pods do not count: {who}"))
+            else:
+                last = self.last_holder.get(ip, "no pod seen by the lab")
+                found.append(("I2", ip, f"leaked: {ip} is in the kernel filter but no pod holds it "
+                                        f"(last held by {last})"))
+        missing = sorted(truth.desired.keys() - kernel)
+        full = obs.capacity is not None and len(kernel) >= obs.capacity and kernel <= truth.desired.keys()
+        if missing and full:
+            self.overflow_seen = max(self.overflow_seen, len(missing))
+            return found
+        for ip in missing:
+            owners = ", ".join(sorted(truth.node_pods[u].key for u in truth.desired[ip]))
+            found.append(("I2", ip, f"missing: {ip} of observed {owners} is not in the kernel filter"))
+        return found
+
+    def _store_violations(self, obs: Observation) -> list[tuple[str, str, str]]:
+        """I1: the agent's store holds exactly the node's pods (it counts them; we count the truth)."""
+        stored = metric_sum(obs.agent, "podmeter_store_objects", resource="pods")
+        if stored is None or int(stored) == len(obs.truth.node_pods):
+            return []
+        return [("I1", "store", f"agent stores {int(stored)} pods, the API server has "
+                                f"{len(obs.truth.node_pods)} on the node")]
+
+    def _metric_violations(self, obs: Observation) -> list[tuple[str, str, str]]:
+        """I5: a per-pod series exists only for a pod of the node (after a short grace period)."""
+        found: list[tuple[str, str, str]] = []
+        for labels, _ in obs.agent.get("podmeter_pod_bytes_total", []):
+            pod = (labels.get("namespace", ""), labels.get("pod", ""))
+            if pod not in obs.truth.pod_names:
+                found.append(("I5", f"{pod[0]}/{pod[1]}",
+                              f"series podmeter_pod_bytes_total of {pod[0]}/{pod[1]}, a pod that is gone"))
+        return found
+
+    def _identity_violations(self, obs: Observation) -> list[tuple[str, str, str]]:
+        """I4: identities held == label sets of live pods."""
+        assert obs.operator is not None
+        held = metric_sum(obs.operator, "podmeter_identities")
+        want = len(obs.truth.identity_keys)
+        if held is None or int(held) == want:
+            return []
+        return [("I4", "identities", f"operator holds {int(held)} identities, live pods have {want} label sets")]
+
+    def summary(self) -> dict[str, Any]:
+        return {"failures": [_violation_json(v) for v in self.failures], "transient": self.transient,
+                "overflow_max_waiting": self.overflow_seen}
+
+
+def _why_not(pod: Pod) -> str:
+    if pod.host_network:
+        return "hostNetwork"
+    if pod.phase in ("Succeeded", "Failed"):
+        return pod.phase
+    return "not observed"
+
+
+def _violation_json(v: Violation) -> dict[str, Any]:
+    return {"invariant": v.invariant, "subject": v.subject, "detail": v.detail,
+            "lasted_s": round(v.last_seen - v.first_seen, 2)}

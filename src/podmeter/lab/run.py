@@ -1,0 +1,531 @@
+"""``podmeter lab``: one scenario, the whole system, continuous checks, a verdict.
+
+The run, in order:
+
+1. In eBPF mode, a fresh network namespace stands for the node's root namespace: the API server, node,
+   agent and operator all run inside it (they inherit it from the runner's thread), so the lab never
+   touches the machine's own interfaces; the pins go to ``/sys/fs/bpf/pmlab<pid>``.
+2. The processes start; the steps run on their timeline while a sampler checks the invariants every
+   ``sample_interval`` (:mod:`podmeter.lab.checks`) and records the time series of the report.
+3. After ``duration`` every pod is deleted; the run waits until the node is empty and the checks are
+   clean, then ``settle`` seconds more, and measures memory against the baselines.
+4. Everything is stopped and removed (processes, sandboxes, pins, the node namespace), also on failure.
+
+The verdict is ``passed`` only if no violation outlived the settle time, every traffic check held, and
+the agent's and operator's RSS came back within ``memory_tolerance_mib`` of their baselines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from podmeter.adapters.datapath.ebpf import EbpfDatapath
+from podmeter.lab import scenario as sc
+from podmeter.lab.apiserver.client import AdminClient
+from podmeter.lab.checks import Checker, Observation, Truth, metric_sum, parse_metrics, read_truth
+from podmeter.lab.driver import Driver, Hooks
+from podmeter.lab.kube import KubeClient, pod_path
+from podmeter.lab.netns import Sandbox, in_namespace, is_root, node_namespace
+from podmeter.lab.processes import (
+    FAULTY_AGENT,
+    PODMETER,
+    LabProcess,
+    ProcessSet,
+    free_port,
+    http_text,
+    rss_mib,
+    wait_for_file,
+    wait_ready,
+)
+from podmeter.lab.traffic import UDP_OVERHEAD, Endpoint, send_tcp, send_udp
+from podmeter.model.datapath import Direction
+from podmeter.model.identity import LabelFilter
+
+log = logging.getLogger("podmeter.lab")
+NODE_NAME = "lab-node"
+BPFFS = Path("/sys/fs/bpf")
+
+
+@dataclass
+class LabOptions:
+    out_dir: Path
+    datapath: str | None = None  # override the scenario's choice
+    progress: bool = True
+    duration: float | None = None  # override the scenario's duration (benchmarks)
+
+
+@dataclass
+class Sample:
+    t: float
+    pods: int
+    desired: int
+    kernel: int | None
+    agent_rss: float | None
+    operator_rss: float | None
+    identities: float | None
+    events: float | None
+    relists: float | None
+    repairs: float | None
+    open_violations: int
+
+
+@dataclass
+class LabResult:
+    """Everything the report shows; ``passed`` is the verdict (the exit status of ``podmeter lab``)."""
+
+    scenario: str
+    datapath: str
+    seed: int
+    passed: bool = False
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    traffic: list[dict[str, Any]] = field(default_factory=list)
+    memory: dict[str, Any] = field(default_factory=dict)
+    samples: list[Sample] = field(default_factory=list)
+    counts: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+    report_files: list[str] = field(default_factory=list)
+
+
+def choose_datapath(requested: str) -> tuple[str, str | None]:
+    """(datapath, notice): ``auto`` is eBPF as root with bpffs mounted, else memory with a notice."""
+    if requested == "memory":
+        return "memory", None
+    usable = is_root() and BPFFS.is_dir() and os.path.ismount(BPFFS)
+    if requested == "ebpf" and not usable:
+        raise RuntimeError("the eBPF lab needs root and bpffs at /sys/fs/bpf; use --datapath memory")
+    if usable:
+        return "ebpf", None
+    return "memory", ("not root (or no bpffs): the lab runs in memory mode: IPs only, no namespaces, no "
+                      "kernel map; the filter is read from the agent's /debug/state")
+
+
+class LabRun(Hooks):
+    def __init__(self, scenario: sc.Scenario, options: LabOptions) -> None:
+        self.scenario = scenario
+        self.options = options
+        requested = options.datapath or scenario.datapath
+        self.datapath, notice = choose_datapath(requested)
+        self.result = LabResult(scenario.name, self.datapath, scenario.seed)
+        if notice:
+            self.result.notes.append(notice)
+        self.out = options.out_dir
+        self.tag = f"pmlab{os.getpid()}"
+        self.bpffs = BPFFS / self.tag
+        self.processes = ProcessSet()
+        self.checker = Checker(settle=scenario.settle)
+        self.agent_port = free_port()
+        self.operator_port = free_port()
+        self.client: KubeClient | None = None
+        self.admin: AdminClient | None = None
+        self.driver: Driver | None = None
+        self.baselines: dict[str, float] = {}
+        self.latencies_ms: list[float] = []
+        self.started = time.monotonic()
+        self._stop_sampling = threading.Event()
+        self._last: Sample | None = None
+        self._agent_restarting = False
+        self._label_filter = LabelFilter()
+
+    # --- the whole run -----------------------------------------------------------------------------
+
+    def run(self) -> LabResult:
+        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            with self._node_namespace():
+                self._run_processes()
+        except Exception as exc:
+            log.exception("lab run failed")
+            self.result.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(self.bpffs)
+        self.result.passed = self._verdict()
+        return self.result
+
+    @contextlib.contextmanager
+    def _node_namespace(self) -> Iterator[None]:
+        if self.datapath != "ebpf":
+            yield
+            return
+        with node_namespace(self.tag) as path, in_namespace(path):
+            yield
+
+    def _run_processes(self) -> None:
+        try:
+            self._start_apiserver()
+            assert self.client is not None and self.admin is not None
+            self.driver = Driver(self.scenario, self.client, self.admin, NODE_NAME, self)
+            self.driver.create_namespaces()
+            self._start_node()
+            self.start_agent()
+            self._start_operator()
+            self._timeline()
+        finally:
+            if self.driver is not None:
+                self.driver.stop.set()
+            self._stop_sampling.set()
+            self.processes.stop_all()
+            self._remove_leftover_sandboxes()
+
+    def _timeline(self) -> None:
+        assert self.driver is not None
+        sampler = threading.Thread(target=self._sample_loop, name="lab-sampler", daemon=True)
+        probe = threading.Thread(target=self._latency_probe, name="lab-latency", daemon=True)
+        self.started = time.monotonic()
+        sampler.start()
+        if self.datapath == "ebpf":
+            probe.start()
+        with self._progress():
+            duration = self.options.duration or self.scenario.duration
+            steps = threading.Thread(target=self.driver.run_steps, args=(self.started,), daemon=True)
+            steps.start()
+            steps.join(timeout=duration + 1)
+            self._wait_until(self.started + duration)
+            self.driver.stop.set()
+            self.driver.join()
+            self.driver.stats.step = "teardown: deleting every pod"
+            self.driver.delete_everything()
+            self._settle_at_end()
+        self._stop_sampling.set()
+        sampler.join(timeout=10)
+        self._collect()
+
+    def _wait_until(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            time.sleep(min(0.2, deadline - time.monotonic()) if deadline > time.monotonic() else 0)
+
+    def _settle_at_end(self) -> None:
+        """Wait for an empty node and clean checks (bounded), then ``settle`` more: memory baselines."""
+        assert self.driver is not None
+        deadline = time.monotonic() + max(30.0, 6 * self.scenario.settle)
+        while time.monotonic() < deadline:
+            last = self._last
+            if last is not None and last.pods == 0 and not self.checker.open and last.desired == 0:
+                break
+            time.sleep(0.2)
+        self.driver.stats.step = "teardown: settling"
+        time.sleep(self.scenario.settle)
+        # Two samples after the settle time, so every failure has been judged.
+        time.sleep(2 * self.scenario.sample_interval)
+        self.result.memory = self._memory()
+
+    # --- processes ---------------------------------------------------------------------------------
+
+    def _start_apiserver(self) -> None:
+        kubeconfig = self.out / "kubeconfig"
+        kubeconfig.unlink(missing_ok=True)
+        argv = [*PODMETER, "apiserver", "--listen", "127.0.0.1:0", "--kubeconfig-out", str(kubeconfig),
+                "--history", str(self.scenario.apiserver.history)]
+        process = self.processes.add("apiserver", argv, self.out / "logs")
+        process.start()
+        wait_for_file(kubeconfig, process)
+        self.client = KubeClient.from_kubeconfig(str(kubeconfig))
+        self.admin = AdminClient(self.client.server, self.client.token or "")
+
+    def _start_node(self) -> None:
+        argv = [*PODMETER, "node", "--kubeconfig", str(self.out / "kubeconfig"), "--node-name", NODE_NAME,
+                "--pod-cidr", self.scenario.node.pod_cidr, "--datapath", self.datapath]
+        self.processes.add("node", argv, self.out / "logs").start()
+
+    def _agent_argv(self) -> list[str]:
+        args = ["agent", "--kubeconfig", str(self.out / "kubeconfig"), "--node-name", NODE_NAME,
+                "--datapath", self.datapath, "--bpffs", str(self.bpffs),
+                "--filter-map-size", str(self.scenario.node.filter_map_size),
+                "--listen", f"127.0.0.1:{self.agent_port}",
+                "--resync-interval", str(self.scenario.agent.resync_interval)]
+        if self.scenario.agent.fault is not None:
+            return [*FAULTY_AGENT, self.scenario.agent.fault, *args]
+        return [*PODMETER, *args]
+
+    def start_agent(self) -> None:
+        process = self.processes.processes.get("agent")
+        if process is None:
+            process = self.processes.add("agent", self._agent_argv(), self.out / "logs")
+        process.start()
+        wait_ready(f"http://127.0.0.1:{self.agent_port}/readyz", process)
+        self._agent_restarting = False
+        self.baselines.pop("agent", None)  # a new process: a new baseline
+
+    def kill_agent(self) -> None:
+        self._agent_restarting = True
+        self.processes["agent"].kill()
+
+    def _start_operator(self) -> None:
+        if not self.scenario.operator.enabled:
+            return
+        argv = [*PODMETER, "operator", "--kubeconfig", str(self.out / "kubeconfig"),
+                "--listen", f"127.0.0.1:{self.operator_port}",
+                "--sweep-period", str(self.scenario.operator.sweep_period)]
+        process = self.processes.add("operator", argv, self.out / "logs")
+        process.start()
+        wait_ready(f"http://127.0.0.1:{self.operator_port}/readyz", process)
+
+    def hold(self) -> None:
+        self.checker.hold()
+
+    def release(self) -> None:
+        self.checker.release()
+
+    def _remove_leftover_sandboxes(self) -> None:
+        """Sandboxes a killed node could not remove: every pod namespace of this run's node namespace."""
+        if self.datapath != "ebpf" or self.client is None:
+            return
+        from pyroute2 import IPRoute
+
+        with IPRoute() as ipr:  # the node namespace's devices (sysfs would show the machine's)
+            ours = {link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
+        for path in list(Path("/run/netns").glob("pmpod-*")):
+            host_device = "pm" + path.name.removeprefix("pmpod-")
+            if host_device in ours:
+                with contextlib.suppress(OSError):
+                    Sandbox(path.name, host_device, "").destroy()
+
+    # --- sampling ------------------------------------------------------------------------------------
+
+    def _sample_loop(self) -> None:
+        interval = self.scenario.sample_interval
+        while not self._stop_sampling.wait(interval):
+            try:
+                self._sample_once()
+            except Exception:  # a sample that fails is retried at the next tick; the checks need samples
+                log.exception("sample failed")
+
+    def _sample_once(self) -> None:
+        assert self.client is not None
+        truth = read_truth(self.client, NODE_NAME, self._label_filter)
+        agent_proc = self.processes["agent"]
+        agent_up = agent_proc.alive() and not self._agent_restarting
+        agent = parse_metrics(http_text(f"http://127.0.0.1:{self.agent_port}/metrics")) if agent_up else {}
+        operator = None
+        if "operator" in self.processes.processes:
+            operator = parse_metrics(http_text(f"http://127.0.0.1:{self.operator_port}/metrics")) or None
+        kernel, capacity = self._kernel_filter(agent_up)
+        obs = Observation(time.monotonic(), truth, kernel, capacity, agent, operator, agent_up and bool(agent))
+        violations = self.checker.observe(obs)
+        self._record(truth, kernel, agent, operator, len(violations))
+
+    def _kernel_filter(self, agent_up: bool) -> tuple[set[str] | None, int | None]:
+        if self.datapath == "ebpf":
+            try:
+                with EbpfDatapath.open_pinned(self.bpffs) as datapath:
+                    return datapath.contents(), datapath.capacity
+            except Exception:  # no pins yet (the first agent is starting)
+                return None, None
+        if not agent_up:
+            return None, None
+        state = http_text(f"http://127.0.0.1:{self.agent_port}/debug/state")
+        if not state:
+            return None, None
+        data = json.loads(state)
+        return set(data["filter"]["actual"]), int(data["filter"]["capacity"])
+
+    def _record(self, truth: Truth, kernel: set[str] | None, agent: Any, operator: Any, violations: int) -> None:
+        agent_pid = self.processes["agent"].pid
+        op = self.processes.processes.get("operator")
+        agent_rss = rss_mib(agent_pid) if agent_pid else None
+        operator_rss = rss_mib(op.pid) if op is not None and op.pid else None
+        if agent_rss is not None and agent and "agent" not in self.baselines:
+            self.baselines["agent"] = agent_rss
+        if operator_rss is not None and operator and "operator" not in self.baselines:
+            self.baselines["operator"] = operator_rss
+        sample = Sample(
+            t=round(time.monotonic() - self.started, 2), pods=len(truth.node_pods), desired=len(truth.desired),
+            kernel=None if kernel is None else len(kernel), agent_rss=agent_rss, operator_rss=operator_rss,
+            identities=metric_sum(operator or {}, "podmeter_identities"),
+            events=metric_sum(agent, "podmeter_watch_events_total", resource="pods"),
+            relists=metric_sum(agent, "podmeter_watch_relists_total"),
+            repairs=metric_sum(agent, "podmeter_drift_repaired_total"),
+            open_violations=violations)
+        self.result.samples.append(sample)
+        self._last = sample
+
+    def _latency_probe(self) -> None:
+        """delete -> unmapped: how long after a running pod's delete returned its IP left the kernel map."""
+        assert self.driver is not None
+        pending = self.driver.stats.delete_times
+        while not self._stop_sampling.wait(0.005):
+            if not pending:
+                continue
+            try:
+                with EbpfDatapath.open_pinned(self.bpffs) as datapath:
+                    present = datapath.contents()
+            except Exception:  # the agent is between a kill and a restart: try at the next tick
+                log.debug("latency probe: pins not readable", exc_info=True)
+                continue
+            now = time.monotonic()
+            for ip, since in list(pending.items()):
+                if ip not in present:
+                    self.latencies_ms.append((now - since) * 1000)
+                    pending.pop(ip, None)
+                elif now - since > 5.0:
+                    pending.pop(ip, None)  # reused before it was seen unmapped (or leaked: the checks say)
+
+    # --- traffic -------------------------------------------------------------------------------------
+
+    def traffic(self, step: sc.Traffic, pods: list[tuple[str, str]], rng: random.Random) -> None:
+        assert self.client is not None
+        if self.datapath != "ebpf":
+            self.result.traffic.append({"protocol": step.protocol, "skipped": "memory mode has no packets"})
+            return
+        endpoints = self._endpoints(pods)
+        rng.shuffle(endpoints)
+        for i in range(min(step.pairs, len(endpoints) // 2)):
+            src, dst = endpoints[2 * i], endpoints[2 * i + 1]
+            self.result.traffic.append(self._one_exchange(step, src, dst))
+
+    def _endpoints(self, pods: list[tuple[str, str]]) -> list[Endpoint]:
+        assert self.client is not None
+        found = []
+        for ns, name in pods:
+            pod = self.client.get(pod_path(ns, name))
+            status = (pod or {}).get("status") or {}
+            if pod and status.get("phase") == "Running" and status.get("podIP"):
+                sandbox = Sandbox.for_pod(pod["metadata"]["uid"], status["podIP"])
+                found.append(Endpoint(f"{ns}/{name}", status["podIP"], sandbox.netns_path))
+        return found
+
+    def _counters(self) -> dict[tuple[str, Direction], tuple[int, int]]:
+        with EbpfDatapath.open_pinned(self.bpffs) as datapath:
+            return {k: (v.packets, v.bytes) for k, v in datapath.read_counters().items()}
+
+    def _pod_metrics(self) -> dict[tuple[str, str], float]:
+        samples = parse_metrics(http_text(f"http://127.0.0.1:{self.agent_port}/metrics"))
+        return {(f"{lab.get('namespace')}/{lab.get('pod')}", lab.get("direction", "")): value
+                for lab, value in samples.get("podmeter_pod_bytes_total", [])}
+
+    def _one_exchange(self, step: sc.Traffic, src: Endpoint, dst: Endpoint) -> dict[str, Any]:
+        before, metrics_before = self._counters(), self._pod_metrics()
+        if step.protocol == "udp":
+            delivered = send_udp(src, dst, step.packets, step.size)
+        else:
+            delivered = send_tcp(src, dst, step.packets * step.size)
+        time.sleep(1.0)  # the agent's metrics are read at scrape time; give in-flight packets a moment
+        after, metrics_after = self._counters(), self._pod_metrics()
+
+        def delta(ip: str, direction: Direction) -> tuple[int, int]:
+            b, a = before.get((ip, direction), (0, 0)), after.get((ip, direction), (0, 0))
+            return a[0] - b[0], a[1] - b[1]
+
+        out, into = delta(src.ip, Direction.EGRESS), delta(dst.ip, Direction.INGRESS)
+        back_out, back_in = delta(dst.ip, Direction.EGRESS), delta(src.ip, Direction.INGRESS)
+        record: dict[str, Any] = {"protocol": step.protocol, "src": src.pod, "dst": dst.pod, "src_ip": src.ip,
+                                  "dst_ip": dst.ip, "delivered": delivered, "src_egress": out, "dst_ingress": into}
+        if step.protocol == "udp":
+            want = (step.packets, step.packets * (step.size + UDP_OVERHEAD))
+            ok = delivered == step.packets and out == want and into == want and back_out == back_in == (0, 0)
+            record["expected"] = want
+        else:
+            payload = step.packets * step.size
+            ok = delivered == payload and out == into and out[1] >= payload and back_out == back_in
+        metric_out = metrics_after.get((src.pod, "egress"), 0) - metrics_before.get((src.pod, "egress"), 0)
+        metric_in = metrics_after.get((dst.pod, "ingress"), 0) - metrics_before.get((dst.pod, "ingress"), 0)
+        if metrics_after:
+            record["metrics"] = {"src_egress_bytes": metric_out, "dst_ingress_bytes": metric_in}
+            ok = ok and metric_out == out[1] and metric_in == into[1]
+        record["ok"] = ok
+        return record
+
+    # --- the end -------------------------------------------------------------------------------------
+
+    def _memory(self) -> dict[str, Any]:
+        memory: dict[str, Any] = {"tolerance_mib": self.scenario.memory_tolerance_mib}
+        for name in ("agent", "operator"):
+            process: LabProcess | None = self.processes.processes.get(name)
+            end = rss_mib(process.pid) if process is not None and process.pid else None
+            base = self.baselines.get(name)
+            if end is None or base is None:
+                continue
+            growth = end - base
+            memory[name] = {"baseline_mib": round(base, 1), "end_mib": round(end, 1),
+                            "growth_mib": round(growth, 1),
+                            "returned": growth <= self.scenario.memory_tolerance_mib}
+        return memory
+
+    def _collect(self) -> None:
+        assert self.driver is not None
+        stats = self.driver.stats
+        self.result.failures = self.checker.summary()["failures"]
+        self.result.counts = {
+            "pods_created": stats.created, "pods_deleted": stats.deleted, "lifecycles": stats.lifecycles,
+            "interest_flips": stats.flips, "faults": stats.faults, "agent_kills": stats.agent_kills,
+            "driver_errors": stats.errors, "transient_violations": self.checker.transient,
+            "overflow_max_waiting": self.checker.overflow_seen,
+            "max_filter_drift": max((s.open_violations for s in self.result.samples), default=0),
+            "delete_to_unmapped_ms": _percentiles(self.latencies_ms),
+        }
+
+    def _verdict(self) -> bool:
+        if self.result.error or self.result.failures:
+            return False
+        if any(not t.get("ok", True) for t in self.result.traffic):
+            return False
+        return all(v.get("returned", True) for v in self.result.memory.values() if isinstance(v, dict))
+
+    # --- the live display ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _progress(self) -> Iterator[None]:
+        if not self.options.progress:
+            yield
+            return
+        from rich.live import Live
+
+        with Live(self._render(), refresh_per_second=2, transient=False) as live:
+            stop = threading.Event()
+
+            def refresh() -> None:
+                while not stop.wait(0.5):
+                    live.update(self._render())
+
+            thread = threading.Thread(target=refresh, daemon=True)
+            thread.start()
+            try:
+                yield
+            finally:
+                stop.set()
+                thread.join()
+                live.update(self._render())
+
+    def _render(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"podmeter lab: {self.scenario.name} ({self.datapath}, seed {self.scenario.seed})")
+        for column in ("time", "step", "pods", "desired", "kernel", "agent MiB", "operator MiB",
+                       "identities", "open", "failed"):
+            table.add_column(column)
+        s, stats = self._last, self.driver.stats if self.driver else None
+        table.add_row(
+            f"{time.monotonic() - self.started:5.1f}s", stats.step if stats else "",
+            *(("-",) * 6 if s is None else (str(s.pods), str(s.desired), _fmt(s.kernel), _fmt(s.agent_rss),
+                                             _fmt(s.operator_rss), _fmt(s.identities))),
+            str(len(self.checker.open)), str(len(self.checker.failures)))
+        return table
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if isinstance(value, int) or value == int(value) else f"{value:.1f}"
+
+
+def _percentiles(values: list[float]) -> dict[str, float | int]:
+    if not values:
+        return {"count": 0}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+    return {"count": len(ordered), "p50": pick(0.5), "p99": pick(0.99), "max": round(ordered[-1], 2)}

@@ -1,0 +1,260 @@
+"""Lab scenarios: seeded YAML files that say what happens to the node and when.
+
+A scenario is decoded into the structs below; anything unknown, mistyped or out of range is a
+:class:`ScenarioError` naming the file, the field (``$.steps[3].count``) and the reason, before anything
+starts. The same file with the same seed makes the same choices (which pods are deleted, flipped, paired
+for traffic), so a failing run can be replayed. The format is documented in docs/lab.md.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=100_000)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=63)]
+
+
+class ScenarioError(ValueError):
+    """A scenario file is unusable; the message names the file, the field and why."""
+
+
+class _Step(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, tag_field="do"):
+    at: Seconds  # seconds after the start of the run
+
+
+class CreatePods(_Step, tag="pods"):
+    """Create ``count`` long-running pods (labels ``app: <prefix>``)."""
+
+    namespace: Name
+    count: Count
+    observe: bool = True
+    host_network: bool = False
+    prefix: Name = "app"
+
+
+class DeletePods(_Step, tag="delete"):
+    """Delete ``count`` pods of the namespace chosen by the seed (``all: true``: every one)."""
+
+    namespace: Name
+    count: Count = 1
+    all: bool = False
+
+
+class Churn(_Step, tag="churn"):
+    """For ``duration`` seconds, start ``rate`` pods per second; each lives ``lifetime`` seconds.
+
+    ``complete``: the pod finishes (Succeeded, IP freed) at its lifetime and is deleted ``linger`` seconds
+    later, like a Job's pod; otherwise it is deleted at its lifetime. ``unique_labels``: every pod gets
+    unique ``job-name``/``controller-uid`` labels, as CronJob pods have.
+    """
+
+    namespace: Name
+    rate: Annotated[float, msgspec.Meta(gt=0, le=500)]
+    duration: PositiveSeconds
+    lifetime: PositiveSeconds = 2.0
+    complete: bool = False
+    linger: Seconds = 1.0
+    unique_labels: bool = False
+    observe: bool = True
+
+
+class Annotate(_Step, tag="annotate"):
+    """Set ``podmeter.io/observe`` on ``count`` seeded pods of the namespace (or on the namespace)."""
+
+    namespace: Name
+    observe: bool
+    count: Count = 1
+    on_namespace: bool = False
+
+
+class UnobserveThenDelete(_Step, tag="unobserve-delete"):
+    """Prior-art 1-4: remove the interest in ``count`` pods, then delete them ``gap`` seconds later."""
+
+    namespace: Name
+    count: Count = 1
+    gap: Seconds = 0.0
+    repeat: Count = 1
+    every: PositiveSeconds = 1.0
+    via: Literal["annotation", "configuration"] = "annotation"
+
+
+class Configure(_Step, tag="configure"):
+    """Create or replace the ``default`` MetricsConfiguration; ``remove: true`` deletes it."""
+
+    include: list[Name] = msgspec.field(default_factory=list)
+    exclude: list[Name] = msgspec.field(default_factory=list)
+    annotations: bool = True
+    remove: bool = False
+
+
+class Fault(_Step, tag="fault"):
+    """An API server fault knob: close-watches, compact, stall, fail or restart."""
+
+    fault: Literal["close-watches", "compact", "stall", "fail", "restart"]
+    seconds: PositiveSeconds = 2.0  # stall: how long; restart: how long the port stays closed
+    count: Count = 3  # fail: how many requests
+    code: Literal[500, 429] = 500
+    repeat: Count = 1
+    every: PositiveSeconds = 1.0
+
+
+class CompactionGap(_Step, tag="compaction-gap"):
+    """Stall every watch, delete ``deletes`` pods of the namespace, compact the history, release the
+    watches: resuming watchers get 410 and must relist (their missed deletes come back as relist deletes)."""
+
+    namespace: Name
+    deletes: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 2
+    seconds: PositiveSeconds = 2.0
+
+
+class KillAgent(_Step, tag="kill-agent"):
+    """SIGKILL the agent, delete ``deletes`` pods of the namespace while it is down, restart it after
+    ``down`` seconds (prior-art 8 and invariant I6)."""
+
+    down: Seconds = 2.0
+    namespace: Name | None = None
+    deletes: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
+
+
+class Traffic(_Step, tag="traffic"):
+    """Known traffic between ``pairs`` pairs of observed, long-running pods, checked per pod IP (UDP:
+    exact bytes and packets; TCP: at least the payload) and against the agent's per-pod metrics."""
+
+    namespace: Name
+    protocol: Literal["udp", "tcp"] = "udp"
+    pairs: Count = 2
+    packets: Count = 50
+    size: Annotated[int, msgspec.Meta(ge=1, le=1400)] = 200
+
+
+Step = (CreatePods | DeletePods | Churn | Annotate | UnobserveThenDelete | Configure | Fault | CompactionGap
+        | KillAgent | Traffic)
+
+
+class NamespaceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Name
+    observe: bool = False
+
+
+class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pod_cidr: str = "10.244.0.0/25"
+    filter_map_size: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1024
+
+
+class AgentSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    resync_interval: PositiveSeconds = 10.0
+    fault: Literal["drop-deletes"] | None = None  # test only: an agent that loses watch deletes
+
+
+class OperatorSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    enabled: bool = True
+    sweep_period: PositiveSeconds = 10.0
+
+
+class ApiServerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    history: Annotated[int, msgspec.Meta(ge=10, le=10_000_000)] = 10_000
+
+
+class Scenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A whole scenario. Times are seconds from the start; after ``duration`` every pod is deleted and
+    the run ends once the node is empty and ``settle`` seconds have passed (the memory check)."""
+
+    name: Name
+    description: str = ""
+    seed: int = 1
+    datapath: Literal["ebpf", "memory", "auto"] = "auto"
+    duration: PositiveSeconds
+    settle: PositiveSeconds = 5.0  # how long a violation may last before it fails the run
+    sample_interval: PositiveSeconds = 0.5
+    memory_tolerance_mib: Annotated[float, msgspec.Meta(ge=0)] = 16.0
+    node: NodeSpec = msgspec.field(default_factory=NodeSpec)
+    agent: AgentSpec = msgspec.field(default_factory=AgentSpec)
+    operator: OperatorSpec = msgspec.field(default_factory=OperatorSpec)
+    apiserver: ApiServerSpec = msgspec.field(default_factory=ApiServerSpec)
+    namespaces: list[NamespaceSpec] = msgspec.field(default_factory=list)
+    steps: list[Step] = msgspec.field(default_factory=list)
+
+
+def parse_scenario(text: str | bytes, source: str = "<scenario>") -> Scenario:
+    """Decode and validate a scenario; raises :class:`ScenarioError` with the field and the reason."""
+    try:
+        scenario = msgspec.yaml.decode(text, type=Scenario)
+    except msgspec.ValidationError as exc:
+        raise ScenarioError(f"{source}: {_where(str(exc))}") from None
+    except msgspec.DecodeError as exc:
+        raise ScenarioError(f"{source}: not valid YAML: {exc}") from None
+    problems = list(_semantic_problems(scenario))
+    if problems:
+        raise ScenarioError(f"{source}: " + "; ".join(problems))
+    return scenario
+
+
+def _where(message: str) -> str:
+    reason, sep, where = message.rpartition(" - at ")
+    if not sep:
+        return message
+    field = where.strip("`")
+    if reason.startswith("Invalid value") and field.endswith(".do"):
+        kinds = ", ".join(sorted(_step_kinds()))
+        reason = f"{reason}; a step's `do` is one of: {kinds}"
+    return f"{field}: {reason}"
+
+
+def _step_kinds() -> list[str]:
+    return [str(cls.__struct_config__.tag) for cls in Step.__args__]
+
+
+def _semantic_problems(scenario: Scenario) -> list[str]:
+    problems: list[str] = []
+    try:
+        network = ipaddress.ip_network(scenario.node.pod_cidr)
+        if network.version != 4 or network.num_addresses < 4:
+            problems.append(f"$.node.pod_cidr: {scenario.node.pod_cidr} must be an IPv4 network of 4+ addresses")
+    except ValueError as exc:
+        problems.append(f"$.node.pod_cidr: {exc}")
+    declared = {ns.name for ns in scenario.namespaces}
+    for i, spec in enumerate(scenario.namespaces):
+        if not _DNS_LABEL.match(spec.name):
+            problems.append(f"$.namespaces[{i}].name: {spec.name!r} is not a DNS-1123 label")
+    for i, step in enumerate(scenario.steps):
+        ns = getattr(step, "namespace", None)
+        if ns is not None and ns not in declared:
+            problems.append(f"$.steps[{i}].namespace: {ns!r} is not declared under namespaces "
+                            f"(declared: {', '.join(sorted(declared)) or 'none'})")
+        if step.at > scenario.duration:
+            problems.append(f"$.steps[{i}].at: {step.at} is after the duration ({scenario.duration})")
+        if isinstance(step, Configure) and step.include and step.exclude:
+            problems.append(f"$.steps[{i}]: include and exclude cannot both be non-empty")
+        if isinstance(step, KillAgent) and step.deletes and step.namespace is None:
+            problems.append(f"$.steps[{i}].namespace: needed when deletes > 0")
+    return problems
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A file path, or the name of a scenario shipped with podmeter (``default``, ``soak``...)."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        try:
+            return parse_scenario(path.read_bytes(), str(path))
+        except OSError as exc:
+            raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
+    shipped = resources.files("podmeter.lab") / "scenarios" / f"{name_or_path}.yaml"
+    if not shipped.is_file():
+        raise ScenarioError(f"no scenario file {name_or_path!r} and no shipped scenario of that name "
+                            f"(shipped: {', '.join(shipped_scenarios())})")
+    return parse_scenario(shipped.read_bytes(), f"{name_or_path}.yaml")
+
+
+def shipped_scenarios() -> list[str]:
+    folder = resources.files("podmeter.lab") / "scenarios"
+    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))

@@ -1,0 +1,100 @@
+"""Known traffic between lab pods, so per-pod counts can be checked exactly.
+
+Sockets are made inside the pods' namespaces (a thread enters the namespace only to create a socket;
+the socket stays there) and the packets take the real path: pod A's eth0, A's host veth, the node's
+routing, B's host veth, B's eth0. What the datapath must count (docs/datapath.md):
+
+* UDP, ``n`` datagrams of ``size`` payload bytes over IPv4: A ``egress`` and B ``ingress`` each grow by
+  exactly ``n`` packets and ``n * (size + 42)`` bytes; the other two directions by nothing (B has a bound
+  socket, so no ICMP goes back; ARP is not IP and is never counted);
+* TCP, ``size * n`` payload bytes: at least the payload each way it flows, and what left A is what
+  entered B (the same socket buffers pass both veths).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import dataclass
+
+from podmeter.lab.netns import in_namespace
+
+UDP_OVERHEAD = 42  # Ethernet 14 + IPv4 20 + UDP 8, counted by the datapath with the payload
+PORT = 5201
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A pod as a traffic endpoint: its name (ns/name), its IP and its namespace path."""
+
+    pod: str
+    ip: str
+    netns_path: str
+
+
+def _socket_in(endpoint: Endpoint, kind: int) -> socket.socket:
+    with in_namespace(endpoint.netns_path):
+        return socket.socket(socket.AF_INET, kind)
+
+
+def send_udp(src: Endpoint, dst: Endpoint, packets: int, size: int, timeout: float = 3.0) -> int:
+    """Send ``packets`` datagrams of ``size`` bytes from ``src`` to ``dst``; returns how many arrived."""
+    receiver = _socket_in(dst, socket.SOCK_DGRAM)
+    sender = _socket_in(src, socket.SOCK_DGRAM)
+    try:
+        receiver.bind((dst.ip, PORT))
+        receiver.settimeout(timeout)
+        payload = b"\x5a" * size
+        for _ in range(packets):
+            sender.sendto(payload, (dst.ip, PORT))
+        received = 0
+        while received < packets:
+            try:
+                receiver.recv(65535)
+            except TimeoutError:
+                break
+            received += 1
+        return received
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def send_tcp(src: Endpoint, dst: Endpoint, total: int, timeout: float = 5.0) -> int:
+    """Stream ``total`` bytes from ``src`` to ``dst`` over one connection; returns bytes received."""
+    listener = _socket_in(dst, socket.SOCK_STREAM)
+    client = _socket_in(src, socket.SOCK_STREAM)
+    received = [0]
+
+    def serve() -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(timeout)
+            while True:
+                try:
+                    chunk = conn.recv(65536)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                received[0] += len(chunk)
+
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((dst.ip, PORT))
+        listener.listen(1)
+        listener.settimeout(timeout)
+        server = threading.Thread(target=serve, name="lab-tcp-server", daemon=True)
+        server.start()
+        client.settimeout(timeout)
+        client.connect((dst.ip, PORT))
+        client.sendall(b"\xa5" * total)
+        client.shutdown(socket.SHUT_WR)
+        server.join(timeout)
+        return received[0]
+    finally:
+        client.close()
+        listener.close()
