@@ -7,13 +7,15 @@
 # libbpf (libbpf1) and that virtualenv. Nothing is compiled at run time.
 #
 # The image runs as an unprivileged user (65532) by default: that is how the operator runs. The agent's
-# DaemonSet overrides it with runAsUser 0 and exactly these capabilities, because the kernel checks them
-# on the calls the agent makes (see docs/install.md, "Why the agent needs what it asks for"):
+# DaemonSet overrides it with runAsUser 0 and only these capabilities (drop ALL), because the kernel
+# checks them on the calls the agent makes (docs/install.md, "What the agent needs, and why"):
 #   CAP_BPF        create the maps, load the programs, pin them under /sys/fs/bpf (kernel >= 5.8)
 #   CAP_NET_ADMIN  load TC (sched_cls) programs and attach them to the host-side veths (TCX or clsact)
-#   CAP_PERFMON    lets the verifier accept the packet-pointer arithmetic without Spectre v1 rewrites
-#   CAP_SYS_ADMIN  only where the container runtime or its seccomp profile predates CAP_BPF: there,
-#                  bpf(2) is allowed for CAP_SYS_ADMIN alone (deploy/components/sys-admin adds it)
+# and, only where needed (kustomize components):
+#   CAP_PERFMON    a verifier that refuses the programs' packet-pointer arithmetic under its Spectre v1
+#                  rules when the loader lacks it (deploy/components/perfmon)
+#   CAP_SYS_ADMIN  a container runtime or seccomp profile that predates CAP_BPF: there, bpf(2) is allowed
+#                  for CAP_SYS_ADMIN alone (deploy/components/sys-admin)
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG DEBIAN_IMAGE=debian:bookworm-slim

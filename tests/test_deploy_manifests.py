@@ -34,7 +34,7 @@ K8S_VERSIONS = ("1.29", "1.32")
 # Kinds that are not part of Kubernetes itself: checked by the tests below instead of by schema.
 NOT_KUBERNETES = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 COMPOSITIONS = {
-    "base+sys-admin": (["base"], ["components/sys-admin"]),
+    "base+sys-admin+perfmon": (["base"], ["components/sys-admin", "components/perfmon"]),
     "base+etcd+servicemonitor": (["base"], ["components/etcd", "components/servicemonitor"]),
 }
 
@@ -252,7 +252,7 @@ def test_the_agent_is_configured_for_a_real_node() -> None:
         assert {"cpu", "memory"} <= cont["resources"][part].keys()
     # root, but with only the capabilities the datapath needs
     security = cont["securityContext"]
-    assert security["capabilities"] == {"drop": ["ALL"], "add": ["BPF", "NET_ADMIN", "PERFMON"]}
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["BPF", "NET_ADMIN"]}
     assert security["readOnlyRootFilesystem"] is True
     assert not spec.get("hostPID") and not spec.get("hostIPC") and not security.get("privileged")
     namespace = find(objects, "Namespace", "podmeter")
@@ -293,10 +293,11 @@ def test_the_etcd_overlay_points_the_operators_at_etcd() -> None:
     assert agent == container(find(render("overlays/default"), "DaemonSet", "podmeter-agent"))
 
 
-def test_the_sys_admin_component_adds_only_sys_admin(tmp_path: Path) -> None:
-    objects = render_with(tmp_path, ["base"], ["components/sys-admin"])
+@pytest.mark.parametrize(("component", "added"), [("sys-admin", "SYS_ADMIN"), ("perfmon", "PERFMON")])
+def test_a_capability_component_adds_only_its_capability(tmp_path: Path, component: str, added: str) -> None:
+    objects = render_with(tmp_path, ["base"], [f"components/{component}"])
     cont = container(find(objects, "DaemonSet", "podmeter-agent"))
-    assert cont["securityContext"]["capabilities"]["add"] == ["BPF", "NET_ADMIN", "PERFMON", "SYS_ADMIN"]
+    assert cont["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["BPF", "NET_ADMIN", added]}
     # the API server refuses allowPrivilegeEscalation: false next to CAP_SYS_ADMIN
     assert "allowPrivilegeEscalation" not in cont["securityContext"]
 

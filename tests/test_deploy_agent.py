@@ -1,0 +1,205 @@
+"""The agent exactly as the rendered DaemonSet runs it, against the lab API server, with the eBPF datapath.
+
+What the kubelet and the container runtime would provide is provided the same way, nothing more:
+- the container's command is the image's entrypoint (``podmeter``) followed by the manifest's ``args``;
+- its environment is the manifest's ``env`` (the downward-API node name resolved) plus ``KUBECONFIG``
+  pointing at the lab API server (standing in for the in-cluster service account);
+- its capabilities are the manifest's: the bounding set is cut to ``capabilities.add`` (``drop: [ALL]``),
+  so a root process gets those and no others (``setpriv``);
+- ``hostNetwork`` is a private network namespace standing in for the node's (so the agent attaches only to
+  this test's veth), and the ``/sys/fs/bpf`` hostPath is a fresh directory inside the host's bpffs.
+Then: ``/readyz`` (the readiness probe's path and port) answers 200, an annotated pod's IP reaches
+``/debug/state`` and the pinned filter map, an unannotated one does not, and SIGTERM ends it cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_harness import Cluster, wait_for
+from lab_server import LabServer
+from podmeter.adapters.datapath.ebpf import EbpfDatapath
+from test_bpf_support import BPFFS, Topology, needs_root, remove_pin_dir, unique
+from test_deploy_support import Obj, container, find, needs_kubectl, render
+
+pytestmark = [needs_kubectl, needs_root]
+
+NODE = "node-a"
+ENTRYPOINT = [sys.executable, "-m", "podmeter"]  # the image's ENTRYPOINT ["podmeter"]
+CAPABILITY_BITS = {"NET_ADMIN": 12, "SYS_ADMIN": 21, "PERFMON": 38, "BPF": 39}
+
+
+def capability_mask(names: list[str]) -> int:
+    return sum(1 << CAPABILITY_BITS[name] for name in names)
+
+
+class Container:
+    """The DaemonSet's agent container, translated to a process on this machine."""
+
+    def __init__(self, daemonset: Obj, host_dirs: dict[str, Path], kubeconfig: Path,
+                 without: str | None = None) -> None:
+        spec = daemonset["spec"]["template"]["spec"]
+        self.spec = spec
+        self.container = container(daemonset)
+        self.host_dirs = host_dirs
+        security = self.container["securityContext"]
+        assert security["capabilities"]["drop"] == ["ALL"] and security.get("runAsUser") == 0
+        self.capabilities: list[str] = [c for c in security["capabilities"]["add"] if c != without]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        # container path -> path on this machine, for every hostPath mount
+        self.mounts = {m["mountPath"]: host_dirs[volumes[m["name"]]["hostPath"]["path"]]
+                       for m in self.container["volumeMounts"] if "hostPath" in volumes[m["name"]]}
+        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "KUBECONFIG": str(kubeconfig)}
+        for entry in self.container["env"]:
+            if "value" in entry:
+                self.env[entry["name"]] = self.translate(entry["value"])
+            else:
+                assert entry["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName", entry
+                self.env[entry["name"]] = NODE
+        self.argv = [*ENTRYPOINT, *(self.translate(a) for a in self.container["args"])]
+
+    def translate(self, value: str) -> str:
+        """A container path under a hostPath mount -> the same path under its stand-in."""
+        for inside, outside in self.mounts.items():
+            if value == inside or value.startswith(inside.rstrip("/") + "/"):
+                return str(outside) + value[len(inside.rstrip("/")):]
+        return value
+
+    def probe(self, name: str) -> tuple[str, int]:
+        get = self.container[name]["httpGet"]
+        ports = {p["name"]: p["containerPort"] for p in self.container["ports"]}
+        port = get["port"]
+        return get["path"], ports[port] if isinstance(port, str) else int(port)
+
+    def start(self, netns: str, log: Path) -> subprocess.Popen[bytes]:
+        bounding = ",".join(["-all", *(f"+{c.lower()}" for c in self.capabilities)])
+        argv = ["nsenter", f"--net={netns}", "--", "setpriv", f"--bounding-set={bounding}", "--", *self.argv]
+        with open(log, "wb") as out:
+            return subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd="/")
+
+
+def get(topology: Topology, port: int, path: str) -> tuple[int, str]:
+    with topology.in_host():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+        except OSError:
+            return 0, ""
+
+
+@pytest.fixture
+def topology() -> Iterator[Topology]:
+    topo = Topology()
+    try:
+        topo.create()
+        yield topo
+    finally:
+        topo.destroy()
+
+
+@pytest.fixture
+def bpffs_dir() -> Iterator[Path]:
+    """The stand-in for the node's /sys/fs/bpf: a directory of the host's bpffs (pins may go in it)."""
+    path = BPFFS / unique("pmdep")
+    path.mkdir(mode=0o700)
+    try:
+        yield path
+    finally:
+        remove_pin_dir(path)
+
+
+@pytest.fixture
+def server(topology: Topology) -> Iterator[LabServer]:
+    with topology.in_host():  # its thread, and so its socket, lives in the test's "node" netns
+        lab = LabServer(process=False)
+        lab.start()
+    try:
+        yield lab
+    finally:
+        lab.stop()
+
+
+def test_the_agent_runs_as_the_daemonset_says(topology: Topology, bpffs_dir: Path, server: LabServer,
+                                              tmp_path: Path) -> None:
+    daemonset = find(render("overlays/default"), "DaemonSet", "podmeter-agent")
+    assert daemonset["spec"]["template"]["spec"]["hostNetwork"] is True  # hence the node netns below
+    agent = Container(daemonset, {"/sys/fs/bpf": bpffs_dir}, server.kubeconfig)
+    assert agent.env["PODMETER_DATAPATH"] == "ebpf"
+    pins = Path(agent.env["PODMETER_BPFFS"])
+    assert pins.parent == bpffs_dir  # the pin directory moved with its hostPath
+
+    pod = topology.add_pod()
+    cluster = Cluster(server)
+    with topology.in_host():  # the API server answers in the "node" netns only
+        cluster.namespace("shop")
+        cluster.pod("shop", "web", pod.ip, node=NODE, observe=True)
+        cluster.pod("shop", "quiet", "10.231.200.9", node=NODE)
+        cluster.pod("shop", "elsewhere", "10.231.200.10", node="node-b", observe=True)
+
+    proc = agent.start(topology.host_path, tmp_path / "agent.log")
+    try:
+        ready_path, port = agent.probe("readinessProbe")
+        live_path, live_port = agent.probe("livenessProbe")
+        log = lambda: (tmp_path / "agent.log").read_text(errors="replace")[-3000:]  # noqa: E731
+        wait_for(lambda: proc.poll() is not None or get(topology, port, ready_path)[0] == 200, timeout=30,
+                 what="readiness probe", describe=log)
+        assert proc.poll() is None, log()
+        assert get(topology, live_port, live_path)[0] == 200
+
+        def state() -> dict[str, Any]:
+            status, body = get(topology, port, "/debug/state")
+            assert status == 200, body
+            parsed: dict[str, Any] = json.loads(body)
+            return parsed
+
+        wait_for(lambda: pod.ip in state()["filter"]["actual"], timeout=15, what="the annotated pod's IP",
+                 describe=lambda: json.dumps(state()["filter"]))
+        view = state()["filter"]
+        assert view["desired"] == {pod.ip: ["shop/web"]}
+        assert view["leaked"] == [] and view["missing"] == []
+        # the kernel holds it, pinned where the manifest says (under the hostPath)
+        pinned = EbpfDatapath.open_pinned(pins)
+        try:
+            assert pinned.contents() == {pod.ip}
+        finally:
+            pinned.close()
+        # the process has the manifest's capabilities and no others
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        effective = int(next(line for line in status.splitlines() if line.startswith("CapEff:")).split()[1], 16)
+        assert effective == capability_mask(agent.capabilities)
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(agent.spec["terminationGracePeriodSeconds"]) == 0, log()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.parametrize("capability", ["BPF", "NET_ADMIN"])
+def test_each_capability_of_the_manifest_is_needed(topology: Topology, bpffs_dir: Path, server: LabServer,
+                                                   tmp_path: Path, capability: str) -> None:
+    daemonset = find(render("overlays/default"), "DaemonSet", "podmeter-agent")
+    assert capability in container(daemonset)["securityContext"]["capabilities"]["add"]
+    agent = Container(daemonset, {"/sys/fs/bpf": bpffs_dir}, server.kubeconfig, without=capability)
+    proc = agent.start(topology.host_path, tmp_path / "agent.log")
+    try:
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert "cannot open the ebpf datapath" in (tmp_path / "agent.log").read_text()
