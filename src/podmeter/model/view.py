@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from podmeter.model.compaction import PeakTracker
 from podmeter.model.configuration import NO_CONFIGURATION, Interest
 from podmeter.model.desired import DesiredFilter
 from podmeter.model.interest import observed
 from podmeter.model.records import Namespace, Pod
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +81,8 @@ class NodeView:
     def replace_pods(self, pods: Iterable[Pod], keep: Collection[str] = ()) -> ReplaceResult:
         """Make the stored pods exactly ``pods`` (a relist): vanished ones are deleted. UIDs in ``keep``
         were listed but could not be decoded: their last good state stays."""
-        listed: dict[str, Pod] = {pod.uid: pod for pod in pods}
-        vanished = [uid for uid in self.pods if uid not in listed and uid not in keep]
-        for uid in vanished:
-            self.delete_pod(uid)
-        added = updated = 0
-        for pod in listed.values():
-            known = pod.uid in self.pods
-            if self.upsert_pod(pod):
-                updated += known
-                added += not known
-        return ReplaceResult(added, updated, len(vanished))
+        listed = {pod.uid: pod for pod in pods}
+        return _replace(lambda: self.pods, listed, keep, self.upsert_pod, self.delete_pod)
 
     # --- namespaces and configuration ---------------------------------------------------------
 
@@ -110,16 +104,7 @@ class NodeView:
 
     def replace_namespaces(self, namespaces: Iterable[Namespace], keep: Collection[str] = ()) -> ReplaceResult:
         listed = {ns.name: ns for ns in namespaces}
-        vanished = [name for name in self.namespaces if name not in listed and name not in keep]
-        for name in vanished:
-            self.delete_namespace(name)
-        added = updated = 0
-        for ns in listed.values():
-            known = ns.name in self.namespaces
-            if self.upsert_namespace(ns):
-                updated += known
-                added += not known
-        return ReplaceResult(added, updated, len(vanished))
+        return _replace(lambda: self.namespaces, listed, keep, self.upsert_namespace, self.delete_namespace)
 
     def set_interest(self, interest: Interest) -> bool:
         """Apply a new (already validated) configuration; re-evaluates every pod when it changed."""
@@ -164,3 +149,19 @@ class NodeView:
             now = self.is_observed(pod)
             if was != now:
                 self.desired.move(pod.uid, pod.ips if was else (), pod.ips if now else ())
+
+
+def _replace(stored: Callable[[], dict[str, T]], listed: dict[str, T], keep: Collection[str],
+             upsert: Callable[[T], bool], delete: Callable[[str], bool]) -> ReplaceResult:
+    """A relist as a diff: delete what vanished (unless kept), upsert the rest; unchanged ones are no-ops.
+    ``stored`` is read afresh each time: a delete may rebuild the container (see compaction)."""
+    vanished = [key for key in stored() if key not in listed and key not in keep]
+    for key in vanished:
+        delete(key)
+    added = updated = 0
+    for key, item in listed.items():
+        known = key in stored()
+        if upsert(item):
+            updated += known
+            added += not known
+    return ReplaceResult(added, updated, len(vanished))

@@ -148,7 +148,9 @@ class Writer:
                 return True
             failed, ips = ips[0], ips[1:]
             if result.error.errno_name == "ENOENT":
-                self._forget([failed])  # already gone: the goal is reached
+                # Already gone (someone removed it behind our back): the goal is reached, but say so.
+                log.info("filter delete of %s found nothing to delete", failed)
+                self._forget([failed])
                 continue
             self._record_error("delete", result.error)
             self.retry_deletes[failed] = None

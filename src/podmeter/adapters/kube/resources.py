@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
-from podmeter.model.configuration import MetricsConfiguration, decode_configuration
-from podmeter.model.records import Namespace, Pod, decode_namespace, decode_pod, decode_pod_event
+from podmeter.model.configuration import decode_configuration
+from podmeter.model.records import decode_namespace, decode_pod, decode_pod_event
 
 
 @dataclass(frozen=True)
@@ -27,37 +28,17 @@ class ResourceKind:
     decode_event: Callable[[bytes], tuple[str, Any]] | None = None  # one-pass fast path for watch lines
 
 
-def _pod_key(pod: Pod) -> str:
-    return pod.uid
+_uid = attrgetter("uid")
+_name = attrgetter("name")
+_rv = attrgetter("resource_version")
 
-
-def _pod_rv(pod: Pod) -> str:
-    return pod.resource_version
-
-
-def _ns_key(ns: Namespace) -> str:
-    return ns.name
-
-
-def _ns_rv(ns: Namespace) -> str:
-    return ns.resource_version
-
-
-def _config_key(config: MetricsConfiguration) -> str:
-    return config.name
-
-
-def _config_rv(config: MetricsConfiguration) -> str:
-    return config.resource_version
-
-
-PODS = ResourceKind("pods", "/api/v1/pods", decode_pod, _pod_key, "uid", _pod_rv, decode_pod_event)
-NAMESPACES = ResourceKind("namespaces", "/api/v1/namespaces", decode_namespace, _ns_key, "name", _ns_rv)
+PODS = ResourceKind("pods", "/api/v1/pods", decode_pod, _uid, "uid", _rv, decode_pod_event)
+NAMESPACES = ResourceKind("namespaces", "/api/v1/namespaces", decode_namespace, _name, "name", _rv)
 METRICS_CONFIGURATIONS = ResourceKind(
     "metricsconfigurations",
     "/apis/podmeter.io/v1alpha1/metricsconfigurations",
     decode_configuration,
-    _config_key,
+    _name,
     "name",
-    _config_rv,
+    _rv,
 )
