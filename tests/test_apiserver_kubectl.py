@@ -41,7 +41,7 @@ spec:
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[LabServer]:
-    with LabServer(process=True, tls=True) as server:
+    with LabServer(process=True, tls=True, console=True) as server:  # the real console entry point
         server.kubectl("create", "namespace", "kc")
         yield server
 

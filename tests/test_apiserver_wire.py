@@ -514,6 +514,20 @@ def test_discovery_shapes(srv: LabServer) -> None:
     assert {g["name"] for g in groups["groups"]} == {"coordination.k8s.io", "podmeter.io"}
 
 
+def test_delete_collection_by_selector(srv: LabServer) -> None:
+    make_ns(srv, "dc")
+    create_pod(srv, "dc", "a", labels={"job": "x"})
+    create_pod(srv, "dc", "b", labels={"job": "x"}, node=None)
+    create_pod(srv, "dc", "c", labels={"job": "y"})
+    status, _, body = srv.request("DELETE", "/api/v1/namespaces/dc/pods?labelSelector=job%3Dx")
+    assert status == 200 and body["kind"] == "PodList"
+    assert [p["metadata"]["name"] for p in body["items"]] == ["a", "b"]
+    assert "kind" not in body["items"][0]
+    _, _, left = srv.request("GET", "/api/v1/namespaces/dc/pods")
+    assert [p["metadata"]["name"] for p in left["items"]] == ["c"]
+    assert srv.request("DELETE", "/api/v1/namespaces")[0] == 405  # namespaces have no deletecollection
+
+
 def test_binding_subresource_binds_once(srv: LabServer) -> None:
     make_ns(srv, "bind")
     create_pod(srv, "bind", "p", node=None)

@@ -208,12 +208,23 @@ class LabApiServer:
         return await self._item(request, route, route.name)
 
     async def _collection(self, request: web.Request, route: Route) -> web.StreamResponse:
-        """list, watch and create."""
+        """list, watch, create and deletecollection."""
         r = route.resource
         if request.method == "POST":
             ctx = _context(request)
             body = await _read_json(request, r)
             return json_response(self.registry.create(r, route.namespace, body, ctx), 201, ctx)
+        if request.method == "DELETE" and "deletecollection" in r.verbs:
+            ctx = _context(request)
+            deleted = self.registry.delete_collection(
+                r,
+                route.namespace,
+                options.parse_list(r, request.query),
+                options=await _delete_options(request, r),
+                graceful_pods=self.settings.graceful_pod_deletion,
+                ctx=ctx,
+            )
+            return json_response(deleted, 200, ctx)
         if request.method != "GET":
             raise errors.method_not_allowed()
         table = tables.wants_table(request.headers.get("Accept", ""))

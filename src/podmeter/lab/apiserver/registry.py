@@ -475,6 +475,39 @@ class Registry:
         final = current.decode()
         return self.full(resource, self.store.commit(resource, DELETED, final))
 
+    def delete_collection(
+        self,
+        resource: ResourceType,
+        namespace: str | None,
+        opts: ListOptions,
+        *,
+        options: dict[str, Any],
+        graceful_pods: bool,
+        ctx: WriteContext,
+    ) -> bytes:
+        """Delete every object the selectors match (one by one, each its own events); the deleted list."""
+        matching = [
+            s
+            for s in self.store.items(resource, namespace)
+            if opts.labels.matches(s.labels) and opts.fields.matches(s.fields)
+        ]
+        full = [
+            self.delete(resource, s.namespace or None, s.name, options=options, graceful_pods=graceful_pods, ctx=ctx)
+            for s in matching
+        ]
+        items = b",".join(b"{" + f[len(resource.prefix) :] for f in full)  # list items lack kind/apiVersion
+        return (
+            b'{"kind":"'
+            + resource.list_kind.encode()
+            + b'","apiVersion":"'
+            + resource.api_version.encode()
+            + b'","metadata":{"resourceVersion":"'
+            + str(self.store.rv).encode()
+            + b'"},"items":['
+            + items
+            + b"]}"
+        )
+
     def _delete_pod(self, current: Stored, options: dict[str, Any], graceful: bool) -> bytes:
         """Unbound pods go at once; bound ones get MODIFIED (deletionTimestamp) then DELETED, unless the
         server runs with graceful deletion and the grace period is positive: then only the MODIFIED, and a
