@@ -67,6 +67,7 @@ class Driver:
         self.include: list[str] = []
         self.threads: list[threading.Thread] = []
         self._serial = 0
+        self.holding = 0  # > 0 while a fault holds the checks
         self._lock = threading.Lock()
         self.stop = threading.Event()
 
@@ -135,7 +136,8 @@ class Driver:
         self.stats.deleted += 1
         self.stats.lifecycles += 1
         ip = (answer.get("status") or {}).get("podIP")
-        if ip and (answer.get("status") or {}).get("phase") == "Running":
+        # Latency samples only outside faults (an agent that is down unmaps nothing, by design).
+        if ip and (answer.get("status") or {}).get("phase") == "Running" and not self.holding:
             self.stats.delete_times[ip] = time.monotonic()
 
     def _live(self, namespace: str) -> list[tuple[str, str]]:
@@ -284,9 +286,11 @@ class Driver:
 
     def _held(self, action: Callable[[], object]) -> None:
         self.hooks.hold()
+        self.holding += 1
         try:
             action()
         finally:
+            self.holding -= 1
             self.hooks.release()
 
     def _compaction_gap(self, step: sc.CompactionGap) -> None:

@@ -153,6 +153,7 @@ class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class AgentSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     resync_interval: PositiveSeconds = 10.0
+    series_grace: PositiveSeconds = 3.0  # how long a gone pod's series stay (the agent's --series-grace)
     fault: Literal["drop-deletes"] | None = None  # test only: an agent that loses watch deletes
 
 
