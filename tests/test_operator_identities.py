@@ -15,9 +15,10 @@ from etcd_server import EtcdServer, etcd
 from podmeter.adapters.identity.base import IdentityBackend
 from podmeter.adapters.identity.etcd import EtcdIdentityBackend
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
+from podmeter.adapters.kube.deltas import Delete, Replace, Upsert
 from podmeter.model.identity import IdentityKey
 from podmeter.model.records import Pod
-from podmeter.runtime.operator import Operator, OperatorSettings
+from podmeter.runtime.operator import Operator, OperatorSettings, PodStore
 
 __all__ = ["etcd"]
 
@@ -290,3 +291,34 @@ async def test_operator_waits_for_etcd_at_start(tmp_path: Any) -> None:
     finally:
         await stop(task)
         server.stop()
+
+
+def test_pod_store_diffs_a_relist() -> None:
+    store = PodStore()
+    a, b, c = pod("a", labels={"app": "x"}), pod("b", labels={"app": "y"}), pod("c", labels={"app": "z"})
+    assert store.apply(Upsert("pods", a)) == [("ADDED", a)]
+    assert store.apply(Upsert("pods", b)) == [("ADDED", b)]
+    assert store.apply(Upsert("pods", c)) == [("ADDED", c)]
+    b2 = pod("b", labels={"app": "y2"})
+    d = pod("d", labels={"app": "w"})
+    # After a gap: a vanished, b changed, c failed to decode (kept), d is new.
+    events = store.apply(Replace("pods", [b2, d], keep=frozenset({"c"})))
+    assert sorted(events, key=lambda e: e[1].uid) == [("DELETED", a), ("MODIFIED", b2), ("ADDED", d)]
+    assert store.pods == {"b": b2, "c": c, "d": d}
+    assert store.apply(Delete("pods", "d")) == [("DELETED", d)]
+    assert store.apply(Delete("pods", "unknown")) == []
+    assert store.apply(Replace("pods", [b2, c])) == []  # nothing changed: no events
+
+
+async def test_a_failing_source_stops_the_operator() -> None:
+    class Failing:
+        async def events(self) -> AsyncIterator[tuple[str, Pod]]:
+            yield ("ADDED", pod("u1", labels={"app": "x"}))
+            raise RuntimeError("watch broke for good")
+
+        def pods(self) -> Iterable[Pod]:
+            return []
+
+    op = Operator(Failing(), MemoryIdentityBackend(), settings=OperatorSettings(sweep_period=60))
+    with pytest.raises(RuntimeError, match="watch broke"):
+        await asyncio.wait_for(op.run(), 5)

@@ -19,9 +19,10 @@ from aiohttp import web
 from podmeter.adapters.identity.base import IdentityBackend
 from podmeter.adapters.identity.etcd import EtcdIdentityBackend
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
+from podmeter.adapters.kube.connection import Connection, ConnectionConfigError, load_connection
 from podmeter.model.identity import LabelFilter
 from podmeter.runtime.leadership import KubeLeaseStore, LeaderElector
-from podmeter.runtime.operator import KubeConfigApi, Operator, OperatorSettings, PodSource
+from podmeter.runtime.operator import KubeConfigApi, Operator, OperatorSettings, ReflectorPodSource
 
 log = logging.getLogger("podmeter.operator")
 
@@ -81,28 +82,17 @@ def make_backend(args: argparse.Namespace) -> IdentityBackend:
                                owner=args.holder_identity or None)
 
 
-def kube_client(kubeconfig: str | None) -> Any:
+def kube_client(connection: Connection) -> Any:
+    """A lightkube client for the Lease and the MetricsConfiguration status (same credentials)."""
     from lightkube import AsyncClient
-    from lightkube.config.kubeconfig import KubeConfig
 
-    path = kubeconfig or os.environ.get("KUBECONFIG")
-    config = KubeConfig.from_file(path) if path else KubeConfig.from_service_account()
-    return AsyncClient(config=config)
-
-
-def pod_source(client: Any) -> PodSource:
-    """The cluster's pods, from the kube reflector (``podmeter.adapters.kube``)."""
-    try:
-        from podmeter.adapters.kube import cluster_pod_source  # type: ignore[attr-defined]
-    except ImportError as exc:
-        raise SystemExit(f"podmeter operator: the kube reflector is not available: {exc}") from None
-    source: PodSource = cluster_pod_source(client)
-    return source
+    return AsyncClient(config=connection.config, trust_env=False)
 
 
 def build(args: argparse.Namespace) -> tuple[Operator, Any]:
     holder = args.holder_identity or f"{socket.gethostname()}-{os.getpid()}"
-    client = kube_client(args.kubeconfig)
+    connection = load_connection(args.kubeconfig)
+    client = kube_client(connection)
     elector = LeaderElector(
         KubeLeaseStore(client, args.lease_namespace, args.lease_name), holder,
         lease_duration=args.lease_duration, renew_deadline=args.renew_deadline,
@@ -111,13 +101,17 @@ def build(args: argparse.Namespace) -> tuple[Operator, Any]:
     settings = OperatorSettings(sweep_period=args.sweep_period, gc_period=args.gc_period,
                                 config_period=args.config_period, debug_anywhere=args.debug_anywhere)
     label_filter = LabelFilter.configure(add=args.exclude_label, remove=args.include_label)
-    operator = Operator(pod_source(client), make_backend(args), label_filter=label_filter, elector=elector,
+    operator = Operator(ReflectorPodSource(connection), make_backend(args), label_filter=label_filter, elector=elector,
                         config=KubeConfigApi(client), settings=settings)
     return operator, client
 
 
 async def serve(args: argparse.Namespace) -> int:
-    operator, client = build(args)
+    try:
+        operator, client = build(args)
+    except ConnectionConfigError as exc:
+        print(f"podmeter operator: {exc}")
+        return 2
     host, port = parse_listen(args.listen)
     runner = web.AppRunner(operator.http_app())
     await runner.setup()
@@ -141,6 +135,8 @@ async def serve(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=args.log_level.upper(), format=fmt)
+    for noisy in ("aiohttp.access", "httpx", "httpx2", "httpcore"):  # one line per request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         parse_range(args.identity_range)
         parse_listen(args.listen)

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -68,58 +68,69 @@ class PodSource(Protocol):
     def pods(self) -> Iterable[Pod]: ...
 
 
-class ReflectorPodSource:
-    """:class:`PodSource` over the kube reflector, watching every pod of the cluster.
+class PodStore:
+    """The cluster's pods keyed by UID, fed with reflector deltas; each delta returns the events it implies.
 
-    The reflector queues deltas; :meth:`events` applies each one to ``store`` as it yields the events it
-    implies (a relist is diffed against the store: synthetic DELETED for what vanished, ADDED/MODIFIED for
-    what is new or changed). Invariant: ``store`` is exactly the state after the last yielded event, so a
-    sweep between events never races the event stream. Objects the relist could not decode (``keep``)
-    keep their last good state.
+    Invariant: ``pods`` is exactly the state after the deltas applied so far. A relist (:class:`Replace`)
+    is diffed: DELETED for what vanished, ADDED/MODIFIED for what is new or changed, nothing for the
+    unchanged; objects it could not decode (``keep``) keep their last good state. A relist rebuilds the
+    dict, so its peak size is not kept.
     """
 
-    def __init__(self, connection: Connection, settings: ReflectorSettings | None = None) -> None:
-        self.connection = connection
-        self.settings = settings or ReflectorSettings()
-        self.store: dict[str, Pod] = {}
-        self.reflector: Reflector | None = None
-        self._deltas: asyncio.Queue[Delta] = asyncio.Queue(maxsize=10_000)
+    def __init__(self) -> None:
+        self.pods: dict[str, Pod] = {}
 
-    def pods(self) -> Iterable[Pod]:
-        return self.store.values()
-
-    async def events(self) -> AsyncIterator[tuple[str, Pod]]:
-        client = self.connection.transport()
-        self.reflector = Reflector(PODS, client, self._deltas.put, self.settings)
-        task = asyncio.create_task(self.reflector.run(), name="reflector-pods")
-        try:
-            while True:
-                for item in self._apply(await self._deltas.get()):
-                    yield item
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await client.close()
-
-    def _apply(self, delta: Delta) -> list[tuple[str, Pod]]:
+    def apply(self, delta: Delta) -> list[tuple[str, Pod]]:
         if isinstance(delta, Upsert):
-            old = self.store.get(delta.item.uid)
-            self.store[delta.item.uid] = delta.item
+            old = self.pods.get(delta.item.uid)
+            self.pods[delta.item.uid] = delta.item
             return [("ADDED" if old is None else "MODIFIED", delta.item)]
         if isinstance(delta, Delete):
-            gone = self.store.pop(delta.key, None) or delta.item
+            gone = self.pods.pop(delta.key, None) or delta.item
             return [("DELETED", gone)] if gone is not None else []
         return self._replace(delta)
 
     def _replace(self, delta: Replace) -> list[tuple[str, Pod]]:
         new: dict[str, Pod] = {p.uid: p for p in delta.items}
-        new.update((k, self.store[k]) for k in delta.keep if k in self.store and k not in new)
-        out = [("DELETED", p) for uid, p in self.store.items() if uid not in new]
-        out += [("ADDED" if uid not in self.store else "MODIFIED", p)
-                for uid, p in new.items() if self.store.get(uid) != p]
-        self.store = new  # a fresh dict: the old one's peak size is not kept
+        new.update((k, self.pods[k]) for k in delta.keep if k in self.pods and k not in new)
+        out = [("DELETED", p) for uid, p in self.pods.items() if uid not in new]
+        out += [("ADDED" if uid not in self.pods else "MODIFIED", p)
+                for uid, p in new.items() if self.pods.get(uid) != p]
+        self.pods = new
         return out
+
+
+class ReflectorPodSource:
+    """:class:`PodSource` over the kube reflector, watching every pod of the cluster.
+
+    The reflector queues deltas; :meth:`events` applies each one to a :class:`PodStore` as it yields the
+    events it implies, so ``pods()`` is exactly the state after the last yielded event and a sweep
+    between events never races the event stream.
+    """
+
+    def __init__(self, connection: Connection, settings: ReflectorSettings | None = None) -> None:
+        self.connection = connection
+        self.settings = settings or ReflectorSettings()
+        self.store = PodStore()
+        self.reflector: Reflector | None = None
+        self._deltas: asyncio.Queue[Delta] = asyncio.Queue(maxsize=10_000)
+
+    def pods(self) -> Iterable[Pod]:
+        return self.store.pods.values()
+
+    async def events(self) -> AsyncIterator[tuple[str, Pod]]:
+        transport = self.connection.transport(self.settings.request_timeout)
+        self.reflector = Reflector(PODS, transport, self._deltas.put, self.settings)
+        task = asyncio.create_task(self.reflector.run(), name="reflector-pods")
+        try:
+            while True:
+                for item in self.store.apply(await self._deltas.get()):
+                    yield item
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await transport.close()
 
 
 class OperatorMetrics:
@@ -353,6 +364,13 @@ class KubeConfigApi:
 # -- the process ---------------------------------------------------------------------------------------
 
 
+class _Marker:
+    """A non-event item of the operator's event queue."""
+
+
+_SWEEP, _END = _Marker(), _Marker()
+
+
 @dataclass(frozen=True, slots=True)
 class OperatorSettings:
     sweep_period: float = 30.0  # full recompute against the store
@@ -378,7 +396,6 @@ class Operator:
         elector: LeaderElector | None = None,
         config: ConfigApi | None = None,
         settings: OperatorSettings | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.metrics = OperatorMetrics()
         self.source, self.backend = source, backend
@@ -386,7 +403,6 @@ class Operator:
         self.elector = elector
         self.config = ConfigurationStatus(config, self.metrics) if config is not None else None
         self.settings = settings or OperatorSettings()
-        self._clock = clock
         self.ready = asyncio.Event()
         self.last_sweep: float | None = None
 
@@ -426,38 +442,49 @@ class Operator:
                 delay = min(delay * 2, 5.0)
 
     async def _events(self) -> None:
-        queue: asyncio.Queue[tuple[str, Pod] | None] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[str, Pod] | _Marker] = asyncio.Queue()
 
         async def pump() -> None:
-            async for item in self.source.events():
-                await queue.put(item)
-            await queue.put(None)
+            try:
+                async for item in self.source.events():
+                    queue.put_nowait(item)
+            finally:
+                queue.put_nowait(_END)
 
-        pumper = asyncio.create_task(pump(), name="operator-pod-events")
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(self.settings.sweep_period)
+                queue.put_nowait(_SWEEP)
+
+        helpers = [asyncio.create_task(pump(), name="operator-pod-events"),
+                   asyncio.create_task(ticker(), name="operator-sweep-timer")]
         try:
             await self._consume(queue)
+            await helpers[0]  # the source ended: re-raise its failure, if any
         finally:
-            pumper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pumper
+            for task in helpers:
+                task.cancel()
+            for task in helpers:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
-    async def _consume(self, queue: asyncio.Queue[tuple[str, Pod] | None]) -> None:
-        next_sweep = self._clock() + self.settings.sweep_period
+    async def _consume(self, queue: asyncio.Queue[tuple[str, Pod] | _Marker]) -> None:
+        """Apply events in order; flush when the queue is drained; sweep only then (store == events)."""
+        sweep_due = False
         while True:
-            timeout = max(0.0, next_sweep - self._clock())
-            try:
-                item = await asyncio.wait_for(queue.get(), timeout)
-                if item is None:
-                    return
+            item = await queue.get()
+            if item is _END:
+                return
+            if item is _SWEEP:
+                sweep_due = True
+            elif isinstance(item, tuple):
                 self.reconciler.observe(*item)
-            except TimeoutError:
-                pass
             if queue.empty():
                 await self.reconciler.flush()
                 self.ready.set()
-                if self._clock() >= next_sweep:
-                    await self.sweep()
-                    next_sweep = self._clock() + self.settings.sweep_period
+            if sweep_due and queue.empty():  # checked again: the flush may have let events in
+                await self.sweep()
+                sweep_due = False
 
     async def sweep(self) -> int:
         released = await self.reconciler.sweep(self.source.pods())
@@ -465,10 +492,10 @@ class Operator:
         return released
 
     async def _housekeeping(self) -> None:
-        next_gc = next_config = self._clock()
+        next_gc = next_config = time.monotonic()
         while True:
             self.metrics.leader.set(1 if self.is_leader else 0)
-            now = self._clock()
+            now = time.monotonic()
             if self.is_leader and now >= next_gc:
                 await self._gc()
                 next_gc = now + self.settings.gc_period
@@ -518,6 +545,11 @@ class Operator:
         if not self.settings.debug_anywhere and request.remote not in ("127.0.0.1", "::1"):
             return web.Response(status=403, text="debug endpoints answer on loopback only\n")
         body = self.reconciler.debug() | {"leader": self.is_leader, "last_sweep": self.last_sweep}
+        reflector = getattr(self.source, "reflector", None)
+        if isinstance(reflector, Reflector):
+            stats = reflector.stats
+            body["reflector"] = {"events": dict(stats.events), "relists": dict(stats.relists),
+                                 "failures": dict(stats.failures), "resource_version": reflector.resource_version}
         if self.is_leader:
             body["store"] = {str(i): str(k) for i, k in sorted((await self._store_ids()).items())}
         return web.json_response(body)

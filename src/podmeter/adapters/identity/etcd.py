@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import secrets
 import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -50,7 +51,7 @@ from podmeter.model.identity import (
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/podmeter/identities/"
-MAX_ATTEMPTS = 16
+MAX_ATTEMPTS = 32
 T = TypeVar("T")
 
 # Reconnect quickly after the store comes back (gRPC's default backoff grows to two minutes).
@@ -119,6 +120,7 @@ class EtcdIdentityBackend:
         self._client: Any = None
         self._keepalive: asyncio.Task[None] | None = None
         self._gc_marked: dict[bytes, _Master] = {}
+        self._rng = random.Random()
         self.ids_changed = 0
         self.leases_lost = 0
         self.bad_entries = 0
@@ -228,7 +230,9 @@ class EtcdIdentityBackend:
     async def _acquire(self, key: IdentityKey) -> int:
         enc = key.encode().encode()
         refreshed = False
-        for _ in range(MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
+            if attempt:  # a lost race: jitter, so that two operators do not collide in lockstep again
+                await asyncio.sleep(self._rng.uniform(0, 0.002 * attempt))
             existing = await self._client.get(self._master_key(enc))
             if existing is not None:
                 ident = self._parse_id(existing.value)
