@@ -43,7 +43,7 @@ import yaml
 from podmeter.lab.apiserver.client import AdminClient
 
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
-_FAST_ENTRY = (
+FAST_ENTRY = (
     "import argparse, sys\n"
     "from podmeter.cli import apiserver\n"
     "parser = argparse.ArgumentParser(prog='podmeter')\n"
@@ -102,7 +102,7 @@ class LabServer:
         same ``podmeter.cli.apiserver`` code without importing every other subcommand (~3 s saved)."""
         if self.console:
             return [sys.executable, "-m", "podmeter", "apiserver"]
-        return [sys.executable, "-c", _FAST_ENTRY, "apiserver"]
+        return [sys.executable, "-c", FAST_ENTRY, "apiserver"]
 
     def start(self) -> None:
         if self.process:

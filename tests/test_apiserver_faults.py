@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lab_server import LabServer
+from lab_server import FAST_ENTRY, LabServer
 
 
 @pytest.fixture
@@ -163,28 +163,12 @@ def test_restart_drops_connections_keeps_state() -> None:
 
 
 def test_fault_cli(srv: LabServer) -> None:
-    def cli(*args: str) -> str:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "podmeter",
-                "apiserver",
-                "fault",
-                *args,
-                "--url",
-                srv.url,
-                "--token",
-                srv.token,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        )
-        return done.stdout
+    def cli(*args: str, console: bool = False) -> str:
+        entry = [sys.executable, "-m", "podmeter"] if console else [sys.executable, "-c", FAST_ENTRY]
+        command = [*entry, "apiserver", "fault", *args, "--url", srv.url, "--token", srv.token]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
 
-    assert '"failing": 1' in cli("fail", "--count", "1", "--code", "429")
+    assert '"failing": 1' in cli("fail", "--count", "1", "--code", "429", console=True)
     assert srv.request("GET", "/api/v1/namespaces")[0] == 429
     assert '"floor"' in cli("compact")
     assert '"closed": 0' in cli("close-watches")

@@ -155,17 +155,17 @@ def test_realistic_pod_shape_and_size() -> None:
 
 
 def test_memory_is_bounded_under_churn() -> None:
-    """Live objects + a fixed history window: churn through 20x the window, sizes stay put."""
+    """Live objects + a fixed history window: churn through 12x the window, sizes stay put."""
     import tracemalloc
 
     store = Store(history=200)
     sizes = []
     tracemalloc.start()
-    for round_ in range(20):
-        if round_ == 5:
+    for round_ in range(12):
+        if round_ == 4:
             warm = tracemalloc.get_traced_memory()[0]
         for i in range(100):
-            pod = realistic_pod(round_ * 100 + i)
+            pod = realistic_pod(round_ * 100 + i, node=None, phase="Pending")
             store.commit(PODS, ADDED, pod)
             store.commit(PODS, DELETED, pod)
         sizes.append((len(store.history), sum(len(t) for t in store.objects.values())))
