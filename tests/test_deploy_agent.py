@@ -9,7 +9,8 @@ What the kubelet and the container runtime would provide is provided the same wa
 - ``hostNetwork`` is a private network namespace standing in for the node's (so the agent attaches only to
   this test's veth), and the ``/sys/fs/bpf`` hostPath is a fresh directory inside the host's bpffs.
 Then: ``/readyz`` (the readiness probe's path and port) answers 200, an annotated pod's IP reaches
-``/debug/state`` and the pinned filter map, an unannotated one does not, and SIGTERM ends it cleanly.
+``/debug/state`` and the pinned filter map, an unannotated one does not, SIGTERM ends it cleanly and
+leaves the pins, and the next agent (an upgrade) adopts them and converges to the pods of that moment.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from test_deploy_support import Obj, container, find, needs_kubectl, render
 pytestmark = [needs_kubectl, needs_root]
 
 NODE = "node-a"
+NEWCOMER = "10.231.201.5"  # a pod without an interface: only the filter sees it
 ENTRYPOINT = [sys.executable, "-m", "podmeter"]  # the image's ENTRYPOINT ["podmeter"]
 CAPABILITY_BITS = {"NET_ADMIN": 12, "SYS_ADMIN": 21, "PERFMON": 38, "BPF": 39}
 
@@ -171,22 +173,38 @@ def test_the_agent_runs_as_the_daemonset_says(topology: Topology, bpffs_dir: Pat
         assert view["desired"] == {pod.ip: ["shop/web"]}
         assert view["leaked"] == [] and view["missing"] == []
         # the kernel holds it, pinned where the manifest says (under the hostPath)
-        pinned = EbpfDatapath.open_pinned(pins)
-        try:
-            assert pinned.contents() == {pod.ip}
-        finally:
-            pinned.close()
+        assert pinned_filter(pins) == {pod.ip}
         # the process has the manifest's capabilities and no others
         status = Path(f"/proc/{proc.pid}/status").read_text()
         effective = int(next(line for line in status.splitlines() if line.startswith("CapEff:")).split()[1], 16)
         assert effective == capability_mask(agent.capabilities)
 
+        # an upgrade: the old agent stops within the grace period, its pinned state stays; while no agent
+        # runs the pod goes and another comes; the new agent adopts the pins and converges
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(agent.spec["terminationGracePeriodSeconds"]) == 0, log()
+        assert pinned_filter(pins) == {pod.ip}
+        with topology.in_host():
+            cluster.delete_pod("shop", "web")
+            cluster.pod("shop", "api", NEWCOMER, node=NODE, observe=True)
+        proc = agent.start(topology.host_path, tmp_path / "agent.log")
+        wait_for(lambda: proc.poll() is not None or get(topology, port, ready_path)[0] == 200, timeout=30,
+                 what="readiness of the new agent", describe=log)
+        wait_for(lambda: pinned_filter(pins) == {NEWCOMER}, timeout=15, what="the new agent's filter",
+                 describe=lambda: str(pinned_filter(pins)))
+        assert state()["filter"]["desired"] == {NEWCOMER: ["shop/api"]}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(agent.spec["terminationGracePeriodSeconds"]) == 0, log()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def pinned_filter(pins: Path) -> set[str]:
+    """The filter map as the kernel holds it, read from this (separate) process."""
+    with EbpfDatapath.open_pinned(pins) as pinned:
+        return pinned.contents()
 
 
 @pytest.mark.parametrize("capability", ["BPF", "NET_ADMIN"])
