@@ -72,7 +72,7 @@ class EtcdServer:
         import urllib.request
 
         try:
-            with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1) as resp:  # noqa: S310
+            with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1) as resp:
                 return b"true" in resp.read()
         except OSError:
             return False
