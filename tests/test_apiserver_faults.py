@@ -107,7 +107,7 @@ def test_stall_include_new_and_duration(srv: LabServer) -> None:
     assert time.monotonic() - started >= 0.9
 
 
-@pytest.mark.parametrize("code", [500, 429])
+@pytest.mark.parametrize("code", [500, 503, 429])
 def test_fail_next_requests(srv: LabServer, code: int) -> None:
     srv.admin.fail(2, code=code, retry_after=3)
     answers = [srv.request("GET", "/api/v1/namespaces/default/pods") for _ in range(3)]
@@ -125,6 +125,8 @@ def test_fail_next_requests(srv: LabServer, code: int) -> None:
             "details": {"retryAfterSeconds": 3},
             "code": 429,
         }
+    elif code == 503:
+        assert (body["reason"], body["code"]) == ("ServiceUnavailable", 503)
     else:
         assert (body["reason"], body["code"]) == ("InternalError", 500)
         assert body["message"].startswith("Internal error occurred: ")

@@ -58,7 +58,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--url", help="fault: the server's URL")
     parser.add_argument("--ca-file", help="fault: CA certificate for an HTTPS server")
     parser.add_argument("--count", type=int, default=1, help="fault fail: how many requests")
-    parser.add_argument("--code", type=int, default=500, choices=[500, 429], help="fault fail: status code")
+    parser.add_argument("--code", type=int, default=500, choices=[500, 503, 429], help="fault fail: status code")
     parser.add_argument("--retry-after", type=int, default=1, help="fault fail 429: Retry-After seconds")
     parser.add_argument("--verb", help="fault fail: only requests of this verb (list, watch, get, ...)")
     parser.add_argument(

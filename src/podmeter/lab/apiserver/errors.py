@@ -161,6 +161,10 @@ def internal(message: str) -> ApiError:
     return ApiError(500, "InternalError", f"Internal error occurred: {message}", {"causes": [{"message": message}]})
 
 
+def service_unavailable() -> ApiError:
+    return ApiError(503, "ServiceUnavailable", "the server is currently unable to handle the request")
+
+
 def rv_too_large(requested: int, current: int) -> ApiError:
     """504 after the ~3 s a real server waits for an RV from the future (list-too-large-rv-504.json)."""
     return ApiError(

@@ -1,7 +1,7 @@
 """Fault knobs: the failures that make consumers leak in the field, switched on over the admin endpoint.
 
-- ``fail``: the next N API requests (optionally only of one verb) answer 500 InternalError or 429
-  TooManyRequests with ``Retry-After``, before any other processing.
+- ``fail``: the next N API requests (optionally only of one verb) answer 500 InternalError, 503
+  ServiceUnavailable or 429 TooManyRequests with ``Retry-After``, before any other processing.
 - ``stall``: open watch streams (and, with ``include_new``, streams opened later) stop sending anything,
   bookmarks included, until ``unstall`` or the optional duration ends; what they missed is delivered after.
 - ``close-watches``, ``compact`` and ``restart`` act on the server directly (see app.py); this module only
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from podmeter.lab.apiserver.errors import ApiError, internal, too_many_requests
+from podmeter.lab.apiserver.errors import ApiError, internal, service_unavailable, too_many_requests
 
 
 @dataclass
@@ -26,6 +26,8 @@ class FailPlan:
     def error(self) -> ApiError:
         if self.code == 429:
             return too_many_requests(self.retry_after)
+        if self.code == 503:
+            return service_unavailable()
         return internal("injected fault (podmeter lab)")
 
 
@@ -42,8 +44,8 @@ class Faults:
     history: list[dict[str, object]] = field(default_factory=list)
 
     def set_fail(self, count: int, code: int, retry_after: int = 1, verb: str | None = None) -> None:
-        if code not in (429, 500):
-            raise ValueError("fail code must be 429 or 500")
+        if code not in (429, 500, 503):
+            raise ValueError("fail code must be 429, 500 or 503")
         self.fail = FailPlan(count, code, retry_after, verb) if count > 0 else None
         self._log("fail", count=count, code=code, verb=verb)
 
