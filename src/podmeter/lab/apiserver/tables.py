@@ -160,8 +160,11 @@ def watch_transform(resource: ResourceType, include: str, version: str) -> Calla
     first = [True]
 
     def transform(line: bytes) -> bytes:
-        event = decode(line)
-        obj = event.get("object")
+        try:
+            event = decode(line)
+        except Exception:  # an injected garbage line goes out as it came in
+            return line
+        obj = event.get("object") if isinstance(event, dict) else None
         if event.get("type") not in ("ADDED", "MODIFIED", "DELETED") or not isinstance(obj, dict):
             return line
         body = {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
