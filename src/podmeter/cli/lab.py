@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from podmeter.lab.report import write_report
-from podmeter.lab.run import LabOptions, LabRun
 from podmeter.lab.scenario import ScenarioError, load_scenario, shipped_scenarios
 
 
@@ -31,6 +29,10 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: matplotlib and the runner would slow every other `podmeter` command's start.
+    from podmeter.lab.report import write_report
+    from podmeter.lab.run import LabOptions, LabRun
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         scenario = load_scenario(args.scenario)

@@ -1,0 +1,78 @@
+"""The lab end to end with eBPF: the short scenario passes with its report; a broken agent fails it.
+
+Root only (namespaces, veths, bpffs). Each run lives in its own node namespace and pin directory and
+removes them, with every pod namespace it made, also when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from podmeter.lab.report import write_report
+from podmeter.lab.run import LabOptions, LabRun
+from podmeter.lab.scenario import load_scenario, parse_scenario
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (bpf, netns)")
+
+BROKEN = """
+name: broken-agent
+seed: 9
+datapath: ebpf
+duration: 8
+settle: 2
+node: {pod_cidr: 10.244.3.0/28}
+agent: {fault: drop-deletes, resync_interval: 1}
+operator: {enabled: false}
+namespaces: [{name: web}]
+steps:
+  - {at: 0, do: pods, namespace: web, count: 4}
+  - {at: 3, do: delete, namespace: web, all: true}
+"""
+
+
+def _leftovers(tag: str) -> list[str]:
+    netns = [p.name for p in Path("/run/netns").glob(f"{tag}*")] if Path("/run/netns").is_dir() else []
+    pins = [p.name for p in Path("/sys/fs/bpf").glob(f"{tag}*")]
+    return netns + pins
+
+
+def test_the_short_scenario_passes_and_writes_its_report(tmp_path: Path) -> None:
+    lab = LabRun(load_scenario("short"), LabOptions(tmp_path, progress=False))
+    result = lab.run()
+    files = write_report(result, tmp_path)
+    assert result.error is None
+    assert result.failures == [], result.failures
+    assert result.passed
+    names = {f.name for f in files}
+    assert {"report.json", "report.html", "filter.png", "memory.png", "identities.png", "events.png"} <= names
+    assert all(f.stat().st_size > 500 for f in files)
+    html = (tmp_path / "report.html").read_text()
+    assert "PASSED" in html and "data:image/png;base64," in html
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["passed"] and data["datapath"] == "ebpf" and len(data["samples"]) > 20
+    traffic = [t for t in result.traffic if "skipped" not in t]
+    assert {t["protocol"] for t in traffic} == {"udp", "tcp"} and all(t["ok"] for t in traffic)
+    assert all("metrics" in t for t in traffic)  # the agent's per-pod series agreed with the kernel
+    assert result.counts["lifecycles"] >= 30 and result.counts["agent_kills"] == 1
+    assert result.memory["agent"]["returned"] and result.memory["operator"]["returned"]
+    assert result.samples[-1].kernel == 0 and result.samples[-1].pods == 0
+    assert _leftovers(lab.tag) == []
+
+
+def test_an_agent_that_drops_deletes_fails_the_lab_with_the_leaked_ips_named(tmp_path: Path) -> None:
+    lab = LabRun(parse_scenario(BROKEN), LabOptions(tmp_path, progress=False))
+    result = lab.run()
+    assert result.error is None
+    assert not result.passed
+    leaked = {f["subject"]: f["detail"] for f in result.failures if f["invariant"] == "I2"}
+    assert set(leaked) == {"10.244.3.1", "10.244.3.2", "10.244.3.3", "10.244.3.4"}
+    for ip, detail in leaked.items():
+        assert detail.startswith(f"leaked: {ip} is in the kernel filter but no pod holds it (last held by web/app-")
+    assert any(f["invariant"] == "I1" for f in result.failures)  # its store still has the deleted pods
+    write_report(result, tmp_path)
+    assert "FAILED" in (tmp_path / "report.html").read_text()
+    assert _leftovers(lab.tag) == []
