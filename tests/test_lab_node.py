@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 import pytest
-from lab_server import LabServer
 
+from lab_server import LabServer
 from podmeter.lab.kube import KubeClient, pod_path
 from podmeter.lab.node import RUN_SECONDS_ANNOTATION, IpPool, Node, NodeSettings, PoolExhausted
 
@@ -30,7 +30,7 @@ def test_the_pool_hands_out_the_lowest_free_ip_so_freed_ips_come_back_first() ->
 
 @pytest.mark.parametrize("cidr", ["10.0.0.0/31", "fd00::/120", "banana"])
 def test_unusable_cidrs_are_refused(cidr: str) -> None:
-    with pytest.raises(ValueError):  # noqa: PT011 (ipaddress's own messages)
+    with pytest.raises(ValueError):
         IpPool(cidr)
 
 

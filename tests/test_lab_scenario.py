@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 from podmeter.lab.scenario import (
-    Churn, KillAgent, ScenarioError, load_scenario, parse_scenario, shipped_scenarios,
+    Churn,
+    KillAgent,
+    ScenarioError,
+    load_scenario,
+    parse_scenario,
+    shipped_scenarios,
 )
 
 GOOD = """
@@ -77,7 +82,7 @@ def test_every_problem_of_a_file_is_reported_at_once() -> None:
 
 
 def test_unknown_names_and_unreadable_files(tmp_path: Path) -> None:
-    with pytest.raises(ScenarioError, match="no shipped scenario of that name .shipped: .*default"):
+    with pytest.raises(ScenarioError, match=r"no shipped scenario of that name .shipped: .*default"):
         load_scenario("no-such-scenario")
     with pytest.raises(ScenarioError, match="cannot read"):
         load_scenario(str(tmp_path / "missing.yaml"))
