@@ -2,7 +2,8 @@
 
 Modules by concept: ``store`` (objects, global resourceVersion, bounded history), ``registry`` (the verbs),
 ``watching`` (streams, bookmarks), ``selectors``, ``options`` (list/watch parameters), ``patching``,
-``validation``, ``defaults``, ``resources``, ``discovery``, ``errors`` (Status bodies), ``faults``,
+``validation``, ``defaults``, ``resources``, ``discovery``, ``tables``, ``protobuf``, ``errors`` (Status
+bodies), ``faults``, ``admin`` (the /_lab/ API),
 ``app`` (HTTP routing, auth, admin API), ``server`` (listener, TLS, kubeconfig, restart) and ``client``
 (the admin/fault client used by the CLI and tests).
 """

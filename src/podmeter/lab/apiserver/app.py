@@ -1,13 +1,8 @@
-"""The aiohttp application: routing of Kubernetes REST paths, auth, fault injection, counters, admin API.
+"""The aiohttp application: routing of Kubernetes REST paths, auth, fault injection, counting.
 
-Request path: authenticate (401) → count → injected failure (fail fault) → route → verb handler. Every
+Request path: authenticate (401) → injected failure (fail fault) → route → verb handler → count. Every
 :class:`ApiError` becomes a ``Status`` body with its code and headers; anything unexpected becomes a 500
-``InternalError`` Status, and the server stays up.
-
-Admin endpoints live under ``/_lab/`` (same bearer token, never counted, never failed by faults):
-``GET /_lab/stats``, ``GET /_lab/requests``, ``POST /_lab/requests/reset``, ``POST /_lab/faults/<knob>``
-(``close-watches``, ``compact``, ``stall``, ``unstall``, ``fail``, ``restart``) and the test-only
-``POST /_lab/inject`` (see docs/apiserver.md).
+``InternalError`` Status, and the server stays up. ``/_lab/`` goes to the admin API (admin.py).
 """
 
 from __future__ import annotations
@@ -18,19 +13,19 @@ import hmac
 import logging
 import time
 import uuid
-from collections import Counter, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from podmeter.lab.apiserver import discovery, errors, options, protobuf, tables
+from podmeter.lab.apiserver.admin import Admin
 from podmeter.lab.apiserver.errors import ApiError
 from podmeter.lab.apiserver.faults import Faults
 from podmeter.lab.apiserver.registry import PATCH_TYPES, Registry, WriteContext
-from podmeter.lab.apiserver.resources import BY_KEY, NAMESPACES, PODS, ResourceType, lookup
-from podmeter.lab.apiserver.store import ADDED, MODIFIED, Store, decode, encode
+from podmeter.lab.apiserver.resources import NAMESPACES, PODS, ResourceType, lookup
+from podmeter.lab.apiserver.store import Store, decode, encode
 from podmeter.lab.apiserver.watching import WatchHub
 
 log = logging.getLogger("podmeter.lab.apiserver")
@@ -62,31 +57,6 @@ class Route:
     subresource: str | None
 
 
-@dataclass
-class RequestLog:
-    """Counters by (verb, resource, code) and the last requests, for tests that count reconnects."""
-
-    counts: Counter[tuple[str, str, int]] = field(default_factory=Counter)
-    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=2000))
-
-    def add(self, verb: str, resource: str, code: int, request: web.Request) -> None:
-        self.counts[(verb, resource, code)] += 1
-        self.recent.append(
-            {
-                "time": time.time(),
-                "verb": verb,
-                "resource": resource,
-                "code": code,
-                "method": request.method,
-                "path": request.path,
-                "query": dict(request.query),
-            }
-        )
-
-    def to_json(self) -> list[dict[str, Any]]:
-        return [{"verb": v, "resource": r, "code": c, "count": n} for (v, r, c), n in sorted(self.counts.items())]
-
-
 class LabApiServer:
     """State shared by all requests: store, registry, watch hub, faults, counters."""
 
@@ -102,9 +72,9 @@ class LabApiServer:
             settings.watch_queue_limit,
             settings.too_large_wait,
         )
-        self.requests = RequestLog()
+        self.admin = Admin(self)
         self.restart_hook: Callable[[float], Awaitable[None]] | None = None
-        self._background: asyncio.Future[None] | None = None
+        self.background: asyncio.Future[None] | None = None  # the restart in progress
         self.started = time.time()
         if not self.store.objects[NAMESPACES.key]:
             for name in ("default", "kube-system", "kube-public", "kube-node-lease"):
@@ -133,7 +103,7 @@ class LabApiServer:
             log.exception("internal error on %s %s", request.method, request.path)
             response = status_response(errors.internal(f"{type(exc).__name__}: {exc}"))
         if not admin and not request.get(COUNTED):
-            self.requests.add(verb, resource, response.status, request)
+            self.admin.requests.add(verb, resource, response.status, request)
         if not response.prepared:
             response.headers.setdefault("Audit-Id", str(uuid.uuid4()))
         return response
@@ -147,7 +117,7 @@ class LabApiServer:
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         if path.startswith("/_lab/"):
-            return await self._admin(request)
+            return await self.admin.handle(request)
         static = self._static(path)
         if static is not None:
             return static
@@ -237,7 +207,7 @@ class LabApiServer:
 
             def opened() -> None:
                 request[COUNTED] = True
-                self.requests.add(verb, key, 200, request)
+                self.admin.requests.add(verb, key, 200, request)
 
             return await self.hub.serve(request, r, opts, opened)
         listed = await self.registry.list(r, route.namespace, options.parse_list(r, request.query))
@@ -280,98 +250,6 @@ class LabApiServer:
             return json_response(deleted, 200, ctx)
         raise errors.method_not_allowed()
 
-    # --- admin -----------------------------------------------------------------------------------------
-    async def _admin(self, request: web.Request) -> web.Response:
-        path = request.path.rstrip("/")
-        body = await _admin_body(request)
-        if path == "/_lab/stats" and request.method == "GET":
-            return _plain_json(self.stats())
-        if path == "/_lab/requests" and request.method == "GET":
-            return _plain_json(self._requests(request))
-        if path == "/_lab/requests/reset" and request.method == "POST":
-            self.requests = RequestLog()
-            return _plain_json({"reset": True})
-        if path == "/_lab/inject" and request.method == "POST":
-            return _plain_json(self._inject(body))
-        knob = path.removeprefix("/_lab/faults/")
-        if request.method == "POST" and knob != path:
-            return _plain_json(await self.fault(knob, body))
-        raise ApiError(404, "NotFound", f"no admin endpoint {request.method} {path}")
-
-    async def fault(self, knob: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Apply one fault knob; returns what it did."""
-        if knob == "close-watches":
-            return {"closed": self.hub.close_all("fault")}
-        if knob == "compact":
-            return {"floor": self.store.compact()}
-        if knob == "stall":
-            seconds = body.get("seconds")
-            self.faults.stall(float(seconds) if seconds else None, bool(body.get("includeNew", False)))
-            return {"stalled": len(self.hub.open)}
-        if knob == "unstall":
-            self.faults.unstall()
-            return {"stalled": 0}
-        if knob == "fail":
-            count, code = int(body.get("count", 1)), int(body.get("code", 500))
-            try:
-                self.faults.set_fail(count, code, int(body.get("retryAfter", 1)), body.get("verb"))
-            except ValueError as exc:
-                raise errors.bad_request(str(exc)) from exc
-            return {"failing": count, "code": code}
-        if knob == "restart":
-            if self.restart_hook is None:
-                raise errors.bad_request("restart is only available when the server owns its listener")
-            down = float(body.get("downSeconds", 0.5))
-            closed = self.hub.close_all("restart", abort=True)
-            self._background = asyncio.ensure_future(self.restart_hook(down))
-            return {"closed": closed, "downSeconds": down}
-        raise ApiError(404, "NotFound", f"unknown fault {knob!r}")
-
-    def _inject(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Test-only: put an object into the store (and watch streams) without validation, or a raw line."""
-        resource = BY_KEY.get(str(body.get("resource", "")))
-        if resource is None:
-            raise errors.bad_request(f"unknown resource {body.get('resource')!r}; one of {sorted(BY_KEY)}")
-        if "rawLine" in body:
-            line = str(body["rawLine"]).encode()
-            return {"watchers": self.hub.inject_line(resource, line if line.endswith(b"\n") else line + b"\n")}
-        objects = body["objects"] if isinstance(body.get("objects"), list) else [body.get("object")]
-        keys = [_inject_key(resource, obj) for obj in objects]  # all checked before any is stored
-        result: dict[str, Any] = {}
-        for key, obj in zip(keys, objects, strict=True):
-            event_type = MODIFIED if self.store.get(resource, key) is not None else ADDED
-            obj["metadata"].setdefault("uid", f"injected-{self.store.rv + 1}")
-            stored = self.store.commit(resource, event_type, obj)
-            result = {"type": event_type, "resourceVersion": str(stored.rv), "count": len(objects)}
-        return result
-
-    def _requests(self, request: web.Request) -> dict[str, Any]:
-        verb, resource = request.query.get("verb"), request.query.get("resource")
-        recent = [
-            r
-            for r in self.requests.recent
-            if (verb is None or r["verb"] == verb) and (resource is None or r["resource"] == resource)
-        ]
-        return {"counts": self.requests.to_json(), "recent": recent}
-
-    def stats(self) -> dict[str, Any]:
-        by_verb: Counter[str] = Counter()
-        for (verb, _, _), n in self.requests.counts.items():
-            by_verb[verb] += n
-        return {
-            **self.store.stats(),
-            "openWatches": len(self.hub.open),
-            "watchesClosed": dict(self.hub.closed_by_reason),
-            "requests": self.requests.to_json(),
-            "requestsByVerb": dict(by_verb),
-            "faults": {
-                "failRemaining": self.faults.fail.remaining if self.faults.fail else 0,
-                "stalled": self.faults.stalled,
-                "injectedFailures": self.faults.injected_failures,
-            },
-            "uptimeSeconds": round(time.time() - self.started, 3),
-        }
-
 
 # --- helpers ---------------------------------------------------------------------------------------------
 
@@ -390,10 +268,6 @@ def status_response(err: ApiError) -> web.Response:
         content_type=JSON,
         headers={"Cache-Control": "no-cache, private", **err.headers},
     )
-
-
-def _plain_json(doc: Any) -> web.Response:
-    return web.Response(body=encode(doc), content_type=JSON)
 
 
 def _context(request: web.Request) -> WriteContext:
@@ -441,21 +315,6 @@ async def _read_json(request: web.Request, resource: ResourceType) -> Any:
     return _parse_json(await _read_body(request), resource)
 
 
-async def _admin_body(request: web.Request) -> dict[str, Any]:
-    if request.method != "POST" or not request.can_read_body:
-        return {}
-    raw = await request.read()
-    if not raw.strip():
-        return {}
-    try:
-        body = decode(raw)
-    except Exception as exc:
-        raise errors.bad_request(f"admin body is not JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise errors.bad_request("admin body must be a JSON object")
-    return body
-
-
 async def _delete_options(request: web.Request, resource: ResourceType) -> dict[str, Any]:
     """DeleteOptions from the body (if any) and the ``gracePeriodSeconds`` query parameter."""
     raw = await _read_body(request)
@@ -465,18 +324,6 @@ async def _delete_options(request: web.Request, resource: ResourceType) -> dict[
     if grace is not None and grace.lstrip("-").isdigit():
         opts["gracePeriodSeconds"] = int(grace)
     return opts
-
-
-def _inject_key(resource: ResourceType, obj: Any) -> str:
-    """The store key of an object to inject; only name (and namespace) must be well-formed strings."""
-    meta = obj.get("metadata") if isinstance(obj, dict) else None
-    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
-        raise errors.bad_request("inject needs object.metadata.name (a string)")
-    if not resource.namespaced:
-        return str(meta["name"])
-    if not isinstance(meta.get("namespace"), str):
-        raise errors.bad_request("inject needs object.metadata.namespace (a string) for this resource")
-    return f"{meta['namespace']}/{meta['name']}"
 
 
 def _parse_route(path: str) -> Route | None:
