@@ -2,10 +2,10 @@
 
 Modules by concept: ``store`` (objects, global resourceVersion, bounded history), ``registry`` (the verbs),
 ``watching`` (streams, bookmarks), ``selectors``, ``options`` (list/watch parameters), ``patching``,
-``validation``, ``defaults``, ``resources``, ``discovery``, ``tables``, ``protobuf``, ``errors`` (Status
-bodies), ``faults``, ``admin`` (the /_lab/ API),
-``app`` (HTTP routing, auth, admin API), ``server`` (listener, TLS, kubeconfig, restart) and ``client``
-(the admin/fault client used by the CLI and tests).
+``validation``, ``defaults``, ``resources``, ``discovery``, ``tables`` (kubectl's server-side printing),
+``protobuf`` (kubectl's namespace create), ``errors`` (Status bodies), ``faults``, ``admin`` (the
+``/_lab/`` API), ``app`` (HTTP routing, auth), ``server`` (listener, TLS, kubeconfig, restart) and
+``client`` (the admin/fault client used by the CLI and tests).
 """
 
 from podmeter.lab.apiserver.app import LabApiServer, Settings
