@@ -15,7 +15,6 @@ import pytest
 
 from podmeter.cli.main import build_parser
 from test_deploy_support import (
-    DEPLOY,
     OVERLAYS,
     ROOT,
     Obj,
@@ -338,10 +337,3 @@ def test_the_image_is_the_package_version() -> None:
                   and o["metadata"]["name"].startswith("podmeter-") and "etcd" not in o["metadata"]["name"]
                   for c in o["spec"]["template"]["spec"]["containers"]}
         assert images == {f"ghcr.io/podmeter/podmeter:{version}"}, overlay
-
-
-def test_docs_install_names_every_overlay_and_component() -> None:
-    text = (ROOT / "docs" / "install.md").read_text()
-    for path in [*OVERLAYS, *(p.parent.relative_to(DEPLOY).as_posix()
-                              for p in (DEPLOY / "components").glob("*/kustomization.yaml"))]:
-        assert f"deploy/{path}" in text, path
