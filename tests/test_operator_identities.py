@@ -322,3 +322,47 @@ async def test_a_failing_source_stops_the_operator() -> None:
     op = Operator(Failing(), MemoryIdentityBackend(), settings=OperatorSettings(sweep_period=60))
     with pytest.raises(RuntimeError, match="watch broke"):
         await asyncio.wait_for(op.run(), 5)
+
+
+async def test_a_key_waiting_for_an_id_is_not_retried_on_every_event() -> None:
+    source, backend = StoreSource(), MemoryIdentityBackend(first=256, last=256)
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=60, retry_period=60))
+    task = asyncio.create_task(op.run())
+    source.apply("ADDED", pod("u1", labels={"app": "a"}))
+    await settle(op, source)
+    source.apply("ADDED", pod("u2", labels={"app": "b"}))
+    await settle(op, source)
+    for i in range(50):  # status updates of the holder: no crossing, and no hopeless retry either
+        source.apply("MODIFIED", pod("u1", labels={"app": "a"}, resource_version=str(i)))
+    await settle(op, source)
+    exhausted = {"op": "acquire", "reason": "exhausted"}
+    assert metric(op, "podmeter_identity_errors_total", exhausted) == 1
+    assert op.reconciler.waiting == {IdentityKey("batch", ("app", "b"))}
+    assert metric(op, "podmeter_identity_pending") == 1
+    source.apply("DELETED", pod("u1"))  # frees the only ID: the waiting key gets it in the same flush
+    await settle(op, source)
+    assert dict(backend.held()) == {IdentityKey("batch", ("app", "b")): 256}
+    assert (op.reconciler.waiting, metric(op, "podmeter_identity_exhausted")) == (frozenset(), 0)
+    await stop(task)
+
+
+async def test_backend_failures_are_retried_by_the_timer(etcd: EtcdServer) -> None:
+    source = StoreSource()
+    backend = EtcdIdentityBackend([etcd.endpoint], lease_ttl=5, timeout=1)
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=60, retry_period=0.3))
+    task = asyncio.create_task(op.run())
+    source.apply("ADDED", pod("u1", labels={"app": "a"}))
+    await settle(op, source)
+    etcd.stop()
+    source.apply("ADDED", pod("u2", labels={"app": "b"}))
+    await settle(op, source)
+    assert op.reconciler.waiting == {IdentityKey("batch", ("app", "b"))}
+    assert metric(op, "podmeter_identity_errors_total", {"op": "acquire", "reason": "backend"}) >= 1
+    etcd.start()
+    for _ in range(100):  # no event arrives: the retry timer alone brings the key in
+        if len(backend.held()) == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert set(backend.held()) == {IdentityKey("batch", ("app", "a")), IdentityKey("batch", ("app", "b"))}
+    assert metric(op, "podmeter_identity_gc_released_total") == 0
+    await stop(task)

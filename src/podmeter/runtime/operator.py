@@ -168,10 +168,13 @@ class OperatorMetrics:
 class IdentityReconciler:
     """Keeps ``backend.held()`` equal to the keys of live pods.
 
-    Invariants: ``refs`` holds one reference per pod UID that holds an identity; a key is in ``_dirty``
-    iff its desired state (``refs.count(key) > 0``) may differ from its actual state (``key in held``);
-    after :meth:`flush` with a healthy backend and IDs to spare, ``set(held) == set(refs.keys())``.
-    Only 0→1 and 1→0 crossings mark keys dirty, so the backend sees one call per crossing.
+    Invariants: ``refs`` holds one reference per pod UID that holds an identity; a key whose desired
+    state (``refs.count(key) > 0``) may differ from its actual state (``key in held``) is in ``_dirty``
+    (to be applied by the next flush) or in ``_waiting`` (its last attempt failed); after :meth:`flush`
+    with a healthy backend and IDs to spare, ``set(held) == set(refs.keys())``. Only 0→1 and 1→0
+    crossings mark keys dirty, so the backend sees one call per crossing. A failed key is not retried on
+    every event (an attempt that cannot succeed is not repeated in a loop): keys that wait for an ID are
+    retried as soon as a release frees one, and every waiting key by :meth:`retry` (a timer) and sweeps.
     """
 
     def __init__(self, backend: IdentityBackend, label_filter: LabelFilter, metrics: OperatorMetrics) -> None:
@@ -180,7 +183,8 @@ class IdentityReconciler:
         self.metrics = metrics
         self.refs = PodRefs()
         self._dirty: set[IdentityKey] = set()
-        self._exhausted: set[IdentityKey] = set()
+        self._waiting: set[IdentityKey] = set()
+        self._exhausted: set[IdentityKey] = set()  # the waiting keys that failed for want of an ID
         self._lock = asyncio.Lock()
 
     @property
@@ -188,8 +192,12 @@ class IdentityReconciler:
         return frozenset(self._dirty)
 
     @property
+    def waiting(self) -> frozenset[IdentityKey]:
+        return frozenset(self._waiting)
+
+    @property
     def idle(self) -> bool:
-        """No flush under way and nothing dirty: held() is as desired (or failed and waits)."""
+        """No flush under way and nothing dirty: held() is as desired, except for waiting keys."""
         return not self._dirty and not self._lock.locked()
 
     def observe(self, event_type: str, pod: Pod) -> None:
@@ -210,14 +218,25 @@ class IdentityReconciler:
             return None
 
     async def flush(self) -> None:
-        """Apply every dirty key, releases first (they free IDs); failures stay dirty for the next flush."""
+        """Apply every dirty key, releases first; if a release freed an ID, retry the keys waiting for one."""
         async with self._lock:
             dirty, self._dirty = self._dirty, set()
+            released = 0
             for key in sorted(dirty, key=lambda k: self.refs.count(k) > 0):
-                await self._apply(key)
+                released += await self._apply(key)
+            if released and self._exhausted:
+                for key in self._exhausted & self._waiting:
+                    await self._apply(key)
             self._update_gauges()
 
-    async def _apply(self, key: IdentityKey) -> None:
+    async def retry(self) -> None:
+        """Try every waiting key again (called by a timer and by sweeps)."""
+        self._dirty |= self._waiting
+        self._waiting = set()
+        await self.flush()
+
+    async def _apply(self, key: IdentityKey) -> int:
+        """Make ``key``'s actual state its desired state; 1 if that released an ID."""
         want, have = self.refs.count(key) > 0, key in self.backend.held()
         try:
             if want and not have:
@@ -227,22 +246,27 @@ class IdentityReconciler:
                 await self.backend.release(key)
                 self.metrics.releases.inc()
         except IdentityExhausted as exc:
-            self._exhausted.add(key)
             self._failed(key, "acquire", "exhausted", exc)
+            self._exhausted.add(key)
+            return 0
         except IdentityBackendError as exc:
             self._failed(key, "acquire" if want else "release", "backend", exc)
+            return 0
+        self._waiting.discard(key)
+        self._exhausted.discard(key)
+        return 1 if have and not want else 0
 
     def _failed(self, key: IdentityKey, op: str, reason: str, exc: Exception) -> None:
         self.metrics.errors.labels(op, reason).inc()
-        if key not in self._dirty:
+        if key not in self._waiting:
             log.error("identity %s of %s failed (will retry): %s", op, key, exc)
-        self._dirty.add(key)
+        self._waiting.add(key)
 
     def _update_gauges(self) -> None:
         held = self.backend.held()
-        self._exhausted = {k for k in self._exhausted if k in self._dirty and k not in held}
+        self._exhausted &= self._waiting
         self.metrics.identities.set(len(held))
-        self.metrics.pending.set(len(self._dirty))
+        self.metrics.pending.set(len(self._dirty | self._waiting))
         self.metrics.exhausted.set(1 if self._exhausted else 0)
         self.metrics.pods.labels("pods").set(len(self.refs))
 
@@ -257,12 +281,12 @@ class IdentityReconciler:
             if crossing.acquired is not None and crossing.acquired not in self.backend.held():
                 self.metrics.repaired.labels("identity_missing").inc()
             self._dirty.update(k for k in (crossing.acquired, crossing.released) if k is not None)
-        stale = [k for k in self.backend.held() if self.refs.count(k) == 0]
+        stale = [k for k in self.backend.held() if self.refs.count(k) == 0 and k not in self._waiting]
         self._dirty.update(stale)
         self.metrics.gc_released.inc(len(stale))
         if stale:
             log.warning("sweep: %d identities had no live pod (missed deletes); releasing", len(stale))
-        await self.flush()
+        await self.retry()
         return len(stale)
 
     def debug(self) -> dict[str, Any]:
@@ -274,7 +298,7 @@ class IdentityReconciler:
                 {"id": held.get(k), "namespace": k.namespace, "labels": k.label_dict(), "pods": n}
                 for k, n in sorted(self.refs.counts().items(), key=lambda kv: held.get(kv[0], 0))
             ],
-            "pending": [str(k) for k in self._dirty],
+            "pending": [str(k) for k in self._dirty | self._waiting],
         }
 
 
@@ -376,6 +400,7 @@ class OperatorSettings:
     sweep_period: float = 30.0  # full recompute against the store
     gc_period: float = 30.0  # backend GC (leader only); etcd removes after two rounds
     config_period: float = 5.0  # MetricsConfiguration status (leader only)
+    retry_period: float = 2.0  # identity operations that failed are tried again
     debug_anywhere: bool = False  # answer /debug/* on non-loopback addresses too
 
 
@@ -492,17 +517,20 @@ class Operator:
         return released
 
     async def _housekeeping(self) -> None:
-        next_gc = next_config = time.monotonic()
+        """Periodic work: retries (every operator); store GC and configuration status (the leader)."""
+        s = self.settings
+        due = {"retry": 0.0, "gc": 0.0, "config": 0.0}
+        jobs = {"retry": (s.retry_period, False, self.reconciler.retry),
+                "gc": (s.gc_period, True, self._gc),
+                "config": (s.config_period, True, self._config)}
         while True:
             self.metrics.leader.set(1 if self.is_leader else 0)
-            now = time.monotonic()
-            if self.is_leader and now >= next_gc:
-                await self._gc()
-                next_gc = now + self.settings.gc_period
-            if self.is_leader and self.config is not None and now >= next_config:
-                await self._config()
-                next_config = now + self.settings.config_period
-            await asyncio.sleep(min(self.settings.gc_period, self.settings.config_period, 1.0))
+            for name, (period, leader_only, job) in jobs.items():
+                now = time.monotonic()
+                if now >= due[name] and (self.is_leader or not leader_only):
+                    await job()
+                    due[name] = now + period
+            await asyncio.sleep(min(s.retry_period, s.gc_period, s.config_period, 1.0))
 
     async def _gc(self) -> None:
         try:
@@ -512,7 +540,8 @@ class Operator:
             log.warning("identity store GC failed (will retry): %s", exc)
 
     async def _config(self) -> None:
-        assert self.config is not None
+        if self.config is None:
+            return
         try:
             await self.config.reconcile()
         except Exception as exc:  # the API server may be unreachable; retried next period
