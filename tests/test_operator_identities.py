@@ -366,3 +366,14 @@ async def test_backend_failures_are_retried_by_the_timer(etcd: EtcdServer) -> No
     assert set(backend.held()) == {IdentityKey("batch", ("app", "a")), IdentityKey("batch", ("app", "b"))}
     assert metric(op, "podmeter_identity_gc_released_total") == 0
     await stop(task)
+
+
+def test_pod_store_rebuilds_after_a_burst() -> None:
+    store = PodStore()
+    pods = [pod(f"u{i}") for i in range(5000)]
+    for p in pods:
+        store.apply(Upsert("pods", p))
+    for p in pods[:4990]:
+        store.apply(Delete("pods", p.uid))
+    assert len(store.pods) == 10 and store._peak < 1024
+    assert set(store.pods) == {p.uid for p in pods[4990:]}

@@ -46,6 +46,7 @@ from podmeter.model.identity import (
     LabelFilter,
     PodRefs,
     key_of_flat,
+    shrunk_far,
 )
 from podmeter.model.records import DecodeError, Pod
 from podmeter.runtime.leadership import LeaderElector
@@ -73,20 +74,24 @@ class PodStore:
 
     Invariant: ``pods`` is exactly the state after the deltas applied so far. A relist (:class:`Replace`)
     is diffed: DELETED for what vanished, ADDED/MODIFIED for what is new or changed, nothing for the
-    unchanged; objects it could not decode (``keep``) keep their last good state. A relist rebuilds the
-    dict, so its peak size is not kept.
+    unchanged; objects it could not decode (``keep``) keep their last good state. The dict is rebuilt by a
+    relist and when deletes leave it far below its peak, so a past burst of pods does not pin memory.
     """
 
     def __init__(self) -> None:
         self.pods: dict[str, Pod] = {}
+        self._peak = 0
 
     def apply(self, delta: Delta) -> list[tuple[str, Pod]]:
         if isinstance(delta, Upsert):
             old = self.pods.get(delta.item.uid)
             self.pods[delta.item.uid] = delta.item
+            self._peak = max(self._peak, len(self.pods))
             return [("ADDED" if old is None else "MODIFIED", delta.item)]
         if isinstance(delta, Delete):
             gone = self.pods.pop(delta.key, None) or delta.item
+            if shrunk_far(len(self.pods), self._peak):
+                self.pods, self._peak = dict(self.pods), len(self.pods)
             return [("DELETED", gone)] if gone is not None else []
         return self._replace(delta)
 
@@ -96,7 +101,7 @@ class PodStore:
         out = [("DELETED", p) for uid, p in self.pods.items() if uid not in new]
         out += [("ADDED" if uid not in self.pods else "MODIFIED", p)
                 for uid, p in new.items() if self.pods.get(uid) != p]
-        self.pods = new
+        self.pods, self._peak = new, len(new)
         return out
 
 
