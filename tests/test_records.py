@@ -100,6 +100,7 @@ def test_namespace_record() -> None:
         ({"namespaces": {"include": ["a"], "exclude": ["b"]}}, "both be non-empty"),
         ({"namespaces": {"include": ["Not_Valid"]}}, "not a valid namespace name"),
         ({"namespaces": {"exclude": ["x" * 64]}}, "not a valid namespace name"),
+        ({"namespaces": {"include": ["shop\n"]}}, "not a valid namespace name"),
         ({"namespaces": {"include": "a"}}, "Expected `array"),
         ({"annotations": "yes"}, "Expected `bool`"),
         ({"namespace": {"include": ["a"]}}, "unknown field"),

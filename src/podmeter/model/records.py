@@ -36,7 +36,7 @@ _T = TypeVar("_T")
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _CANONICAL_V4: Final = re.compile(rf"{_OCTET}(?:\.{_OCTET}){{3}}")
 
-_DNS1123_LABEL: Final = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_LABEL: Final = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")  # fullmatch: "$" would admit a trailing newline
 
 
 class DecodeError(ValueError):
@@ -312,4 +312,4 @@ def _controller(refs: list[_OwnerRef] | None) -> tuple[str, str]:
 
 def is_dns1123_label(name: str) -> bool:
     """A valid namespace name: a DNS-1123 label of at most 63 characters."""
-    return len(name) <= 63 and _DNS1123_LABEL.match(name) is not None
+    return len(name) <= 63 and _DNS1123_LABEL.fullmatch(name) is not None
