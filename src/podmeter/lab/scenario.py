@@ -244,7 +244,7 @@ def _semantic_problems(scenario: Scenario) -> list[str]:
 def load_scenario(name_or_path: str) -> Scenario:
     """A file path, or the name of a scenario shipped with podmeter (``default``, ``soak``...)."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if path.suffix in (".yaml", ".yml") or path.is_file():
         try:
             return parse_scenario(path.read_bytes(), str(path))
         except OSError as exc:
