@@ -91,6 +91,13 @@ class Container:
             return subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd="/")
 
 
+    def exec(self, netns: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+        """``kubectl exec`` into the container: its environment and capabilities, another command."""
+        bounding = ",".join(["-all", *(f"+{c.lower()}" for c in self.capabilities)])
+        argv = ["nsenter", f"--net={netns}", "--", "setpriv", f"--bounding-set={bounding}", "--", *ENTRYPOINT, *args]
+        return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=60, cwd="/")
+
+
 def get(topology: Topology, port: int, path: str) -> tuple[int, str]:
     with topology.in_host():
         try:
@@ -178,6 +185,12 @@ def test_the_agent_runs_as_the_daemonset_says(topology: Topology, bpffs_dir: Pat
         status = Path(f"/proc/{proc.pid}/status").read_text()
         effective = int(next(line for line in status.splitlines() if line.startswith("CapEff:")).split()[1], 16)
         assert effective == capability_mask(agent.capabilities)
+        # `kubectl exec <agent pod> -- podmeter doctor` (docs/troubleshooting.md): the pod's env and
+        # capabilities are all it needs
+        audit = agent.exec(topology.host_path, ["doctor", "--json", "--recheck", "0"])
+        assert audit.returncode == 0, audit.stdout + audit.stderr
+        report = json.loads(audit.stdout)
+        assert report["clean"] and report["node"] == NODE and report["desired"] == report["kernel"] == 1
 
         # an upgrade: the old agent stops within the grace period, its pinned state stays; while no agent
         # runs the pod goes and another comes; the new agent adopts the pins and converges
