@@ -52,7 +52,7 @@ def wait_http(url: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            urllib.request.urlopen(url, timeout=1).close()  # noqa: S310 (loopback)
+            urllib.request.urlopen(url, timeout=1).close()
             return
         except urllib.error.HTTPError:
             return  # it answered (401 without a token counts)
@@ -70,7 +70,7 @@ def podmeter_rate(base: str, events: int) -> float:
     from podmeter.adapters.kube.resources import PODS
     from podmeter.adapters.kube.transport import make_transport
 
-    config = KubeConfig.from_one(cluster=Cluster(server=base), user=User(token="bench")).get()  # noqa: S106
+    config = KubeConfig.from_one(cluster=Cluster(server=base), user=User(token="bench")).get()
     assert config is not None
 
     async def run() -> float:
@@ -113,11 +113,10 @@ def official_rate(base: str, events: int) -> float:
 def lightkube_rate(base: str, events: int) -> float:
     import lightkube
     from lightkube.config.kubeconfig import KubeConfig
+    from lightkube.config.models import Cluster, User
     from lightkube.resources.core_v1 import Pod
 
-    from lightkube.config.models import Cluster, User
-
-    config = KubeConfig.from_one(cluster=Cluster(server=base), user=User(token="bench"))  # noqa: S106
+    config = KubeConfig.from_one(cluster=Cluster(server=base), user=User(token="bench"))
     kube = lightkube.Client(config, field_manager="bench")
     start = time.perf_counter()
     received = 0

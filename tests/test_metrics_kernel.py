@@ -6,11 +6,10 @@ from collections.abc import Callable
 
 from agent_harness import AgentHarness, Cluster
 from lab_server import LabServer
+from podmeter.adapters.datapath.ebpf import AttachManager, EbpfDatapath
 from test_bpf_netns import UDP_HEADERS, udp_echo
 from test_bpf_support import Topology, needs_root
 from test_metrics_agent import pod_value, scrape
-
-from podmeter.adapters.datapath.ebpf import AttachManager, EbpfDatapath
 
 pytestmark = needs_root
 pytest_plugins = ["test_bpf_support"]
