@@ -84,18 +84,20 @@ class Container:
         port = get["port"]
         return get["path"], ports[port] if isinstance(port, str) else int(port)
 
-    def start(self, netns: str, log: Path) -> subprocess.Popen[bytes]:
+    def _inside(self, netns: str) -> list[str]:
+        """In the "node" netns, as root limited to the container's capabilities."""
         bounding = ",".join(["-all", *(f"+{c.lower()}" for c in self.capabilities)])
-        argv = ["nsenter", f"--net={netns}", "--", "setpriv", f"--bounding-set={bounding}", "--", *self.argv]
-        with open(log, "wb") as out:
-            return subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd="/")
+        return ["nsenter", f"--net={netns}", "--", "setpriv", f"--bounding-set={bounding}", "--"]
 
+    def start(self, netns: str, log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "wb") as out:
+            return subprocess.Popen([*self._inside(netns), *self.argv], env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT, cwd="/")
 
     def exec(self, netns: str, args: list[str]) -> subprocess.CompletedProcess[str]:
         """``kubectl exec`` into the container: its environment and capabilities, another command."""
-        bounding = ",".join(["-all", *(f"+{c.lower()}" for c in self.capabilities)])
-        argv = ["nsenter", f"--net={netns}", "--", "setpriv", f"--bounding-set={bounding}", "--", *ENTRYPOINT, *args]
-        return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=60, cwd="/")
+        return subprocess.run([*self._inside(netns), *ENTRYPOINT, *args], env=self.env, capture_output=True,
+                              text=True, timeout=60, cwd="/")
 
 
 def get(topology: Topology, port: int, path: str) -> tuple[int, str]:
