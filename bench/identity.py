@@ -27,9 +27,10 @@ from pathlib import Path
 
 from podmeter.adapters.identity.etcd import EtcdIdentityBackend
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
+from podmeter.adapters.kube.deltas import Delete, Delta, Upsert
 from podmeter.model.identity import IdentityKey, LabelFilter, make_key
 from podmeter.model.records import Pod
-from podmeter.runtime.operator import IdentityReconciler, OperatorMetrics
+from podmeter.runtime.operator import IdentityReconciler, OperatorMetrics, PodStore
 
 APPS = ("report", "backup", "etl", "sync", "index")
 GC_RELEASED = "podmeter_identity_gc_released_total"
@@ -52,50 +53,50 @@ def job_pod(i: int) -> Pod:
 
 
 async def churn(pods: int, live: int) -> dict[str, float]:
-    """The operator's reconciler on Job pods: RSS after warm-up, at the end of churn, after delete-all."""
+    """The operator's path on Job pods (deltas -> pod store -> reconciler -> memory backend): RSS after
+    warm-up, at the end of churn, after delete-all."""
     backend = MemoryIdentityBackend()
     rec = IdentityReconciler(backend, LabelFilter(), OperatorMetrics())
-    store: dict[str, Pod] = {}
-    await warm_up(rec, live)
+    store = PodStore()
+
+    def apply(delta: Delta) -> None:
+        for event in store.apply(delta):
+            rec.observe(*event)
+
+    await warm_up(rec, store, live)
     gc.collect()
     baseline = rss_mib()
     warm = held_at_end = 0.0
     for i in range(pods):
-        p = job_pod(i)
-        store[p.uid] = p
-        rec.observe("ADDED", p)
+        apply(Upsert("pods", job_pod(i)))
         if i >= live:
-            old = job_pod(i - live)
-            del store[old.uid]
-            rec.observe("DELETED", old)
+            apply(Delete("pods", job_pod(i - live).uid))
         await rec.flush()
         if i % 10_000 == 9_999:
-            await rec.sweep(store.values())
+            await rec.sweep(store.pods.values())
         if i == min(pods - 1, 10 * live):
             gc.collect()
             warm = rss_mib()
     gc.collect()
     end, held_at_end = rss_mib(), len(backend.held())
-    for p in list(store.values()):
-        del store[p.uid]
-        rec.observe("DELETED", p)
+    for uid in list(store.pods):
+        apply(Delete("pods", uid))
     await rec.flush()
-    await rec.sweep(store.values())
+    await rec.sweep(store.pods.values())
     gc.collect()
     return {"baseline": baseline, "warm": warm, "end": end, "after_delete": rss_mib(),
             "identities_end": held_at_end, "identities_after_delete": len(backend.held()),
             "gc_released": rec.metrics.registry.get_sample_value(GC_RELEASED) or 0.0}
 
 
-async def warm_up(rec: IdentityReconciler, live: int) -> None:
+async def warm_up(rec: IdentityReconciler, store: PodStore, live: int) -> None:
     """One round of ``live`` pods created and deleted, so one-time allocations precede the baseline."""
     pods = [job_pod(-1 - i) for i in range(live)]
-    for p in pods:
-        rec.observe("ADDED", p)
-    await rec.flush()
-    for p in pods:
-        rec.observe("DELETED", p)
-    await rec.flush()
+    deltas: list[Delta] = [*(Upsert("pods", p) for p in pods), *(Delete("pods", p.uid) for p in pods)]
+    for delta in deltas:
+        for event in store.apply(delta):
+            rec.observe(*event)
+        await rec.flush()
     await rec.sweep(())
 
 

@@ -237,8 +237,9 @@ class PodRefs:
 
 
 def shrunk_far(size: int, peak: int) -> bool:
-    """Whether a container of ``size`` entries that once held ``peak`` should be rebuilt."""
-    return peak >= SHRINK_MIN and size * SHRINK_FACTOR < peak
+    """Whether a container of ``size`` entries that once held ``peak`` should be rebuilt: far below a
+    large peak, or empty after holding more than a handful (rebuilding an empty dict costs nothing)."""
+    return (peak >= SHRINK_MIN and size * SHRINK_FACTOR < peak) or (size == 0 and peak > 8)
 
 
 @dataclass(slots=True)
