@@ -254,6 +254,10 @@ def test_the_agent_is_configured_for_a_real_node() -> None:
     assert security["capabilities"] == {"drop": ["ALL"], "add": ["BPF", "NET_ADMIN"]}
     assert security["readOnlyRootFilesystem"] is True
     assert not spec.get("hostPID") and not spec.get("hostIPC") and not security.get("privileged")
+    # the critical priority class is covered by a quota in the namespace (some clusters require one)
+    quota = find(objects, "ResourceQuota", "podmeter-critical-pods")
+    (scope,) = quota["spec"]["scopeSelector"]["matchExpressions"]
+    assert scope["scopeName"] == "PriorityClass" and spec["priorityClassName"] in scope["values"]
     namespace = find(objects, "Namespace", "podmeter")
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
 
