@@ -286,8 +286,13 @@ def _client_gone(request: web.Request) -> bool:
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> None:
+    """Wait for ``event`` at most ``timeout`` s (``asyncio.timeout``: no extra task per wait, unlike wait_for,
+    which matters with 50 watchers woken per event)."""
+    if event.is_set():
+        return
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout)
+        async with asyncio.timeout(timeout):
+            await event.wait()
 
 
 async def _write(response: web.StreamResponse, data: bytes) -> bool:
