@@ -245,3 +245,18 @@ def test_etcd_backend_class_is_what_the_cli_builds() -> None:
     backend = make_backend(args)
     assert isinstance(backend, EtcdIdentityBackend)
     assert (backend._first, backend._last, backend._endpoints) == (300, 400, [("127.0.0.1", 1), ("127.0.0.1", 2)])
+
+
+def test_sigterm_hands_the_lease_over_at_once(
+    lab_apiserver: LabServer, operators: Callable[..., OperatorProcess]
+) -> None:
+    a = operators("op-a")
+    wait_for(lambda: a.metric("podmeter_leader") == 1, what="op-a leads")
+    b = operators("op-b")
+    time.sleep(0.5)
+    assert b.metric("podmeter_leader") == 0
+    a.stop(signal.SIGTERM)
+    assert a.proc.returncode == 0, a.log.read_text()
+    stopped = time.monotonic()
+    wait_for(lambda: b.metric("podmeter_leader") == 1, timeout=LEASE_S, what="op-b takes over")
+    assert time.monotonic() - stopped < LEASE_S / 2  # no waiting for the lease to run out
