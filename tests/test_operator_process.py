@@ -236,6 +236,30 @@ def test_no_kubeconfig_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 2 and "does not exist" in out.stdout
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--lease-duration", "5", "--renew-deadline", "6"], "--retry-period < --renew-deadline < --lease-duration"),
+    (["--identity-range", "9-x"], "expected FIRST-LAST"),
+    (["--listen", "nowhere"], "expected HOST:PORT"),
+    (["--exclude-labels", "app,*"], "matches everything"),
+])
+def test_bad_options_are_clear_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from podmeter.cli.main import main
+
+    assert main(["operator", *args]) == 2
+    assert message in capsys.readouterr().out
+
+
+def test_label_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from podmeter.cli.main import build_parser
+    from podmeter.cli.operator import label_filter
+
+    monkeypatch.setenv("PODMETER_EXCLUDE_LABELS", "example.com/*, run-id")
+    monkeypatch.setenv("PODMETER_INCLUDE_LABELS", "job-name")
+    f = label_filter(build_parser().parse_args(["operator"]))
+    assert f.excludes("example.com/x") and f.excludes("run-id") and f.excludes("controller-uid")
+    assert not f.excludes("job-name")
+
+
 def test_etcd_backend_class_is_what_the_cli_builds() -> None:
     from podmeter.cli.main import build_parser
     from podmeter.cli.operator import make_backend

@@ -36,10 +36,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--etcd-endpoints", default="http://127.0.0.1:2379", help="comma-separated URLs")
     p.add_argument("--etcd-lease-ttl", type=int, default=10, help="seconds a dead operator's references live")
     p.add_argument("--identity-range", default="256-65535", help="FIRST-LAST (inclusive)")
-    p.add_argument("--exclude-label", action="append", default=[],
-                   help="label key (or prefix ending in *) left out of identities, besides the defaults")
-    p.add_argument("--include-label", action="append", default=[],
-                   help="label key to take out of the default exclusions")
+    p.add_argument("--exclude-labels", default="",
+                   help="comma-separated label keys (or prefixes ending in *) left out of identities, "
+                        "besides the defaults")
+    p.add_argument("--include-labels", default="",
+                   help="comma-separated label keys to take out of the default exclusions")
     p.add_argument("--listen", default="127.0.0.1:9966", help="HOST:PORT for /metrics, /healthz, /debug")
     p.add_argument("--debug-anywhere", action="store_true", help="answer /debug/* on every address")
     p.add_argument("--lease-namespace", default="kube-system")
@@ -73,6 +74,13 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def label_filter(args: argparse.Namespace) -> LabelFilter:
+    def keys(text: str) -> list[str]:
+        return [k.strip() for k in text.split(",") if k.strip()]
+
+    return LabelFilter.configure(add=keys(args.exclude_labels), remove=keys(args.include_labels))
+
+
 def make_backend(args: argparse.Namespace) -> IdentityBackend:
     first, last = parse_range(args.identity_range)
     if args.identity_backend == "memory":
@@ -100,9 +108,8 @@ def build(args: argparse.Namespace) -> tuple[Operator, Any]:
     )
     settings = OperatorSettings(sweep_period=args.sweep_period, gc_period=args.gc_period,
                                 config_period=args.config_period, debug_anywhere=args.debug_anywhere)
-    label_filter = LabelFilter.configure(add=args.exclude_label, remove=args.include_label)
-    operator = Operator(ReflectorPodSource(connection), make_backend(args), label_filter=label_filter, elector=elector,
-                        config=KubeConfigApi(client), settings=settings)
+    operator = Operator(ReflectorPodSource(connection), make_backend(args), label_filter=label_filter(args),
+                        elector=elector, config=KubeConfigApi(client), settings=settings)
     return operator, client
 
 
@@ -140,7 +147,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         parse_range(args.identity_range)
         parse_listen(args.listen)
-        LabelFilter.configure(add=args.exclude_label, remove=args.include_label)
+        label_filter(args)
+        if not args.retry_period < args.renew_deadline < args.lease_duration:
+            raise ValueError("need --retry-period < --renew-deadline < --lease-duration")
     except (argparse.ArgumentTypeError, ValueError) as exc:
         print(f"podmeter operator: {exc}")
         return 2
