@@ -274,7 +274,7 @@ class Driver:
             elif step.fault == "compact":
                 self.admin.compact()
             elif step.fault == "fail":
-                self.admin.fail(step.count, code=step.code)
+                self.admin.fail(step.count, code=step.code, verb=step.verb)
             elif step.fault == "stall":
                 self._held(lambda: self._for(step.seconds, lambda: self.admin.stall(step.seconds)))
             else:

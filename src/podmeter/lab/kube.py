@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import ssl
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -19,6 +20,8 @@ from typing import Any
 from podmeter.adapters.kube.connection import load_connection
 
 MERGE_PATCH = "application/merge-patch+json"
+RETRIES = 8
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
 class KubeError(RuntimeError):
@@ -112,6 +115,19 @@ class KubeClient:
 
     def _call(self, method: str, path: str, query: dict[str, str], body: dict[str, Any] | None = None,
               content_type: str | None = None) -> dict[str, Any]:
+        """One request, retried like a client library would on 429/5xx (scenarios inject those faults
+        for the agent; the lab's own requests must get through them)."""
+        for attempt in range(RETRIES):
+            try:
+                return self._once(method, path, query, body, content_type)
+            except KubeError as exc:
+                if exc.status not in RETRY_STATUSES or attempt == RETRIES - 1:
+                    raise
+                time.sleep(min(1.0, 0.05 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    def _once(self, method: str, path: str, query: dict[str, str], body: dict[str, Any] | None,
+              content_type: str | None) -> dict[str, Any]:
         request = self._request(method, path, query, body, content_type)
         try:
             with urllib.request.urlopen(  # noqa: S310 (the kubeconfig's server)

@@ -104,6 +104,7 @@ class Fault(_Step, tag="fault"):
     seconds: PositiveSeconds = 2.0  # stall: how long; restart: how long the port stays closed
     count: Count = 3  # fail: how many requests
     code: Literal[500, 429] = 500
+    verb: Literal["list", "watch", "get", "create", "update", "patch", "delete"] | None = None  # fail: only these
     repeat: Count = 1
     every: PositiveSeconds = 1.0
 

@@ -13,6 +13,7 @@ routing, B's host veth, B's eth0. What the datapath must count (docs/datapath.md
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from podmeter.lab.netns import in_namespace
 
 UDP_OVERHEAD = 42  # Ethernet 14 + IPv4 20 + UDP 8, counted by the datapath with the payload
 PORT = 5201
+SO_RCVBUFFORCE = 33  # Linux: SO_RCVBUF beyond net.core.rmem_max (root)
+RCVBUF = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,10 @@ def send_udp(src: Endpoint, dst: Endpoint, packets: int, size: int, timeout: flo
     receiver = _socket_in(dst, socket.SOCK_DGRAM)
     sender = _socket_in(src, socket.SOCK_DGRAM)
     try:
+        # Room for the whole burst (the kernel's default buffer holds ~100 small datagrams): a datagram
+        # dropped at the socket was still counted on the veths, and the check compares both.
+        with contextlib.suppress(OSError):
+            receiver.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RCVBUF)
         receiver.bind((dst.ip, PORT))
         receiver.settimeout(timeout)
         payload = b"\x5a" * size
