@@ -284,3 +284,16 @@ def test_sigterm_hands_the_lease_over_at_once(
     stopped = time.monotonic()
     wait_for(lambda: b.metric("podmeter_leader") == 1, timeout=LEASE_S, what="op-b takes over")
     assert time.monotonic() - stopped < LEASE_S / 2  # no waiting for the lease to run out
+
+
+async def test_ready_after_the_first_list_even_of_an_empty_cluster(lab_apiserver: LabServer) -> None:
+    source = ReflectorPodSource(load_connection(str(lab_apiserver.kubeconfig)))
+    op = Operator(source, MemoryIdentityBackend(), settings=OperatorSettings(sweep_period=60))
+    task = asyncio.create_task(op.run())
+    try:
+        await asyncio.wait_for(op.ready.wait(), 5)  # long before the first sweep tick
+        assert source.reflector is not None and source.reflector.synced.is_set()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -62,9 +62,11 @@ def holds_identity(pod: Pod) -> bool:
 
 
 class PodSource(Protocol):
-    """Pod events and the store they were applied to (see the module docstring)."""
+    """Pod events and the store they were applied to (see the module docstring). ``events`` may also
+    yield ``None``: "a (re)list was applied", which marks the operator ready even when it changed nothing
+    (an empty cluster)."""
 
-    def events(self) -> AsyncIterator[tuple[str, Pod]]: ...
+    def events(self) -> AsyncIterator[tuple[str, Pod] | None]: ...
 
     def pods(self) -> Iterable[Pod]: ...
 
@@ -123,14 +125,17 @@ class ReflectorPodSource:
     def pods(self) -> Iterable[Pod]:
         return self.store.pods.values()
 
-    async def events(self) -> AsyncIterator[tuple[str, Pod]]:
+    async def events(self) -> AsyncIterator[tuple[str, Pod] | None]:
         transport = self.connection.transport(self.settings.request_timeout)
         self.reflector = Reflector(PODS, transport, self._deltas.put, self.settings)
         task = asyncio.create_task(self.reflector.run(), name="reflector-pods")
         try:
             while True:
-                for item in self.store.apply(await self._deltas.get()):
+                delta = await self._deltas.get()
+                for item in self.store.apply(delta):
                     yield item
+                if isinstance(delta, Replace):
+                    yield None
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -397,7 +402,7 @@ class _Marker:
     """A non-event item of the operator's event queue."""
 
 
-_SWEEP, _END = _Marker(), _Marker()
+_SWEEP, _END, _SYNCED = _Marker(), _Marker(), _Marker()
 
 
 @dataclass(frozen=True, slots=True)
@@ -477,7 +482,7 @@ class Operator:
         async def pump() -> None:
             try:
                 async for item in self.source.events():
-                    queue.put_nowait(item)
+                    queue.put_nowait(_SYNCED if item is None else item)
             finally:
                 queue.put_nowait(_END)
 
