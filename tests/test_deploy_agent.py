@@ -32,7 +32,16 @@ from agent_harness import Cluster, wait_for
 from lab_server import LabServer
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from test_bpf_support import BPFFS, Topology, needs_root, remove_pin_dir, unique
-from test_deploy_support import Obj, container, find, needs_kubectl, render
+from test_deploy_support import (
+    Obj,
+    authorized,
+    container,
+    find,
+    grants,
+    needs_kubectl,
+    render,
+    request_attributes,
+)
 
 pytestmark = [needs_kubectl, needs_root]
 
@@ -145,7 +154,8 @@ def server(topology: Topology) -> Iterator[LabServer]:
 
 def test_the_agent_runs_as_the_daemonset_says(topology: Topology, bpffs_dir: Path, server: LabServer,
                                               tmp_path: Path) -> None:
-    daemonset = find(render("overlays/default"), "DaemonSet", "podmeter-agent")
+    objects = render("overlays/default")
+    daemonset = find(objects, "DaemonSet", "podmeter-agent")
     assert daemonset["spec"]["template"]["spec"]["hostNetwork"] is True  # hence the node netns below
     agent = Container(daemonset, {"/sys/fs/bpf": bpffs_dir}, server.kubeconfig)
     assert agent.env["PODMETER_DATAPATH"] == "ebpf"
@@ -160,6 +170,8 @@ def test_the_agent_runs_as_the_daemonset_says(topology: Topology, bpffs_dir: Pat
         cluster.pod("shop", "quiet", "10.231.200.9", node=NODE)
         cluster.pod("shop", "elsewhere", "10.231.200.10", node="node-b", observe=True)
 
+    with topology.in_host():
+        server.admin.reset_requests()  # from here on, only the agent (and doctor, with its identity) ask
     proc = agent.start(topology.host_path, tmp_path / "agent.log")
     try:
         ready_path, port = agent.probe("readinessProbe")
@@ -193,6 +205,14 @@ def test_the_agent_runs_as_the_daemonset_says(topology: Topology, bpffs_dir: Pat
         assert audit.returncode == 0, audit.stdout + audit.stderr
         report = json.loads(audit.stdout)
         assert report["clean"] and report["node"] == NODE and report["desired"] == report["kernel"] == 1
+        # the service account's RBAC allows every request the agent and doctor made
+        with topology.in_host():
+            made = [request_attributes(r["method"], r["path"], r["query"]) for r in server.admin.requests()]
+        resource_requests = {a for a in made if a is not None}
+        allowed = grants(objects, "podmeter", daemonset["spec"]["template"]["spec"]["serviceAccountName"])
+        assert {a for a in resource_requests if not authorized(allowed, a)} == set()
+        assert {("", "", "pods", "watch", ""), ("", "", "namespaces", "list", ""),
+                ("", "podmeter.io", "metricsconfigurations", "watch", "")} <= resource_requests
 
         # an upgrade: the old agent stops within the grace period, its pinned state stays; while no agent
         # runs the pod goes and another comes; the new agent adopts the pins and converges

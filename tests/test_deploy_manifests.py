@@ -17,10 +17,12 @@ from podmeter.cli.main import build_parser
 from test_deploy_support import (
     OVERLAYS,
     ROOT,
+    Grant,
     Obj,
     container,
     env_map,
     find,
+    grants,
     needs_kubectl,
     render,
     render_with,
@@ -94,8 +96,6 @@ def test_the_offline_validator_rejects_broken_objects(where: str, mutation: Any)
 
 # --- RBAC ------------------------------------------------------------------------------------------------
 
-Grant = tuple[str, str, str, str, str]  # (scope: "cluster" or namespace, apiGroup, resource, verb, resourceName or "*")
-
 AGENT_GRANTS: set[Grant] = {
     ("cluster", group, resource, verb, "*")
     for group, resource in (("", "pods"), ("", "namespaces"), ("podmeter.io", "metricsconfigurations"))
@@ -109,31 +109,6 @@ OPERATOR_GRANTS: set[Grant] = {
     ("podmeter", "coordination.k8s.io", "leases", "get", "podmeter-operator"),
     ("podmeter", "coordination.k8s.io", "leases", "update", "podmeter-operator"),
 }
-
-
-def grants(objects: list[Obj], namespace: str, account: str) -> set[Grant]:
-    """Every (scope, group, resource, verb, name) the bindings give ``namespace/account``; wildcards kept as-is."""
-    roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
-             for o in objects if o["kind"] in ("Role", "ClusterRole")}
-    out: set[Grant] = set()
-    for binding in (o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
-        subjects = binding.get("subjects", [])
-        if not any(s["kind"] == "ServiceAccount" and s["name"] == account and s.get("namespace") == namespace
-                   for s in subjects):
-            continue
-        ref = binding["roleRef"]
-        role_ns = None if ref["kind"] == "ClusterRole" else binding["metadata"]["namespace"]
-        role = roles.get((ref["kind"], role_ns, ref["name"]))
-        assert role is not None, f"{binding['metadata']['name']} refers to a missing {ref['kind']} {ref['name']}"
-        scope = "cluster" if binding["kind"] == "ClusterRoleBinding" else binding["metadata"]["namespace"]
-        for rule in role["rules"]:
-            assert "nonResourceURLs" not in rule, rule
-            for group in rule["apiGroups"]:
-                for resource in rule["resources"]:
-                    for verb in rule["verbs"]:
-                        for name in rule.get("resourceNames") or ["*"]:
-                            out.add((scope, group, resource, verb, name))
-    return out
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

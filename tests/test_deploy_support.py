@@ -26,6 +26,7 @@ OVERLAYS = sorted(p.parent.relative_to(DEPLOY).as_posix() for p in (DEPLOY / "ov
 needs_kubectl = pytest.mark.skipif(not Path(KUBECTL).exists(), reason="kubectl (with kustomize) is not installed")
 
 Obj = dict[str, Any]
+Grant = tuple[str, str, str, str, str]  # (scope: "cluster" or namespace, apiGroup, resource, verb, resourceName or "*")
 
 
 def kustomize(directory: Path) -> list[Obj]:
@@ -74,3 +75,67 @@ def container(workload: Obj, name: str | None = None) -> Obj:
 def env_map(cont: Obj) -> dict[str, Obj]:
     """Container env by name: each entry as in the manifest (``value`` or ``valueFrom``)."""
     return {e["name"]: e for e in cont.get("env", [])}
+
+
+def grants(objects: list[Obj], namespace: str, account: str) -> set[Grant]:
+    """Every (scope, group, resource, verb, name) the bindings give ``namespace/account``; wildcards kept as-is."""
+    roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
+             for o in objects if o["kind"] in ("Role", "ClusterRole")}
+    out: set[Grant] = set()
+    for binding in (o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        subjects = binding.get("subjects", [])
+        if not any(s["kind"] == "ServiceAccount" and s["name"] == account and s.get("namespace") == namespace
+                   for s in subjects):
+            continue
+        ref = binding["roleRef"]
+        role_ns = None if ref["kind"] == "ClusterRole" else binding["metadata"]["namespace"]
+        role = roles.get((ref["kind"], role_ns, ref["name"]))
+        assert role is not None, f"{binding['metadata']['name']} refers to a missing {ref['kind']} {ref['name']}"
+        scope = "cluster" if binding["kind"] == "ClusterRoleBinding" else binding["metadata"]["namespace"]
+        for rule in role["rules"]:
+            assert "nonResourceURLs" not in rule, rule
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        for name in rule.get("resourceNames") or ["*"]:
+                            out.add((scope, group, resource, verb, name))
+    return out
+
+
+def request_attributes(method: str, path: str, query: dict[str, str]) -> tuple[str, str, str, str, str] | None:
+    """(namespace or "", apiGroup, resource[/subresource], verb, name or "") of a resource request, the way
+    the API server's authorizer sees it; None for non-resource paths (discovery, /version)."""
+    parts = [p for p in path.split("/") if p]
+    if parts[:2] == ["api", "v1"]:
+        group, rest = "", parts[2:]
+    elif parts[:1] == ["apis"] and len(parts) >= 3:
+        group, rest = parts[1], parts[3:]
+    else:
+        return None
+    if not rest:
+        return None
+    watch_path = rest[0] == "watch"
+    if watch_path:
+        rest = rest[1:]
+    namespace = ""
+    if rest[0] == "namespaces" and len(rest) >= 3:
+        namespace, rest = rest[1], rest[2:]
+    resource, name, sub = rest[0], (rest[1] if len(rest) > 1 else ""), (rest[2] if len(rest) > 2 else "")
+    if sub:
+        resource = f"{resource}/{sub}"
+    if method == "GET":
+        watching = watch_path or query.get("watch") in ("true", "1")
+        verb = "watch" if watching else ("get" if name else "list")
+    else:
+        verb = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}[method]
+        if verb == "delete" and not name:
+            verb = "deletecollection"
+    return namespace, group, resource, verb, name
+
+
+def authorized(allowed: set[Grant], attributes: tuple[str, str, str, str, str]) -> bool:
+    """RBAC's rule: some grant matches group, resource, verb, the name (or any) and the namespace (or all)."""
+    namespace, group, resource, verb, name = attributes
+    return any(g == group and r == resource and v == verb and (n == "*" or (name and n == name))
+               and (scope == "cluster" or (namespace and scope == namespace))
+               for scope, g, r, v, n in allowed)
