@@ -121,9 +121,21 @@ def test_apply_twice_and_change(srv: LabServer) -> None:
     assert "unchanged" in srv.kubectl("apply", "-f", "-", input=CONFIG % "true").stdout
     rv = get(srv, "metricsconfigurations", "default")["metadata"]["resourceVersion"]
     assert "configured" in srv.kubectl("apply", "-f", "-", input=CONFIG % "false").stdout
-    config = get(srv, "mcfg", "default")
+    config = get(srv, "pmconfig", "default")
     assert config["spec"] == {"namespaces": {"include": ["kc"]}, "annotations": False}
     assert config["metadata"]["generation"] == 2 and config["metadata"]["resourceVersion"] != rv
+    srv.kubectl(
+        "patch",
+        "pmconfig",
+        "default",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        '{"status":{"conditions":[{"type":"Accepted","status":"True","reason":"Valid"}]}}',
+    )
+    printed = srv.kubectl("get", "pmconfig").stdout.splitlines()
+    assert printed[0].split() == ["NAME", "ACCEPTED", "REASON", "AGE"]
+    assert printed[1].split()[:3] == ["default", "True", "Valid"]
     srv.kubectl("apply", "-f", "-", input=POD.replace("web-1", "web-3"))
     srv.kubectl("apply", "-f", "-", input=POD.replace("web-1", "web-3").replace("app: web", "app: web3"))
     assert get(srv, "-n", "kc", "pod", "web-3")["metadata"]["labels"] == {"app": "web3"}

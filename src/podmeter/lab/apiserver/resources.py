@@ -354,7 +354,7 @@ METRICSCONFIGURATIONS = ResourceType(
     field_keys=("metadata.name",),
     fields=lambda o: _meta_fields(o, False),
     schema={**_top(None, None), "spec": None, "status": None},
-    short_names=("mcfg",),
+    short_names=("pmconfig",),  # as in deploy/base/crd-metricsconfigurations.yaml
     keeps_generation=True,
     validate=_mc_checks,
 )

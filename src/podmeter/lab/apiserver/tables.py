@@ -12,7 +12,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from podmeter.lab.apiserver.resources import LEASES, NAMESPACES, PODS, ResourceType
+from podmeter.lab.apiserver.resources import LEASES, METRICSCONFIGURATIONS, NAMESPACES, PODS, ResourceType
 from podmeter.lab.apiserver.store import decode, encode
 
 Row = Callable[[dict[str, Any]], list[Any]]
@@ -80,6 +80,18 @@ def _lease_row(obj: dict[str, Any]) -> list[Any]:
     return [meta.get("name"), _dict(obj.get("spec")).get("holderIdentity") or "", _age(meta)]
 
 
+def _config_row(obj: dict[str, Any]) -> list[Any]:
+    """The CRD's additionalPrinterColumns: the Accepted condition's status and reason."""
+    meta = _dict(obj.get("metadata"))
+    conditions = _dict(obj.get("status")).get("conditions")
+    accepted = (
+        next((c for c in conditions if isinstance(c, dict) and c.get("type") == "Accepted"), {})
+        if isinstance(conditions, list)
+        else {}
+    )
+    return [meta.get("name"), accepted.get("status", ""), accepted.get("reason", ""), _age(meta)]
+
+
 def _plain_row(obj: dict[str, Any]) -> list[Any]:
     meta = _dict(obj.get("metadata"))
     return [meta.get("name"), _age(meta)]
@@ -103,6 +115,7 @@ PRINTERS: dict[str, tuple[list[dict[str, Any]], Row]] = {
     ),
     NAMESPACES.key: ([_NAME, _column("Status"), _column("Age")], _ns_row),
     LEASES.key: ([_NAME, _column("Holder"), _column("Age")], _lease_row),
+    METRICSCONFIGURATIONS.key: ([_NAME, _column("Accepted"), _column("Reason"), _column("Age", "date")], _config_row),
 }
 
 
