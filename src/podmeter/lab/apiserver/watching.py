@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from podmeter.lab.apiserver.errors import ApiError
+from podmeter.lab.apiserver.errors import ApiError, rv_too_large, too_old_watch
 from podmeter.lab.apiserver.faults import Faults
 from podmeter.lab.apiserver.resources import ResourceType
 from podmeter.lab.apiserver.selectors import Selector
@@ -204,8 +204,6 @@ class WatchHub:
             await asyncio.sleep(0.05)
         if self.store.rv >= rv:
             return None
-        from podmeter.lab.apiserver.errors import rv_too_large
-
         return rv_too_large(rv, self.store.rv)
 
     def _start(self, watcher: Watcher) -> list[bytes]:
@@ -222,8 +220,6 @@ class WatchHub:
                 initial.append(bookmark_line(resource, store.rv, initial_end=True))
         elif rv not in (None, 0):
             if rv < store.floor:
-                from podmeter.lab.apiserver.errors import too_old_watch
-
                 raise too_old_watch(rv, store.floor + 1)
             for event in store.events_since(rv):
                 if event.resource is resource:
@@ -236,15 +232,13 @@ class WatchHub:
     async def _stream(
         self, request: web.Request, response: web.StreamResponse, watcher: Watcher, initial: list[bytes]
     ) -> None:
+        """Write until the timeout, a close, or the client going away; nothing at all while stalled."""
         opts = watcher.opts
-        start = time.monotonic()
-        deadline = start + opts.timeout
-        next_bookmark = start + self.bookmark_interval if opts.bookmarks else None
-        final_bookmark = deadline - 1.0 if opts.bookmarks and opts.timeout > 2.5 else None
+        clock = BookmarkClock.start(opts, self.bookmark_interval)
         watcher.pending.extendleft(reversed(initial))
         while True:
             now = time.monotonic()
-            if watcher.closed is not None or now >= deadline or _client_gone(request):
+            if watcher.closed is not None or now >= clock.deadline or _client_gone(request):
                 return
             if self.faults.is_stalled(watcher.epoch):
                 await _wait(watcher.wake, 0.2)
@@ -252,28 +246,54 @@ class WatchHub:
                 continue
             if watcher.pending:
                 lines = list(watcher.pending)
-                if opts.transform is not None:
-                    lines = [opts.transform(line) for line in lines]
-                chunk = b"".join(lines)
                 watcher.pending.clear()
                 watcher.wake.clear()
-                if not await _write(response, chunk):
+                if opts.transform is not None:
+                    lines = [opts.transform(line) for line in lines]
+                if not await _write(response, b"".join(lines)):
                     return
                 continue
-            if next_bookmark is not None and now >= next_bookmark:
-                next_bookmark = now + self.bookmark_interval
+            if clock.due(now):  # the queue is empty: every event up to store.rv has been written
                 if not await _write(response, bookmark_line(watcher.resource, self.store.rv)):
                     return
                 continue
-            if final_bookmark is not None and now >= final_bookmark:
-                final_bookmark = None
-                if not await _write(response, bookmark_line(watcher.resource, self.store.rv)):
-                    return
-                continue
-            wake_at = min(t for t in (deadline, next_bookmark, final_bookmark, now + 1.0) if t is not None)
             watcher.wake.clear()
-            if not watcher.pending and watcher.closed is None:
-                await _wait(watcher.wake, max(0.0, wake_at - now))
+            await _wait(watcher.wake, max(0.0, clock.wake_at(now) - now))
+
+
+@dataclass
+class BookmarkClock:
+    """When a watch's bookmarks are due: every ``interval`` and once ~1 s before the timeout (only for
+    timeouts over 2.5 s: the recordings show none on a 2 s watch), and when the stream ends."""
+
+    deadline: float
+    periodic: float | None
+    final: float | None
+    interval: float
+
+    @classmethod
+    def start(cls, opts: WatchOptions, interval: float) -> BookmarkClock:
+        now = time.monotonic()
+        deadline = now + opts.timeout
+        return cls(
+            deadline=deadline,
+            periodic=now + interval if opts.bookmarks else None,
+            final=deadline - 1.0 if opts.bookmarks and opts.timeout > 2.5 else None,
+            interval=interval,
+        )
+
+    def due(self, now: float) -> bool:
+        """Whether a bookmark is due now (and consume it)."""
+        if self.periodic is not None and now >= self.periodic:
+            self.periodic = now + self.interval
+            return True
+        if self.final is not None and now >= self.final:
+            self.final = None
+            return True
+        return False
+
+    def wake_at(self, now: float) -> float:
+        return min(t for t in (self.deadline, self.periodic, self.final, now + 1.0) if t is not None)
 
 
 def _int_rv(text: str) -> int | None:
