@@ -168,6 +168,8 @@ async def test_sigkilled_operator_references_expire(
     finally:
         proc.kill()
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 async def retry(backend: EtcdIdentityBackend, k: IdentityKey, seconds: float = 15.0) -> int:
