@@ -24,10 +24,13 @@ from typing import Any
 import aiohttp
 import yaml
 
-from bench.measure import json_line, table, timed_ms
+from bench.measure import json_line, table, timed_ms, traced_bytes
 from podmeter.lab.apiserver.client import AdminClient
+from podmeter.lab.apiserver.resources import PODS
+from podmeter.lab.apiserver.store import Store
 from podmeter.lab.podgen import realistic_pod
 
+SOAK_HISTORY = 2000
 TOKEN = "bench"
 
 
@@ -153,9 +156,10 @@ async def soak(url: str, pid: int, cycles: int) -> tuple[float, float]:
         watch = asyncio.create_task(_drain(session, f"{url}/api/v1/namespaces/soak/pods?watch=1&timeoutSeconds=600"))
         await session.post(f"{url}/api/v1/namespaces", data=json.dumps({"metadata": {"name": "soak"}}))
         baseline = 0.0
-        for round_ in range(2):
-            for i in range(cycles):
-                pod = realistic_pod(round_ * cycles + i, namespace="soak")
+        # The warm-up round fills the history window (2 events per cycle) before the baseline is taken.
+        for round_, count in enumerate((max(cycles, SOAK_HISTORY // 2 + 100), cycles)):
+            for i in range(count):
+                pod = realistic_pod(round_ * 1_000_000 + i, namespace="soak")
                 async with session.post(f"{url}/api/v1/namespaces/soak/pods", data=json.dumps(pod)) as resp:
                     await resp.read()
                 async with session.delete(f"{url}/api/v1/namespaces/soak/pods/{pod['metadata']['name']}") as resp:
@@ -170,6 +174,22 @@ async def _drain(session: aiohttp.ClientSession, url: str) -> None:
     async with session.get(url, timeout=aiohttp.ClientTimeout(total=None)) as resp:
         async for _ in resp.content.iter_any():
             pass
+
+
+def store_kib_per_pod(count: int = 2000) -> tuple[float, float]:
+    """Memory per stored pod in the lab server's store (JSON bytes + labels + selectable fields), and the
+    reference: the same pods kept as decoded dicts (what a store of ``json.loads`` objects would hold)."""
+    pods = [realistic_pod(i) for i in range(count)]
+
+    def stored() -> Store:
+        store = Store(history=1)
+        for pod in pods:
+            store.commit(PODS, "ADDED", pod)
+        return store
+
+    _, held = traced_bytes(stored)
+    _, as_dicts = traced_bytes(lambda: [json.loads(json.dumps(p)) for p in pods])
+    return held / count / 1024, as_dicts / count / 1024
 
 
 def naive_encode_ms(pods: list[dict[str, Any]]) -> float:
@@ -190,9 +210,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--soak", type=int, default=3000, help="create+delete cycles per soak round")
     args = parser.parse_args()
+    kib_per_pod, kib_per_dict = store_kib_per_pod()
     with tempfile.TemporaryDirectory(prefix="bench-apiserver-") as tmp:
         proc, url = start_server(Path(tmp), history=max(10_000, 2 * args.events))
-        soak_proc, soak_url = start_server(Path(tmp) / "soak", history=2000)
+        soak_proc, soak_url = start_server(Path(tmp) / "soak", history=SOAK_HISTORY)
         try:
             admin = AdminClient(url, TOKEN)
             pods = load_pods(admin, args.pods)
@@ -222,6 +243,7 @@ def main() -> None:
             ),
             ("writer_alone_writes_per_s", writes_per_s, None, "status patches, one client, sequential"),
             ("server_object_mib", stats["objectBytes"] / 2**20, None, f"{args.pods} pods as stored JSON"),
+            ("store_kib_per_pod", kib_per_pod, kib_per_dict, "tracemalloc; reference: the same pods as dicts"),
             (
                 "soak_rss_growth_mib",
                 rss_end - rss_warm,
@@ -239,6 +261,8 @@ def main() -> None:
             "watch_fanout_watchers": args.watchers,
             "writer_alone_writes_per_s": round(writes_per_s),
             "soak_rss_growth_mib": round(rss_end - rss_warm, 2),
+            "store_kib_per_pod": round(kib_per_pod, 1),
+            "store_kib_per_pod_as_dicts": round(kib_per_dict, 1),
         }
     )
 
