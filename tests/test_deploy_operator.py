@@ -1,15 +1,18 @@
-"""The operator exactly as the rendered Deployment runs it: two replicas, leader election, the status write.
+"""The operator exactly as the rendered Deployment runs it: two replicas, leader election, the status write;
+with the etcd overlay, against etcd run from that overlay's StatefulSet.
 
 Each replica is a pod: its own network namespace (so both listen on the manifest's port), the manifest's
 ``args`` and ``env`` (downward-API namespace and pod name resolved), and its ``securityContext``: user
 65532, no capabilities, no privilege escalation (``setpriv``). A lab API server in a "node" namespace is
 the cluster. Checked: both replicas become ready (the probe's path and port, from the node, as a kubelet
 asks), exactly one leads and holds the Lease the RBAC Role names, the leader marks the MetricsConfiguration
-``Accepted``, the RBAC allows every request they made, and SIGTERM hands the Lease over at once.
+``Accepted``, both hold the identities of the pods' label sets (with etcd: one numbering, in the store),
+the RBAC allows every request they made, and SIGTERM hands the Lease over at once.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -113,16 +116,25 @@ class Cluster:
 class Replica:
     """One operator pod of the rendered Deployment."""
 
-    def __init__(self, deployment: Obj, name: str, pod: Pod, topology: Topology, kubeconfig: Path, log: Path) -> None:
+    def __init__(self, objects: list[Obj], name: str, pod: Pod, topology: Topology, kubeconfig: Path,
+                 log: Path) -> None:
+        deployment = find(objects, "Deployment", "podmeter-operator")
         spec = deployment["spec"]["template"]["spec"]
         cont = container(deployment)
         pod_security, security = spec["securityContext"], cont["securityContext"]
         assert security["capabilities"] == {"drop": ["ALL"]} and security["allowPrivilegeEscalation"] is False
         fields = {"metadata.name": name, "metadata.namespace": NAMESPACE}
+        maps = {o["metadata"]["name"]: o["data"] for o in objects if o["kind"] == "ConfigMap"}
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "KUBECONFIG": str(kubeconfig)}
         for entry in cont["env"]:
-            source = entry.get("valueFrom")
-            env[entry["name"]] = entry["value"] if source is None else fields[source["fieldRef"]["fieldPath"]]
+            source = entry.get("valueFrom", {})
+            if "value" in entry:
+                value = entry["value"]
+            elif "fieldRef" in source:
+                value = fields[source["fieldRef"]["fieldPath"]]
+            else:
+                value = maps[source["configMapKeyRef"]["name"]][source["configMapKeyRef"]["key"]]
+            env[entry["name"]] = resolve_services(objects, value, pod)
         self.name, self.pod, self.topology, self.env = name, pod, topology, env
         self.ports = {p["name"]: p["containerPort"] for p in cont["ports"]}
         self.readiness = cont["readinessProbe"]["httpGet"]
@@ -154,6 +166,68 @@ class Replica:
             self.proc.wait(10)
 
 
+def resolve_services(objects: list[Obj], value: str, pod: Pod) -> str:
+    """Cluster DNS: a Service's name (NAME.NAMESPACE.svc) becomes the address its pods answer on, here the
+    "node" netns as the pod reaches it."""
+    for service in (o for o in objects if o["kind"] == "Service"):
+        host = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+        value = re.sub(rf"(?<=//){re.escape(host)}(?=[:/]|$)", pod.host_ip, value)
+    return value
+
+
+class Etcd:
+    """The etcd overlay's StatefulSet: its container command, its user, its data volume, in the "node" netns."""
+
+    def __init__(self, statefulset: Obj, topology: Topology, data: Path, log: Path) -> None:
+        spec = statefulset["spec"]["template"]["spec"]
+        cont = container(statefulset)
+        (mount,) = cont["volumeMounts"]
+        user = spec["securityContext"]["runAsUser"]
+        data.mkdir(mode=0o700)
+        os.chown(data, user, spec["securityContext"]["runAsGroup"])
+        argv = [arg.replace(f"={mount['mountPath']}", f"={data}") for arg in cont["command"]]
+        self.topology = topology
+        probe = cont["readinessProbe"]["httpGet"]
+        self.port = next(p["containerPort"] for p in cont["ports"] if p["name"] == probe["port"])
+        self.health = probe["path"]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                ["nsenter", f"--net={topology.host_path}", "--", "setpriv", f"--reuid={user}",
+                 f"--regid={spec['securityContext']['runAsGroup']}", "--clear-groups", "--bounding-set=-all",
+                 "--no-new-privs", "--", *argv], stdout=out, stderr=subprocess.STDOUT, cwd="/")
+        wait_for(lambda: self.proc.poll() is not None or self.call("GET", self.health) is not None, timeout=20,
+                 what="etcd healthy", describe=lambda: log.read_text()[-2000:])
+        assert self.proc.poll() is None, log.read_text()[-2000:]
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method)
+        with self.topology.in_host():
+            try:
+                with urllib.request.urlopen(request, timeout=5) as response:
+                    return json.loads(response.read())
+            except OSError:
+                return None
+
+    def count(self, prefix: str) -> int:
+        """Keys under ``prefix`` (etcd's JSON gateway)."""
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        answer = self.call("POST", "/v3/kv/range", {"key": b64(prefix), "range_end": b64(end), "count_only": True})
+        return int(answer.get("count", 0)) if answer else -1
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
 def metric(replica: Replica, name: str) -> float | None:
     """The value of an unlabelled series on the replica's /metrics (None if absent or unreachable)."""
     status, text = replica.http("/metrics")
@@ -182,16 +256,27 @@ def topology() -> Iterator[Topology]:
         topo.destroy()
 
 
+@pytest.mark.parametrize("overlay", ["overlays/default", "overlays/etcd"])
 def test_two_operator_replicas_elect_one_leader_that_writes_the_status(topology: Topology, tmp_path: Path,
-                                                                       mounts: Path) -> None:
-    objects = render("overlays/default")
+                                                                       mounts: Path, overlay: str) -> None:
+    objects = render(overlay)
     deployment = find(objects, "Deployment", "podmeter-operator")
     replicas = deployment["spec"]["replicas"]
     assert replicas == 2
     pods = [topology.add_pod() for _ in range(replicas)]
     cluster = Cluster(topology, tmp_path)
+    etcd = None
     running: list[Replica] = []
     try:
+        if overlay == "overlays/etcd":
+            etcd = Etcd(find(objects, "StatefulSet", "podmeter-etcd"), topology, mounts / "etcd-data",
+                        tmp_path / "etcd.log")
+        assert cluster.call("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                          "metadata": {"name": "shop"}})[0] == 201
+        for name, app in (("web-1", "web"), ("web-2", "web"), ("api-1", "api")):  # two label sets
+            body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": app}},
+                    "spec": {"nodeName": "node-a", "containers": [{"name": "c", "image": "busybox"}]}}
+            assert cluster.call("POST", "/api/v1/namespaces/shop/pods", body)[0] == 201
         assert cluster.call("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                                           "metadata": {"name": NAMESPACE}})[0] == 201
         config = yaml.safe_load((Path(__file__).parent.parent / "deploy/examples/metricsconfiguration-include.yaml")
@@ -202,7 +287,7 @@ def test_two_operator_replicas_elect_one_leader_that_writes_the_status(topology:
         for index, pod in enumerate(pods):
             name = f"podmeter-operator-5d8c7-{index}"
             kubeconfig = cluster.kubeconfig_for(pod, mounts / f"kubeconfig-{index}")
-            running.append(Replica(deployment, name, pod, topology, kubeconfig, tmp_path / f"operator-{index}.log"))
+            running.append(Replica(objects, name, pod, topology, kubeconfig, tmp_path / f"operator-{index}.log"))
 
         def logs() -> str:
             return "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted(tmp_path.glob("operator-*.log")))
@@ -216,6 +301,13 @@ def test_two_operator_replicas_elect_one_leader_that_writes_the_status(topology:
                  describe=logs)
         wait_for(lambda: any(metric(r, "podmeter_configuration_valid") == 1 for r in running), timeout=30,
                  what="the configuration checked", describe=logs)
+
+        # every replica holds an identity per label set; with etcd they are one numbering, in the store
+        wait_for(lambda: all(metric(r, "podmeter_identities") == 2 for r in running), timeout=30,
+                 what="identities of both label sets on every replica", describe=logs)
+        if etcd is not None:
+            assert running[0].env["PODMETER_IDENTITY_BACKEND"] == "etcd"
+            assert etcd.count("/podmeter/identities/id/") == 2
 
         (leader,) = [r for r in running if r.leads()]
         role = find(objects, "Role", "podmeter-operator-leader-election")
@@ -248,3 +340,5 @@ def test_two_operator_replicas_elect_one_leader_that_writes_the_status(topology:
         for replica in running:
             replica.stop()
         cluster.stop()
+        if etcd is not None:
+            etcd.stop()
