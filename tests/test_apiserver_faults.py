@@ -170,8 +170,8 @@ def test_fault_cli(srv: LabServer) -> None:
         command = [*entry, "apiserver", "fault", *args, "--url", srv.url, "--token", srv.token]
         return subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
 
-    assert '"failing": 1' in cli("fail", "--count", "1", "--code", "429", console=True)
-    assert srv.request("GET", "/api/v1/namespaces")[0] == 429
+    assert '"failing": 2' in cli("fail", "2", "--code", "429", console=True)
+    assert [srv.request("GET", "/api/v1/namespaces")[0] for _ in range(3)] == [429, 429, 200]
     assert '"floor"' in cli("compact")
     assert '"closed": 0' in cli("close-watches")
     assert '"openWatches"' in cli("stats")

@@ -55,6 +55,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("action", nargs="?", choices=["fault"], help=argparse.SUPPRESS)
     parser.add_argument("knob", nargs="?", choices=_KNOBS, help=argparse.SUPPRESS)
+    parser.add_argument("amount", nargs="?", type=int, help=argparse.SUPPRESS)  # `fault fail 3` = --count 3
     parser.add_argument("--url", help="fault: the server's URL")
     parser.add_argument("--ca-file", help="fault: CA certificate for an HTTPS server")
     parser.add_argument("--count", type=int, default=1, help="fault fail: how many requests")
@@ -108,7 +109,8 @@ def _fault(args: argparse.Namespace) -> int:
         if args.knob == "stats":
             result: Any = client.stats()
         elif args.knob == "fail":
-            result = client.fault("fail", count=args.count, code=args.code, retryAfter=args.retry_after, verb=args.verb)
+            count = args.amount if args.amount is not None else args.count
+            result = client.fault("fail", count=count, code=args.code, retryAfter=args.retry_after, verb=args.verb)
         elif args.knob == "stall":
             result = client.fault("stall", seconds=args.seconds, includeNew=args.include_new)
         elif args.knob == "restart":
