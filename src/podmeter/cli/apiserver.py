@@ -79,6 +79,9 @@ def _run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     host, port = args.listen
+    if args.token is None and args.kubeconfig_out is None:
+        print("podmeter apiserver: give --token or --kubeconfig-out, or no client can authenticate", file=sys.stderr)
+        return 2
     settings = Settings(
         token=args.token or new_token(),
         history=args.history,
