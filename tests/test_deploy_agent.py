@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,11 +37,13 @@ from test_deploy_support import (
     Obj,
     authorized,
     container,
+    container_filesystem,
     find,
     grants,
     needs_kubectl,
     render,
     request_attributes,
+    service_account_dir,
 )
 
 pytestmark = [needs_kubectl, needs_root]
@@ -71,7 +74,11 @@ class Container:
         # container path -> path on this machine, for every hostPath mount
         self.mounts = {m["mountPath"]: host_dirs[volumes[m["name"]]["hostPath"]["path"]]
                        for m in self.container["volumeMounts"] if "hostPath" in volumes[m["name"]]}
-        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "KUBECONFIG": str(kubeconfig)}
+        # the pod's mounted credentials: outside /tmp, which the container gets as an emptyDir
+        self.secrets = service_account_dir()
+        shutil.copy(kubeconfig, self.secrets / "kubeconfig")
+        self.filesystem = container_filesystem(daemonset)
+        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "KUBECONFIG": str(self.secrets / "kubeconfig")}
         for entry in self.container["env"]:
             if "value" in entry:
                 self.env[entry["name"]] = self.translate(entry["value"])
@@ -94,9 +101,12 @@ class Container:
         return get["path"], ports[port] if isinstance(port, str) else int(port)
 
     def _inside(self, netns: str) -> list[str]:
-        """In the "node" netns, as root limited to the container's capabilities."""
+        """The container's file system view, the "node" netns, root limited to the container's capabilities."""
         bounding = ",".join(["-all", *(f"+{c.lower()}" for c in self.capabilities)])
-        return ["nsenter", f"--net={netns}", "--", "setpriv", f"--bounding-set={bounding}", "--"]
+        return [*self.filesystem, "nsenter", f"--net={netns}", "--", "setpriv", f"--bounding-set={bounding}", "--"]
+
+    def remove(self) -> None:
+        shutil.rmtree(self.secrets, ignore_errors=True)
 
     def start(self, netns: str, log: Path) -> subprocess.Popen[bytes]:
         with open(log, "wb") as out:
@@ -199,6 +209,10 @@ def test_the_agent_runs_as_the_daemonset_says(topology: Topology, bpffs_dir: Pat
         status = Path(f"/proc/{proc.pid}/status").read_text()
         effective = int(next(line for line in status.splitlines() if line.startswith("CapEff:")).split()[1], 16)
         assert effective == capability_mask(agent.capabilities)
+        # and the container's file system: a read-only root, the emptyDir at /tmp
+        mounts = {fields[4]: [*fields[5].split(","), fields[fields.index("-") + 1]] for fields in
+                  (line.split() for line in Path(f"/proc/{proc.pid}/mountinfo").read_text().splitlines())}
+        assert "ro" in mounts["/"] and "tmpfs" in mounts["/tmp"]
         # `kubectl exec <agent pod> -- podmeter doctor` (docs/troubleshooting.md): the pod's env and
         # capabilities are all it needs
         audit = agent.exec(topology.host_path, ["doctor", "--json", "--recheck", "0"])
@@ -234,6 +248,7 @@ def test_the_agent_runs_as_the_daemonset_says(topology: Topology, bpffs_dir: Pat
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        agent.remove()
 
 
 def pinned_filter(pins: Path) -> set[str]:
@@ -255,4 +270,5 @@ def test_each_capability_of_the_manifest_is_needed(topology: Topology, bpffs_dir
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        agent.remove()
     assert "cannot open the ebpf datapath" in (tmp_path / "agent.log").read_text()

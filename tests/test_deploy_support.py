@@ -11,6 +11,7 @@ import functools
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -139,3 +140,29 @@ def authorized(allowed: set[Grant], attributes: tuple[str, str, str, str, str]) 
     return any(g == group and r == resource and v == verb and (n == "*" or (name and n == name))
                and (scope == "cluster" or (namespace and scope == namespace))
                for scope, g, r, v, n in allowed)
+
+
+def container_filesystem(workload: Obj) -> list[str]:
+    """argv prefix that gives a process the container's file system view, as far as it matters here: with
+    ``readOnlyRootFilesystem`` a private mount namespace whose root mount is read-only, and a tmpfs at the
+    mount path of each ``emptyDir`` volume. (hostPath volumes are translated by the callers.)"""
+    spec = workload["spec"]["template"]["spec"]
+    cont = container(workload)
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    steps = []
+    if cont.get("securityContext", {}).get("readOnlyRootFilesystem"):
+        steps.append("mount -o remount,bind,ro /")
+    for mount in cont.get("volumeMounts", []):
+        if "emptyDir" in volumes[mount["name"]]:
+            size = volumes[mount["name"]]["emptyDir"].get("sizeLimit", "64Mi").replace("Mi", "m")
+            steps.append(f"mount -t tmpfs -o size={size} tmpfs {mount['mountPath']}")
+    script = " && ".join([*steps, 'exec "$@"'])
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh"]
+
+
+def service_account_dir() -> Path:
+    """A directory for the files a pod gets mounted (its kubeconfig here): outside /tmp, which the containers
+    get as an emptyDir, and readable by unprivileged users."""
+    path = Path(tempfile.mkdtemp(prefix="podmeter-deploy-", dir="/var/tmp"))
+    path.chmod(0o755)
+    return path
