@@ -28,7 +28,7 @@ from podmeter.lab.scenario import Scenario, load_scenario, parse_scenario
 
 
 def ebpf_scenario(duration: float, rate: float) -> Scenario:
-    churn_for = max(1.0, duration - 15)
+    churn_for = max(1.0, duration - 3)
     closes = max(1, int(duration // 30))
     text = f"""
 name: bench-ebpf
@@ -37,16 +37,16 @@ datapath: ebpf
 duration: {duration}
 settle: 5
 sample_interval: 1
-node: {{pod_cidr: 10.244.0.0/24, filter_map_size: 4096}}
+node: {{pod_cidr: 10.244.0.0/22, filter_map_size: 4096, ip_reuse: oldest}}
 agent: {{resync_interval: 30}}
 operator: {{sweep_period: 30}}
 apiserver: {{history: 50000}}
 namespaces: [{{name: steady}}, {{name: jobs}}, {{name: web}}]
 steps:
   - {{at: 0, do: pods, namespace: steady, count: 40}}
-  - {{at: 5, do: churn, namespace: jobs, rate: {rate / 2}, duration: {churn_for}, lifetime: 1, complete: true,
+  - {{at: 2, do: churn, namespace: jobs, rate: {rate / 2}, duration: {churn_for}, lifetime: 1, complete: true,
       linger: 1, unique_labels: true}}
-  - {{at: 5, do: churn, namespace: web, rate: {rate / 2}, duration: {churn_for}, lifetime: 2}}
+  - {{at: 2, do: churn, namespace: web, rate: {rate / 2}, duration: {churn_for}, lifetime: 2}}
   - {{at: 10, do: fault, fault: close-watches, repeat: {closes}, every: 30}}
 """
     return parse_scenario(text, "bench-ebpf")

@@ -76,3 +76,12 @@ def test_memory_node_runs_pods_completes_jobs_and_reuses_ips(lab_apiserver: LabS
         node.stop()
         worker.join(timeout=10)
     assert node.running == {} and node.pool.used == 0
+
+
+def test_oldest_reuse_hands_out_every_other_ip_before_a_freed_one_returns() -> None:
+    pool = IpPool("10.9.0.0/29", reuse="oldest")
+    assert pool.allocate() == "10.9.0.1"
+    pool.release("10.9.0.1")
+    assert [pool.allocate() for _ in range(6)] == [f"10.9.0.{i}" for i in (2, 3, 4, 5, 6, 1)]
+    with pytest.raises(ValueError, match="lowest or oldest"):
+        IpPool("10.9.0.0/29", reuse="random")

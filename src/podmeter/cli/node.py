@@ -30,6 +30,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--datapath", choices=("ebpf", "memory"), default="ebpf",
                    help="ebpf: real namespaces and veths (root); memory: assign IPs only")
     p.add_argument("--node-ip", default="192.168.255.1", help="IP given to host-network pods")
+    p.add_argument("--ip-reuse", choices=("lowest", "oldest"), default="lowest",
+                   help="lowest: a freed IP goes to the next pod (reuse races); oldest: the longest-free IP")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.set_defaults(func=run)
 
@@ -46,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ConnectionConfigError) as exc:
         print(f"podmeter node: {exc}", file=sys.stderr)
         return 2
-    node = Node(NodeSettings(args.node_name, args.pod_cidr, args.datapath, args.node_ip), client)
+    settings = NodeSettings(args.node_name, args.pod_cidr, args.datapath, args.node_ip, ip_reuse=args.ip_reuse)
+    node = Node(settings, client)
 
     def stop(signum: int, frame: FrameType | None) -> None:
         node.stop()

@@ -129,6 +129,7 @@ class Checker:
     transient: int = 0
     overflow_seen: int = 0
     last_holder: dict[str, str] = field(default_factory=dict)  # ip -> "ns/name" of its last holder
+    traffic_pods: set[str] = field(default_factory=set)  # "ns/name" of pods the lab sent traffic from/to
     _held: int = 0
     _failed_keys: set[tuple[str, str]] = field(default_factory=set)
 
@@ -215,13 +216,19 @@ class Checker:
                                 f"{len(obs.truth.node_pods)} on the node")]
 
     def _metric_violations(self, obs: Observation) -> list[tuple[str, str, str]]:
-        """I5: a per-pod series exists only for a pod of the node (after a short grace period)."""
+        """I5: a per-pod series exists only for a pod of the node (after a short grace period), and a pod
+        the lab sent no traffic to or from has no bytes: anything there came from an earlier owner of its
+        IP (prior-art 21)."""
         found: list[tuple[str, str, str]] = []
-        for labels, _ in obs.agent.get("podmeter_pod_bytes_total", []):
+        for labels, value in obs.agent.get("podmeter_pod_bytes_total", []):
             pod = (labels.get("namespace", ""), labels.get("pod", ""))
+            key = f"{pod[0]}/{pod[1]}"
             if pod not in obs.truth.pod_names:
-                found.append(("I5", f"{pod[0]}/{pod[1]}",
-                              f"series podmeter_pod_bytes_total of {pod[0]}/{pod[1]}, a pod that is gone"))
+                found.append(("I5", key, f"series podmeter_pod_bytes_total of {key}, a pod that is gone"))
+            elif value > 0 and key not in self.traffic_pods:
+                found.append(("I5", f"{key}/{labels.get('direction')}",
+                              f"{key} shows {value:.0f} {labels.get('direction')} bytes but the lab sent it "
+                              f"nothing: traffic of an earlier owner of its IP?"))
         return found
 
     def _identity_violations(self, obs: Observation) -> list[tuple[str, str, str]]:

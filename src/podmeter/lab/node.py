@@ -23,7 +23,7 @@ import ipaddress
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,20 +41,30 @@ class PoolExhausted(RuntimeError):
 
 
 class IpPool:
-    """The pod CIDR's host addresses; :meth:`allocate` returns the lowest free one (fast reuse)."""
+    """The pod CIDR's host addresses.
 
-    def __init__(self, cidr: str) -> None:
+    ``reuse="lowest"`` (the default): :meth:`allocate` returns the lowest free IP, so a freed IP goes to
+    the very next pod (IP reuse races on purpose). ``reuse="oldest"``: the IP free for the longest time,
+    so an IP comes back only after every other one was used (a latency benchmark needs to see each IP
+    leave the kernel map before it returns).
+    """
+
+    def __init__(self, cidr: str, reuse: str = "lowest") -> None:
         network = ipaddress.ip_network(cidr)
         if network.version != 4 or network.num_addresses < 4:
             raise ValueError(f"--pod-cidr must be an IPv4 network with room for pods, not {cidr}")
+        if reuse not in ("lowest", "oldest"):
+            raise ValueError(f"IP reuse must be lowest or oldest, not {reuse!r}")
+        self.reuse = reuse
         self._free = [int(ip) for ip in network.hosts()]
+        self._fifo: deque[int] = deque(self._free)
         heapq.heapify(self._free)
         self._used: set[int] = set()
         self.size = len(self._free)
 
     def allocate(self) -> str:
-        while self._free:
-            value = heapq.heappop(self._free)
+        while self._fifo if self.reuse == "oldest" else self._free:
+            value = self._fifo.popleft() if self.reuse == "oldest" else heapq.heappop(self._free)
             if value not in self._used:
                 self._used.add(value)
                 return str(ipaddress.IPv4Address(value))
@@ -72,7 +82,10 @@ class IpPool:
         value = int(ipaddress.IPv4Address(ip))
         if value in self._used:
             self._used.discard(value)
-            heapq.heappush(self._free, value)
+            if self.reuse == "oldest":
+                self._fifo.append(value)
+            else:
+                heapq.heappush(self._free, value)
 
     @property
     def used(self) -> int:
@@ -86,6 +99,7 @@ class NodeSettings:
     datapath: str = "ebpf"  # "memory": IPs only, no sandboxes (no root needed)
     node_ip: str = "192.168.255.1"
     watch_timeout: int = 60
+    ip_reuse: str = "lowest"  # see IpPool
 
 
 @dataclass
@@ -110,7 +124,7 @@ class Node:
     def __init__(self, settings: NodeSettings, client: KubeClient) -> None:
         self.settings = settings
         self.client = client
-        self.pool = IpPool(settings.pod_cidr)
+        self.pool = IpPool(settings.pod_cidr, settings.ip_reuse)
         self.running: dict[str, _Running] = {}  # uid -> what the node runs for it
         self.stats = NodeStats()
         self._completions: list[tuple[float, str, str, str]] = []  # (due, uid, namespace, name)

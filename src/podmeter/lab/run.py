@@ -139,6 +139,8 @@ class LabRun(Hooks):
         self._stop_sampling = threading.Event()
         self._last: Sample | None = None
         self._agent_restarting = False
+        self._restarted_at: float | None = None
+        self.convergence_s: list[float] = []  # I6: restart -> first sample with the kernel map == truth
         self._label_filter = LabelFilter()
 
     # --- the whole run -----------------------------------------------------------------------------
@@ -240,7 +242,8 @@ class LabRun(Hooks):
 
     def _start_node(self) -> None:
         argv = [*PODMETER, "node", "--kubeconfig", str(self.out / "kubeconfig"), "--node-name", NODE_NAME,
-                "--pod-cidr", self.scenario.node.pod_cidr, "--datapath", self.datapath]
+                "--pod-cidr", self.scenario.node.pod_cidr, "--datapath", self.datapath,
+                "--ip-reuse", self.scenario.node.ip_reuse]
         self.processes.add("node", argv, self.out / "logs").start()
 
     def _agent_argv(self) -> list[str]:
@@ -260,6 +263,8 @@ class LabRun(Hooks):
             process = self.processes.add("agent", self._agent_argv(), self.out / "logs")
         process.start()
         wait_ready(f"http://127.0.0.1:{self.agent_port}/readyz", process)
+        if process.starts > 1:
+            self._restarted_at = time.monotonic()
         self._agent_restarting = False
         self.baselines.pop("agent", None)  # a new process: a new baseline
 
@@ -320,6 +325,9 @@ class LabRun(Hooks):
         obs = Observation(time.monotonic(), truth, kernel, capacity, agent, operator, agent_up and bool(agent))
         violations = self.checker.observe(obs)
         drift = sum(v.invariant in ("I2", "I3") for v in violations)
+        if self._restarted_at is not None and kernel is not None and drift == 0:
+            self.convergence_s.append(round(time.monotonic() - self._restarted_at, 2))
+            self._restarted_at = None
         self._record(truth, kernel, agent, operator, violations=len(violations), drift=drift)
 
     def _kernel_filter(self, agent_up: bool) -> tuple[set[str] | None, int | None]:
@@ -413,6 +421,7 @@ class LabRun(Hooks):
                 for lab, value in samples.get("podmeter_pod_bytes_total", [])}
 
     def _one_exchange(self, step: sc.Traffic, src: Endpoint, dst: Endpoint) -> dict[str, Any]:
+        self.checker.traffic_pods.update((src.pod, dst.pod))
         before, metrics_before = self._counters(), self._pod_metrics()
         if step.protocol == "udp":
             delivered = send_udp(src, dst, step.packets, step.size)
@@ -471,6 +480,7 @@ class LabRun(Hooks):
             "overflow_max_waiting": self.checker.overflow_seen,
             "max_filter_drift": max((s.filter_drift for s in self.result.samples), default=0),
             "delete_to_unmapped_ms": _percentiles(self.latencies_ms),
+            "restart_converged_after_s": self.convergence_s,
         }
 
     def _verdict(self) -> bool:

@@ -150,6 +150,7 @@ class NamespaceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pod_cidr: str = "10.244.0.0/25"
     filter_map_size: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1024
+    ip_reuse: Literal["lowest", "oldest"] = "lowest"  # podmeter node --ip-reuse
 
 
 class AgentSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
