@@ -263,8 +263,8 @@ class WatchHub:
 
 @dataclass
 class BookmarkClock:
-    """When a watch's bookmarks are due: every ``interval`` and once ~1 s before the timeout (only for
-    timeouts over 2.5 s: the recordings show none on a 2 s watch), and when the stream ends."""
+    """When a watch's bookmarks are due: every ``interval``, and once 2 s before the timeout if that is
+    still ahead when the watch starts (the real cacher's rule; the recordings show none on a 2 s watch)."""
 
     deadline: float
     periodic: float | None
@@ -278,7 +278,7 @@ class BookmarkClock:
         return cls(
             deadline=deadline,
             periodic=now + interval if opts.bookmarks else None,
-            final=deadline - 1.0 if opts.bookmarks and opts.timeout > 2.5 else None,
+            final=deadline - 2.0 if opts.bookmarks and opts.timeout > 2.0 else None,
             interval=interval,
         )
 
