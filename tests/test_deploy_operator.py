@@ -3,11 +3,12 @@ with the etcd overlay, against etcd run from that overlay's StatefulSet.
 
 Each replica is a pod: its own network namespace (so both listen on the manifest's port), the manifest's
 ``args`` and ``env`` (downward-API namespace and pod name resolved), and its ``securityContext``: user
-65532, no capabilities, no privilege escalation (``setpriv``). A lab API server in a "node" namespace is
-the cluster. Checked: both replicas become ready (the probe's path and port, from the node, as a kubelet
-asks), exactly one leads and holds the Lease the RBAC Role names, the leader marks the MetricsConfiguration
-``Accepted``, both hold the identities of the pods' label sets (with etcd: one numbering, in the store),
-the RBAC allows every request they made, and SIGTERM hands the Lease over at once.
+65532, no capabilities, no privilege escalation (``setpriv``), a read-only root file system. A lab API
+server in a "node" namespace is the cluster. Checked: both replicas become ready (the probe's path and
+port, from the node, as a kubelet asks), exactly one leads and holds the Lease the RBAC Role names, the
+leader marks the MetricsConfiguration ``Accepted``, both hold the identities of the pods' label sets (with
+etcd: one numbering, in the store), the RBAC allows every request they made, and SIGTERM hands the Lease
+over at once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -38,11 +38,13 @@ from test_deploy_support import (
     Obj,
     authorized,
     container,
+    container_filesystem,
     find,
     grants,
     needs_kubectl,
     render,
     request_attributes,
+    service_account_dir,
 )
 
 pytestmark = [needs_kubectl, needs_root]
@@ -138,7 +140,7 @@ class Replica:
         self.name, self.pod, self.topology, self.env = name, pod, topology, env
         self.ports = {p["name"]: p["containerPort"] for p in cont["ports"]}
         self.readiness = cont["readinessProbe"]["httpGet"]
-        argv = ["nsenter", f"--net={pod.netns_path}", "--", "setpriv",
+        argv = [*container_filesystem(deployment), "nsenter", f"--net={pod.netns_path}", "--", "setpriv",
                 f"--reuid={pod_security['runAsUser']}", f"--regid={pod_security['runAsGroup']}", "--clear-groups",
                 "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--",
                 sys.executable, "-m", "podmeter", *cont["args"]]
@@ -238,8 +240,7 @@ def metric(replica: Replica, name: str) -> float | None:
 @pytest.fixture
 def mounts() -> Iterator[Path]:
     """Where the pods' "service account" files go: readable by the pods' user (pytest's tmp_path is not)."""
-    path = Path(tempfile.mkdtemp(prefix="podmeter-deploy-"))
-    path.chmod(0o755)
+    path = service_account_dir()
     try:
         yield path
     finally:
