@@ -52,7 +52,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--watch-queue-limit", type=int, default=10_000, help="events a watch may fall behind before it is closed"
     )
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every request (access log)")
     parser.add_argument("action", nargs="?", choices=["fault"], help=argparse.SUPPRESS)
     parser.add_argument("knob", nargs="?", choices=_KNOBS, help=argparse.SUPPRESS)
     parser.add_argument("amount", nargs="?", type=int, help=argparse.SUPPRESS)  # `fault fail 3` = --count 3

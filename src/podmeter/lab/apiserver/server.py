@@ -8,6 +8,7 @@ history are kept, as they would be in etcd.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import ssl
@@ -104,7 +105,15 @@ class RunningServer:
         if tls is not None:
             self.ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             self.ssl_context.load_cert_chain(str(tls.cert), str(tls.key))
-        self.runner = web.AppRunner(lab.make_app(), handle_signals=False, access_log=None, shutdown_timeout=0.5)
+        # One access-log line per request, only when the process logs at INFO (``podmeter apiserver -v``).
+        access = logging.getLogger("podmeter.lab.apiserver.access")
+        self.runner = web.AppRunner(
+            lab.make_app(),
+            handle_signals=False,
+            access_log=access if access.isEnabledFor(logging.INFO) else None,
+            access_log_format='%a "%r" %s %b %Tf',
+            shutdown_timeout=0.5,
+        )
         self.site: web.TCPSite | None = None
         lab.restart_hook = self.restart
 
