@@ -22,7 +22,7 @@ from test_deploy_support import DEPLOY, OVERLAYS, ROOT, container, env_map, find
 
 DOCS = ROOT / "docs"
 MINE = ("install.md", "configuration.md", "observing.md", "troubleshooting.md", "upgrade.md", "comparison.md")
-DOCUMENTED_COMMANDS = ("agent", "operator", "doctor", "inspect", "node", "lab", "demo")
+DOCUMENTED_COMMANDS = ("agent", "operator", "doctor", "inspect")  # what runs on a cluster (the lab has lab.md)
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
