@@ -132,6 +132,7 @@ class Checker:
     traffic_pods: set[str] = field(default_factory=set)  # "ns/name" of pods the lab sent traffic from/to
     _held: int = 0
     _failed_keys: set[tuple[str, str]] = field(default_factory=set)
+    _graced: set[tuple[str, str]] = field(default_factory=set)  # series of gone pods: settle + metrics_grace
 
     # --- holds ----------------------------------------------------------------------------------
 
@@ -164,12 +165,13 @@ class Checker:
             if key not in self._failed_keys:
                 self.transient += 1
             del self.open[key]
+            self._graced.discard(key)
         for key, (invariant, subject, detail) in found.items():
             violation = self.open.get(key)
             if violation is None:
                 violation = self.open[key] = Violation(invariant, subject, detail, now, now)
             violation.last_seen, violation.detail = now, detail
-            allowed = self.settle + (self.metrics_grace if invariant == "I5" else 0.0)
+            allowed = self.settle + (self.metrics_grace if key in self._graced else 0.0)
             if not self.held and now - violation.first_seen > allowed and key not in self._failed_keys:
                 self._failed_keys.add(key)
                 self.failures.append(violation)
@@ -224,6 +226,7 @@ class Checker:
             pod = (labels.get("namespace", ""), labels.get("pod", ""))
             key = f"{pod[0]}/{pod[1]}"
             if pod not in obs.truth.pod_names:
+                self._graced.add(("I5", key))
                 found.append(("I5", key, f"series podmeter_pod_bytes_total of {key}, a pod that is gone"))
             elif value > 0 and key not in self.traffic_pods:
                 found.append(("I5", f"{key}/{labels.get('direction')}",

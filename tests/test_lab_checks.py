@@ -1,0 +1,118 @@
+"""The lab's checker: what counts as a violation, when one becomes a failure, and holds during faults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from podmeter.lab.checks import Checker, Observation, Truth, parse_metrics
+from podmeter.model.records import decode_pod
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _pod(name: str, ip: str, phase: str = "Running", host: bool = False) -> Any:
+    return decode_pod({"metadata": {"uid": f"u-{name}", "name": name, "namespace": "web"},
+                       "spec": {"nodeName": "n", "hostNetwork": host}, "status": {"phase": phase, "podIP": ip}})
+
+
+def _truth(desired: dict[str, str], *others: Any) -> Truth:
+    pods = {p.uid: p for p in [_pod(name, ip) for ip, name in desired.items()] + list(others)}
+    return Truth(pods, {ip: frozenset({f"u-{name}"}) for ip, name in desired.items()}, set(),
+                 {(p.namespace, p.name) for p in pods.values()})
+
+
+def _obs(truth: Truth, kernel: set[str], capacity: int = 16, agent: str = "") -> Observation:
+    return Observation(0.0, truth, kernel, capacity, parse_metrics(agent), None, agent_up=bool(agent))
+
+
+def test_a_violation_fails_only_after_the_settle_time() -> None:
+    clock = Clock()
+    checker = Checker(settle=2.0, clock=clock)
+    truth = _truth({"10.0.0.1": "a"})
+    checker.observe(_obs(truth, {"10.0.0.1", "10.0.0.9"}))
+    clock.now = 1.5
+    checker.observe(_obs(truth, {"10.0.0.1", "10.0.0.9"}))
+    assert checker.failures == []
+    clock.now = 2.5
+    checker.observe(_obs(truth, {"10.0.0.1", "10.0.0.9"}))
+    [failure] = checker.failures
+    assert (failure.invariant, failure.subject) == ("I2", "10.0.0.9")
+    assert "leaked" in failure.detail and "no pod seen by the lab" in failure.detail
+
+
+def test_a_transient_violation_is_counted_not_failed() -> None:
+    clock = Clock()
+    checker = Checker(settle=2.0, clock=clock)
+    truth = _truth({"10.0.0.1": "a"})
+    checker.observe(_obs(truth, set()))
+    clock.now = 1.0
+    checker.observe(_obs(truth, {"10.0.0.1"}))
+    assert checker.failures == [] and checker.transient == 1 and not checker.open
+
+
+def test_a_leaked_ip_is_named_with_its_last_holder_and_ineligible_holders_are_i3() -> None:
+    clock = Clock()
+    checker = Checker(settle=0.5, clock=clock)
+    checker.observe(_obs(_truth({"10.0.0.5": "gone"}), {"10.0.0.5"}))
+    done = _pod("job", "10.0.0.6", phase="Succeeded")
+    clock.now = 1.0
+    checker.observe(_obs(_truth({}, done), {"10.0.0.5", "10.0.0.6"}))
+    clock.now = 2.0
+    checker.observe(_obs(_truth({}, done), {"10.0.0.5", "10.0.0.6"}))
+    found = {f.subject: (f.invariant, f.detail) for f in checker.failures}
+    assert found["10.0.0.5"] == ("I2", "leaked: 10.0.0.5 is in the kernel filter but no pod holds it "
+                                       "(last held by web/gone)")
+    assert found["10.0.0.6"][0] == "I3" and "web/job (Succeeded)" in found["10.0.0.6"][1]
+
+
+def test_missing_ips_fail_unless_the_map_is_full_of_desired_ips() -> None:
+    clock = Clock()
+    checker = Checker(settle=0.5, clock=clock)
+    truth = _truth({"10.0.0.1": "a", "10.0.0.2": "b", "10.0.0.3": "c"})
+    for clock.now in (0.0, 1.0):
+        checker.observe(_obs(truth, {"10.0.0.1", "10.0.0.2"}, capacity=2))
+    assert checker.failures == [] and checker.overflow_seen == 1
+    for clock.now in (2.0, 3.0):
+        checker.observe(_obs(truth, {"10.0.0.1"}, capacity=16))
+    assert {(f.invariant, f.subject) for f in checker.failures} == {("I2", "10.0.0.2"), ("I2", "10.0.0.3")}
+
+
+def test_a_hold_stops_the_clock_until_the_fault_ends() -> None:
+    clock = Clock()
+    checker = Checker(settle=1.0, clock=clock)
+    truth = _truth({"10.0.0.1": "a"})
+    checker.hold()
+    for clock.now in (0.0, 5.0):
+        checker.observe(_obs(truth, set()))
+    checker.release()  # the clock of open violations restarts now (t=5)
+    clock.now = 5.5
+    checker.observe(_obs(truth, set()))
+    assert checker.failures == []
+    clock.now = 6.5
+    checker.observe(_obs(truth, set()))
+    assert [f.subject for f in checker.failures] == ["10.0.0.1"]
+
+
+def test_store_series_and_misattributed_traffic_from_the_agent_metrics() -> None:
+    clock = Clock()
+    checker = Checker(settle=0.5, metrics_grace=1.0, clock=clock)
+    truth = _truth({"10.0.0.1": "a", "10.0.0.2": "b"})
+    checker.traffic_pods.add("web/a")
+    metrics = "\n".join([
+        'podmeter_store_objects{resource="pods"} 3',
+        'podmeter_pod_bytes_total{namespace="web",pod="a",direction="egress"} 100',
+        'podmeter_pod_bytes_total{namespace="web",pod="b",direction="ingress"} 42',
+        'podmeter_pod_bytes_total{namespace="web",pod="old",direction="ingress"} 0',
+    ]) + "\n"
+    for clock.now in (0.0, 1.0):
+        checker.observe(_obs(truth, {"10.0.0.1", "10.0.0.2"}, agent=metrics))
+    assert {(f.invariant, f.subject) for f in checker.failures} == {("I1", "store"), ("I5", "web/b/ingress")}
+    clock.now = 2.0  # past settle + grace: the gone pod's series fails too
+    checker.observe(_obs(truth, {"10.0.0.1", "10.0.0.2"}, agent=metrics))
+    assert ("I5", "web/old") in {(f.invariant, f.subject) for f in checker.failures}
