@@ -171,6 +171,17 @@ def test_get_watch_sees_changes(srv: LabServer) -> None:
     assert watched and watched[-1]["metadata"]["labels"].get("seen") == "yes"
 
 
+def test_server_side_dry_run_writes_nothing(srv: LabServer) -> None:
+    dry = POD.replace("web-1", "dry")
+    assert "(server dry run)" in srv.kubectl("create", "-f", "-", "--dry-run=server", input=dry).stdout
+    assert srv.kubectl("-n", "kc", "get", "pod", "dry", check=False).returncode != 0
+    srv.kubectl("create", "-f", "-", input=dry)
+    srv.kubectl("-n", "kc", "label", "pod", "dry", "x=y", "--dry-run=server")
+    srv.kubectl("-n", "kc", "delete", "pod", "dry", "--dry-run=server")
+    assert "x" not in get(srv, "-n", "kc", "pod", "dry")["metadata"]["labels"]  # still there, unlabelled
+    srv.kubectl("-n", "kc", "delete", "pod", "dry")
+
+
 def test_get_prints_server_side_table(srv: LabServer) -> None:
     srv.kubectl("create", "-f", "-", input=POD.replace("web-1", "tabled"))
     srv.kubectl(

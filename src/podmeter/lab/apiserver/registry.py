@@ -466,7 +466,7 @@ class Registry:
                 f"Precondition failed: ResourceVersion in precondition: "
                 f"{pre['resourceVersion']}, ResourceVersion in object meta: {current.rv}",
             )
-        if ctx.dry_run:
+        if ctx.dry_run or options.get("dryRun"):  # kubectl puts it in the DeleteOptions body
             return self.full(resource, current)
         if resource is NAMESPACES:
             return self._delete_namespace(current)
