@@ -11,6 +11,7 @@ import base64
 import dataclasses
 import html
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +64,11 @@ def _rates(samples: list[Sample]) -> list[Sample]:
 def _plot(path: Path, samples: list[Sample], title: str, series: list[tuple[str, str]]) -> Path:
     fig, ax = plt.subplots(figsize=(9, 3.2), dpi=90)
     for attr, label in series:
-        points = [(s.t, getattr(s, attr)) for s in samples if getattr(s, attr) is not None]
-        if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], label=label, linewidth=1.2)
+        # A missing value (a process down, a map not readable) is a gap in the line, not a bridge.
+        values = [getattr(s, attr) for s in samples]
+        if any(v is not None for v in values):
+            ax.plot([s.t for s in samples], [math.nan if v is None else v for v in values], label=label,
+                    linewidth=1.2)
     ax.set_title(title)
     ax.set_xlabel("seconds")
     ax.grid(alpha=0.3)
