@@ -92,3 +92,16 @@ def test_a_file_path_is_loaded(tmp_path: Path) -> None:
     path = tmp_path / "mine.yaml"
     path.write_text(GOOD)
     assert load_scenario(str(path)).name == "t"
+
+
+def test_podmeter_lab_refuses_a_bad_file_before_starting_anything(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: t\nduration: 5\nsteps: [{at: 0, do: pods, namespace: web, count: 1}]\n")
+    result = subprocess.run([sys.executable, "-m", "podmeter", "lab", str(bad), "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "bad.yaml: $.steps[0].namespace: 'web' is not declared under namespaces" in result.stderr
+    assert not (tmp_path / "out").exists()

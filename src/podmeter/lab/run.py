@@ -519,12 +519,13 @@ class LabRun(Hooks):
         from rich.table import Table
 
         table = Table(title=f"podmeter lab: {self.scenario.name} ({self.datapath}, seed {self.scenario.seed})")
-        for column in ("time", "step", "pods", "desired", "kernel", "agent MiB", "operator MiB",
+        for column in ("time", "step", "lifecycles", "pods", "desired", "kernel", "agent MiB", "operator MiB",
                        "identities", "open", "failed"):
             table.add_column(column)
         s, stats = self._last, self.driver.stats if self.driver else None
         table.add_row(
             f"{time.monotonic() - self.started:5.1f}s", stats.step if stats else "",
+            str(stats.lifecycles) if stats else "0",
             *(("-",) * 6 if s is None else (str(s.pods), str(s.desired), _fmt(s.kernel), _fmt(s.agent_rss),
                                              _fmt(s.operator_rss), _fmt(s.identities))),
             str(len(self.checker.open)), str(len(self.checker.failures)))
