@@ -424,9 +424,9 @@ class LabRun(Hooks):
         self.checker.traffic_pods.update((src.pod, dst.pod))
         before, metrics_before = self._counters(), self._pod_metrics()
         if step.protocol == "udp":
-            delivered = send_udp(src, dst, step.packets, step.size)
+            delivered = send_udp(src, dst, step.packets, step.size, step.rate)
         else:
-            delivered = send_tcp(src, dst, step.packets * step.size)
+            delivered = send_tcp(src, dst, step.packets, step.size, step.rate)
         time.sleep(1.0)  # the agent's metrics are read at scrape time; give in-flight packets a moment
         after, metrics_after = self._counters(), self._pod_metrics()
 

@@ -136,6 +136,7 @@ class Traffic(_Step, tag="traffic"):
     pairs: Count = 2
     packets: Count = 50
     size: Annotated[int, msgspec.Meta(ge=1, le=1400)] = 200
+    rate: Annotated[float, msgspec.Meta(gt=0, le=1_000_000)] | None = None  # packets (TCP: writes) per second
 
 
 Step = (CreatePods | DeletePods | Churn | Annotate | UnobserveThenDelete | Configure | Fault | CompactionGap

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 from podmeter.lab.netns import in_namespace
@@ -40,8 +41,26 @@ def _socket_in(endpoint: Endpoint, kind: int) -> socket.socket:
         return socket.socket(socket.AF_INET, kind)
 
 
-def send_udp(src: Endpoint, dst: Endpoint, packets: int, size: int, timeout: float = 3.0) -> int:
-    """Send ``packets`` datagrams of ``size`` bytes from ``src`` to ``dst``; returns how many arrived."""
+class Pacer:
+    """Spaces sends at ``rate`` per second (None: as fast as possible), on an absolute schedule so
+    sleeping late does not slow the average down."""
+
+    def __init__(self, rate: float | None) -> None:
+        self.interval = 1.0 / rate if rate else 0.0
+        self.next = time.monotonic()
+
+    def wait(self) -> None:
+        if self.interval:
+            self.next += self.interval
+            delay = self.next - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+
+
+def send_udp(src: Endpoint, dst: Endpoint, packets: int, size: int, rate: float | None = None, *,
+             timeout: float = 3.0) -> int:
+    """Send ``packets`` datagrams of ``size`` bytes from ``src`` to ``dst`` (``rate`` per second, or as
+    fast as possible); returns how many arrived."""
     receiver = _socket_in(dst, socket.SOCK_DGRAM)
     sender = _socket_in(src, socket.SOCK_DGRAM)
     try:
@@ -51,9 +70,10 @@ def send_udp(src: Endpoint, dst: Endpoint, packets: int, size: int, timeout: flo
             receiver.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RCVBUF)
         receiver.bind((dst.ip, PORT))
         receiver.settimeout(timeout)
-        payload = b"\x5a" * size
+        payload, pacer = b"\x5a" * size, Pacer(rate)
         for _ in range(packets):
             sender.sendto(payload, (dst.ip, PORT))
+            pacer.wait()
         received = 0
         while received < packets:
             try:
@@ -67,8 +87,10 @@ def send_udp(src: Endpoint, dst: Endpoint, packets: int, size: int, timeout: flo
         receiver.close()
 
 
-def send_tcp(src: Endpoint, dst: Endpoint, total: int, timeout: float = 5.0) -> int:
-    """Stream ``total`` bytes from ``src`` to ``dst`` over one connection; returns bytes received."""
+def send_tcp(src: Endpoint, dst: Endpoint, writes: int, size: int, rate: float | None = None, *,
+             timeout: float = 5.0) -> int:
+    """Stream ``writes`` writes of ``size`` bytes from ``src`` to ``dst`` over one connection (``rate``
+    writes per second, or as fast as possible); returns the bytes received."""
     listener = _socket_in(dst, socket.SOCK_STREAM)
     client = _socket_in(src, socket.SOCK_STREAM)
     received = [0]
@@ -98,7 +120,10 @@ def send_tcp(src: Endpoint, dst: Endpoint, total: int, timeout: float = 5.0) -> 
         server.start()
         client.settimeout(timeout)
         client.connect((dst.ip, PORT))
-        client.sendall(b"\xa5" * total)
+        chunk, pacer = b"\xa5" * size, Pacer(rate)
+        for _ in range(writes):
+            client.sendall(chunk)
+            pacer.wait()
         client.shutdown(socket.SHUT_WR)
         server.join(timeout)
         return received[0]
