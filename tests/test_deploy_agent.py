@@ -119,10 +119,11 @@ class Container:
                               text=True, timeout=60, cwd="/")
 
 
-def get(topology: Topology, port: int, path: str) -> tuple[int, str]:
+def get(topology: Topology, port: int, path: str, host: str = "127.0.0.1") -> tuple[int, str]:
+    """An HTTP GET in the "node" netns: from loopback (``kubectl exec``) or to a node address (kubelet, Prometheus)."""
     with topology.in_host():
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as err:
             return err.code, err.read().decode()
@@ -187,10 +188,14 @@ def test_the_agent_runs_as_the_daemonset_says(topology: Topology, bpffs_dir: Pat
         ready_path, port = agent.probe("readinessProbe")
         live_path, live_port = agent.probe("livenessProbe")
         log = lambda: (tmp_path / "agent.log").read_text(errors="replace")[-3000:]  # noqa: E731
-        wait_for(lambda: proc.poll() is not None or get(topology, port, ready_path)[0] == 200, timeout=30,
+        # the kubelet probes a host-network pod at the node's address
+        node_ip = pod.host_ip
+        wait_for(lambda: proc.poll() is not None or get(topology, port, ready_path, node_ip)[0] == 200, timeout=30,
                  what="readiness probe", describe=log)
         assert proc.poll() is None, log()
-        assert get(topology, live_port, live_path)[0] == 200
+        assert get(topology, live_port, live_path, node_ip)[0] == 200
+        assert get(topology, port, "/metrics", node_ip)[0] == 200  # what Prometheus scrapes
+        assert get(topology, port, "/debug/state", node_ip)[0] == 403  # debug: loopback only
 
         def state() -> dict[str, Any]:
             status, body = get(topology, port, "/debug/state")
