@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from podmeter.lab.scenario import ScenarioError, load_scenario, shipped_scenarios
@@ -46,10 +48,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for note in lab.result.notes:
         print(f"notice: {note}")
+    # SIGTERM unwinds like Ctrl-C, so every namespace, veth, pin and process of the run is removed.
+    signal.signal(signal.SIGTERM, _interrupt)
     result = lab.run()
     files = write_report(result, args.out)
     _print_summary(result, files)
     return 0 if result.passed else 1
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def _print_summary(result: Any, files: list[Path]) -> None:

@@ -207,9 +207,10 @@ class LabRun(Hooks):
         sampler.join(timeout=10)
         self._collect()
 
-    def _wait_until(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            time.sleep(min(0.2, deadline - time.monotonic()) if deadline > time.monotonic() else 0)
+    @staticmethod
+    def _wait_until(deadline: float) -> None:
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(0.2, left))
 
     def _settle_at_end(self) -> None:
         """Wait for an empty node and clean checks (bounded), then ``settle`` more: memory baselines."""
