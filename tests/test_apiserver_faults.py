@@ -96,6 +96,34 @@ def test_watch_that_falls_too_far_behind_is_closed() -> None:
         assert srv.admin.stats()["watchesClosed"] == {"overflow": 1}
 
 
+def test_client_that_stops_reading_is_dropped() -> None:
+    """TCP back-pressure: the server's writes block, the queue overflows, the connection is dropped."""
+    import socket
+
+    with LabServer(process=False, args=["--watch-queue-limit", "5"]) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(
+            f"GET /api/v1/namespaces/default/pods?watch=1&resourceVersion={list_rv(srv)}"
+            f"&timeoutSeconds=60 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {srv.token}\r\n\r\n".encode()
+        )
+        deadline = time.monotonic() + 5
+        while srv.admin.open_watches() < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        big = "x" * 200_000
+        for i in range(60):  # ~12 MB of events, far more than the socket buffers hold
+            srv.admin.inject(
+                "pods", {"metadata": {"name": f"p{i}", "namespace": "default", "annotations": {"pad": big}}}
+            )
+        deadline = time.monotonic() + 10
+        while srv.admin.open_watches() > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.admin.open_watches() == 0
+        assert srv.admin.stats()["watchesClosed"] == {"overflow": 1}
+        sock.close()
+
+
 def test_stall_include_new_and_duration(srv: LabServer) -> None:
     rv = list_rv(srv)
     srv.admin.stall(seconds=1.0, include_new=True)

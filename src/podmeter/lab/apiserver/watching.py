@@ -70,6 +70,7 @@ class Watcher:
         self.wake = asyncio.Event()
         self.closed: str | None = None
         self.abort = False
+        self.transport: asyncio.BaseTransport | None = None
 
     def matches(self, stored: Stored) -> bool:
         if self.opts.namespace is not None and stored.namespace != self.opts.namespace:
@@ -95,7 +96,7 @@ class Watcher:
         if kind is None:
             return
         if len(self.pending) >= self.limit:
-            self.close("overflow")
+            self.close("overflow", abort=True)
             return
         self.pending.append(event.line(kind))
         self.wake.set()
@@ -107,9 +108,12 @@ class Watcher:
             self.wake.set()
 
     def close(self, reason: str, abort: bool = False) -> None:
+        """End the stream at the next step; ``abort`` drops the connection instead of ending it cleanly."""
         if self.closed is None:
             self.closed = reason
             self.abort = abort
+        if abort and self.transport is not None:
+            _drop(self.transport)  # also frees a write blocked on a client that stopped reading
         self.wake.set()
 
 
@@ -173,6 +177,7 @@ class WatchHub:
         if on_open is not None:
             on_open()
         watcher = Watcher(resource, opts, self.queue_limit, self.faults.stall_epoch)
+        watcher.transport = request.transport
         try:
             initial = self._start(watcher)
         except ApiError as err:
@@ -188,7 +193,7 @@ class WatchHub:
             reason = watcher.closed or "client"
             self.closed_by_reason[reason] = self.closed_by_reason.get(reason, 0) + 1
         if watcher.abort and request.transport is not None:
-            request.transport.close()
+            _drop(request.transport)
             return response
         with contextlib.suppress(ConnectionError, RuntimeError):
             await response.write_eof()
@@ -298,6 +303,14 @@ class BookmarkClock:
 
 def _int_rv(text: str) -> int | None:
     return int(text) if text else None
+
+
+def _drop(transport: asyncio.BaseTransport) -> None:
+    """Drop the connection now: ``close()`` would first flush what a non-reading client never takes."""
+    if isinstance(transport, asyncio.WriteTransport):
+        transport.abort()
+    else:
+        transport.close()
 
 
 def _client_gone(request: web.Request) -> bool:
