@@ -2,7 +2,7 @@
 
 Usage::
 
-    from lab_server import LabServer, lab_apiserver  # noqa: F401  (the second is a pytest fixture)
+    from lab_server import LabServer  # the fixtures are registered for every test by tests/conftest.py
 
     def test_something(lab_apiserver):              # in-process (fast), plain HTTP
         lab_apiserver.url, lab_apiserver.token, lab_apiserver.kubeconfig
