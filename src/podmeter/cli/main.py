@@ -31,6 +31,13 @@ def env_defaults(parser: argparse.ArgumentParser) -> None:
 def _typed_env(action: argparse.Action, raw: str) -> object:
     if isinstance(action, argparse._StoreTrueAction):
         return raw.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(action, argparse._AppendAction):
+        # A repeatable option takes a comma-separated list from the environment (PODMETER_INTERFACE=a,b).
+        return [_convert(action, item.strip()) for item in raw.split(",") if item.strip()]
+    return _convert(action, raw)
+
+
+def _convert(action: argparse.Action, raw: str) -> object:
     if action.type is not None and callable(action.type):
         return action.type(raw)
     return raw
