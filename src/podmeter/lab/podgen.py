@@ -13,6 +13,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from podmeter.lab.apiserver.defaults import TOLERATIONS
+
 _TS = "2026-11-29T15:09:08Z"
 _IMAGES = ("registry.example.com/shop/web:1.27.3", "registry.example.com/shop/sidecar-proxy:0.9.1")
 
@@ -201,20 +203,7 @@ def realistic_pod(
         "serviceAccount": "default",
         "securityContext": {},
         "schedulerName": "default-scheduler",
-        "tolerations": [
-            {
-                "key": "node.kubernetes.io/not-ready",
-                "operator": "Exists",
-                "effect": "NoExecute",
-                "tolerationSeconds": 300,
-            },
-            {
-                "key": "node.kubernetes.io/unreachable",
-                "operator": "Exists",
-                "effect": "NoExecute",
-                "tolerationSeconds": 300,
-            },
-        ],
+        "tolerations": [dict(toleration) for toleration in TOLERATIONS],
         "priority": 0,
         "enableServiceLinks": True,
         "preemptionPolicy": "PreemptLowerPriority",

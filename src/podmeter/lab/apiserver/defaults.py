@@ -11,7 +11,8 @@ import hashlib
 import json
 from typing import Any
 
-_TOLERATIONS = [
+# What the real server's admission adds to every pod (DefaultTolerationSeconds).
+TOLERATIONS = [
     {
         "key": "node.kubernetes.io/not-ready",
         "operator": "Exists",
@@ -116,7 +117,7 @@ def default_pod(pod: dict[str, Any]) -> None:
     spec.setdefault("schedulerName", "default-scheduler")
     raw_tolerations = spec.get("tolerations")
     tolerations: list[Any] = raw_tolerations if isinstance(raw_tolerations, list) else []
-    spec["tolerations"] = tolerations + [t for t in _TOLERATIONS if t not in tolerations]
+    spec["tolerations"] = tolerations + [t for t in TOLERATIONS if t not in tolerations]
     spec.setdefault("priority", 0)
     spec.setdefault("enableServiceLinks", True)
     spec.setdefault("preemptionPolicy", "PreemptLowerPriority")

@@ -24,6 +24,7 @@ from podmeter.lab.apiserver.errors import ApiError, Cause
 from podmeter.lab.apiserver.options import EXACT, ListOptions, encode_continue
 from podmeter.lab.apiserver.resources import (
     LEASES,
+    META_FIELDS,
     NAMESPACES,
     PODS,
     ResourceType,
@@ -655,28 +656,11 @@ def _page(
     return items, last_key, scanned
 
 
-_META_ORDER = (
-    "name",
-    "generateName",
-    "namespace",
-    "selfLink",
-    "uid",
-    "resourceVersion",
-    "generation",
-    "creationTimestamp",
-    "deletionTimestamp",
-    "deletionGracePeriodSeconds",
-    "labels",
-    "annotations",
-    "ownerReferences",
-    "finalizers",
-    "managedFields",
-)
 
 
 def _meta_order(meta: dict[str, Any]) -> list[str]:
-    known = [k for k in _META_ORDER if k in meta]
-    return known + [k for k in meta if k not in _META_ORDER]
+    known = [k for k in META_FIELDS if k in meta]
+    return known + [k for k in meta if k not in META_FIELDS]
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:

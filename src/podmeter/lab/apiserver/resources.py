@@ -20,26 +20,25 @@ from podmeter.lab.apiserver.errors import Cause
 # A schema node: a dict of known keys (value: sub-schema, or None for "anything below").
 Schema = dict[str, Any]
 
-_META: Schema = {
-    k: None
-    for k in (
-        "name",
-        "generateName",
-        "namespace",
-        "selfLink",
-        "uid",
-        "resourceVersion",
-        "generation",
-        "creationTimestamp",
-        "deletionTimestamp",
-        "deletionGracePeriodSeconds",
-        "labels",
-        "annotations",
-        "ownerReferences",
-        "finalizers",
-        "managedFields",
-    )
-}
+# Object metadata fields in the order the real server writes them (also the order of our answers).
+META_FIELDS = (
+    "name",
+    "generateName",
+    "namespace",
+    "selfLink",
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "labels",
+    "annotations",
+    "ownerReferences",
+    "finalizers",
+    "managedFields",
+)
+_META: Schema = dict.fromkeys(META_FIELDS)
 _CONTAINER: Schema = {
     k: None
     for k in (
