@@ -85,3 +85,16 @@ def test_oldest_reuse_hands_out_every_other_ip_before_a_freed_one_returns() -> N
     assert [pool.allocate() for _ in range(6)] == [f"10.9.0.{i}" for i in (2, 3, 4, 5, 6, 1)]
     with pytest.raises(ValueError, match="lowest or oldest"):
         IpPool("10.9.0.0/29", reuse="random")
+
+
+def test_a_stale_running_event_never_revives_a_pod_the_node_finished() -> None:
+    node = Node(NodeSettings("n1", "10.9.0.0/29", datapath="memory"), client=None)  # type: ignore[arg-type]
+    meta = {"uid": "u1", "name": "p", "namespace": "d"}
+    with node._lock:
+        node._handle({"metadata": meta, "spec": {}, "status": {"phase": "Pending"}}, deleted=False)
+        assert node.running["u1"].ip == "10.9.0.1"
+        node._handle({"metadata": meta, "status": {"phase": "Succeeded", "podIP": "10.9.0.1"}}, deleted=False)
+        assert "u1" not in node.running
+        # The Running event of its own status write, delivered late: the pod stays finished.
+        node._handle({"metadata": meta, "status": {"phase": "Running", "podIP": "10.9.0.1"}}, deleted=False)
+        assert "u1" not in node.running and node.stats.started == 1

@@ -14,6 +14,7 @@ import logging
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ class DriverStats:
     errors: int = 0
     step: str = "starting"
     delete_times: dict[str, float] = field(default_factory=dict)  # ip -> when its pod's delete returned
+    deleted_in_phase: Counter[str] = field(default_factory=Counter)  # Pending: deleted before it ran
 
 
 class Hooks:
@@ -135,6 +137,7 @@ class Driver:
             return
         self.stats.deleted += 1
         self.stats.lifecycles += 1
+        self.stats.deleted_in_phase[(answer.get("status") or {}).get("phase") or "none"] += 1
         ip = (answer.get("status") or {}).get("podIP")
         # Latency samples only outside faults (an agent that is down unmaps nothing, by design).
         if ip and (answer.get("status") or {}).get("phase") == "Running" and not self.holding:

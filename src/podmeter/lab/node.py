@@ -12,18 +12,22 @@ For every pod bound to the node (``spec.nodeName``):
   with graceful deletion is then deleted with grace 0, as a kubelet does.
 
 Level-triggered like the agent: after every (re)list the sandboxes are made to match the listed pods,
-so a missed watch event costs a delay, never a leaked namespace. Invariant: ``sandboxes`` holds exactly
-the pods the node runs, each with a distinct IP of the pool.
+so a missed watch event costs a delay, never a leaked namespace. Invariant: ``running`` holds exactly
+the pods the node runs, each with a distinct IP of the pool (see :class:`Node` for the threads).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import ipaddress
 import logging
+import queue
 import threading
 import time
+import zlib
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,17 +123,32 @@ class NodeStats:
 
 
 class Node:
-    """The node loop. All state changes happen under ``_lock`` (watch thread and completion timer)."""
+    """The node. The watch thread decides under ``_lock`` (which pods run, which IP each holds); the slow
+    work (netlink, status writes) runs on ``workers`` threads, each pod's on the same one, so a pod's
+    build, completion and teardown keep their order while different pods proceed in parallel.
 
-    def __init__(self, settings: NodeSettings, client: KubeClient) -> None:
+    Invariants: an IP goes back to the pool only after its sandbox is gone (a new pod never meets the
+    old pod's route); a pod UID this node finished or stopped never starts again (a stale event queued
+    before its end cannot revive it; Kubernetes never reruns a pod UID).
+    """
+
+    FINISHED_MEMORY = 50_000  # UIDs remembered as finished (oldest forgotten first)
+
+    def __init__(self, settings: NodeSettings, client: KubeClient, workers: int = 4) -> None:
         self.settings = settings
         self.client = client
         self.pool = IpPool(settings.pod_cidr, settings.ip_reuse)
         self.running: dict[str, _Running] = {}  # uid -> what the node runs for it
         self.stats = NodeStats()
-        self._completions: list[tuple[float, str, str, str]] = []  # (due, uid, namespace, name)
+        self._finished: dict[str, None] = {}
+        self._completions: list[tuple[float, str]] = []  # (due, uid)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._closing = False
+        self._queues: list[queue.SimpleQueue[Callable[[], None] | None]] = [
+            queue.SimpleQueue() for _ in range(max(1, workers))]
+        self._workers = [threading.Thread(target=self._work, args=(q,), name=f"node-worker-{i}", daemon=True)
+                         for i, q in enumerate(self._queues)]
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -137,6 +156,8 @@ class Node:
         """List + watch until :meth:`stop`; then tear every sandbox down."""
         if self.settings.datapath == "ebpf":
             enable_forwarding()
+        for worker in self._workers:
+            worker.start()
         timer = threading.Thread(target=self._completion_loop, name="node-completions", daemon=True)
         timer.start()
         try:
@@ -160,9 +181,31 @@ class Node:
         return self._stop.is_set()
 
     def teardown_all(self) -> None:
+        """Let the workers finish what is queued, then remove every sandbox left. Idempotent."""
         with self._lock:
-            for uid in list(self.running):
-                self._stop_pod(uid)
+            already, self._closing = self._closing, True
+        if not already:
+            for q in self._queues:
+                q.put(None)
+            for worker in self._workers:
+                if worker.is_alive():
+                    worker.join(timeout=60)
+        with self._lock:
+            leftovers = list(self.running.values())
+            self.running.clear()
+        for running in leftovers:
+            self._teardown(running)
+
+    def _work(self, jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while (job := jobs.get()) is not None:
+            try:
+                job()
+            except Exception:  # one pod's failure must not stop the node; it is logged and counted
+                self.stats.errors["worker"] += 1
+                log.exception("node worker")
+
+    def _dispatch(self, uid: str, job: Callable[[], None]) -> None:
+        self._queues[zlib.crc32(uid.encode()) % len(self._queues)].put(job)
 
     # --- list and watch ---------------------------------------------------------------------------
 
@@ -194,25 +237,27 @@ class Node:
         for pod in pods:
             self._handle(pod, deleted=False)
 
-    # --- one pod ----------------------------------------------------------------------------------
+    # --- decisions (under the lock) ---------------------------------------------------------------
 
     def _handle(self, pod: dict[str, Any], deleted: bool) -> None:
+        if self._closing:
+            return
         meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {})
         uid = meta.get("uid", "")
         if deleted or meta.get("deletionTimestamp"):
             self._stop_pod(uid)
             if not deleted:
-                self._finish_delete(meta)
+                self._dispatch(uid, lambda: self._finish_delete(meta))
             return
         phase = status.get("phase", "")
         if phase in TERMINAL:
             self._stop_pod(uid)
             return
-        if uid in self.running:
+        if uid in self.running or uid in self._finished:
             return
         if spec.get("hostNetwork"):
             if phase != "Running":
-                self._write_status(meta, "Running", self.settings.node_ip)
+                self._dispatch(uid, functools.partial(self._run_host_network, meta))
             return
         self._start_pod(meta, status)
 
@@ -226,32 +271,56 @@ class Node:
             log.warning("pod %s/%s waits: %s", ns, name, exc)
             return
         sandbox = Sandbox.for_pod(uid, ip) if self.settings.datapath == "ebpf" else None
-        try:
-            if sandbox is not None:
-                sandbox.destroy()  # a leftover of a killed node with the same pod
-                sandbox.create()
-        except OSError as exc:
-            self.pool.release(ip)
-            self.stats.errors["sandbox"] += 1
-            log.error("pod %s/%s: sandbox failed: %s", ns, name, exc)
-            return
-        self.running[uid] = _Running(ns, name, ip, sandbox)
+        running = self.running[uid] = _Running(ns, name, ip, sandbox)
         self.stats.started += 1
-        if ip != known_ip and self._write_status(meta, "Running", ip) is None:
-            self._stop_pod(uid)  # deleted while we built it
+        self._dispatch(uid, lambda: self._build(uid, meta, running, write=ip != known_ip))
+
+    def _stop_pod(self, uid: str) -> None:
+        self._forget_later(uid)
+        running = self.running.pop(uid, None)
+        if running is not None:
+            self._dispatch(uid, lambda: self._teardown(running))
+
+    def _forget_later(self, uid: str) -> None:
+        self._finished[uid] = None
+        if len(self._finished) > self.FINISHED_MEMORY:
+            del self._finished[next(iter(self._finished))]
+
+    # --- work (on the pod's worker, outside the lock) ---------------------------------------------
+
+    def _build(self, uid: str, meta: dict[str, Any], running: _Running, write: bool) -> None:
+        try:
+            if running.sandbox is not None:
+                running.sandbox.destroy()  # a leftover of a killed node with the same pod
+                running.sandbox.create()
+        except OSError as exc:
+            self.stats.errors["sandbox"] += 1
+            log.error("pod %s/%s: sandbox failed: %s", running.namespace, running.name, exc)
+            with self._lock:
+                if self.running.get(uid) is running:
+                    del self.running[uid]
+            self._release(running)
+            return
+        if write and self._write_status(meta, "Running", running.ip) is None:
+            with self._lock:
+                self._stop_pod(uid)  # deleted while we built it
             return
         run_for = (meta.get("annotations") or {}).get(RUN_SECONDS_ANNOTATION)
         if run_for is not None:
-            self._schedule_completion(uid, ns, name, run_for)
+            self._schedule_completion(uid, running, run_for)
 
-    def _stop_pod(self, uid: str) -> None:
-        running = self.running.pop(uid, None)
-        if running is None:
-            return
+    def _run_host_network(self, meta: dict[str, Any]) -> None:
+        self._write_status(meta, "Running", self.settings.node_ip)
+
+    def _teardown(self, running: _Running) -> None:
         if running.sandbox is not None:
             running.sandbox.destroy()
-        self.pool.release(running.ip)
-        self.stats.stopped += 1
+        self._release(running)
+
+    def _release(self, running: _Running) -> None:
+        with self._lock:
+            self.pool.release(running.ip)
+            self.stats.stopped += 1
 
     def _write_status(self, meta: dict[str, Any], phase: str, ip: str) -> dict[str, Any] | None:
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -261,11 +330,11 @@ class Node:
                                   "lastTransitionTime": now}]}
         path = pod_path(meta.get("namespace", ""), meta.get("name", ""), "status")
         try:
-            return self.client.patch(path, {"metadata": {"uid": meta.get("uid")}, "status": status})
+            return self.client.patch(path, {"status": status})
         except KubeError as exc:
-            if exc.status == 409:  # another pod of that name meanwhile (uid precondition)
-                return None
-            raise
+            self.stats.errors["api"] += 1
+            log.warning("pod %s: status %s not written: %s", meta.get("name"), phase, exc)
+            return None
 
     def _finish_delete(self, meta: dict[str, Any]) -> None:
         """A Terminating pod whose sandbox is gone: delete it for good (grace 0), as a kubelet does."""
@@ -276,35 +345,34 @@ class Node:
 
     # --- Job-style pods ---------------------------------------------------------------------------
 
-    def _schedule_completion(self, uid: str, ns: str, name: str, run_for: str) -> None:
+    def _schedule_completion(self, uid: str, running: _Running, run_for: str) -> None:
         try:
             seconds = max(0.0, float(run_for))
         except ValueError:
-            log.warning("pod %s/%s: %s=%r is not a number; it runs until deleted", ns, name,
-                        RUN_SECONDS_ANNOTATION, run_for)
+            log.warning("pod %s/%s: %s=%r is not a number; it runs until deleted", running.namespace,
+                        running.name, RUN_SECONDS_ANNOTATION, run_for)
             return
-        heapq.heappush(self._completions, (time.monotonic() + seconds, uid, ns, name))
+        with self._lock:
+            heapq.heappush(self._completions, (time.monotonic() + seconds, uid))
 
     def _completion_loop(self) -> None:
         while not self._stop.wait(0.05):
             now = time.monotonic()
-            while True:
-                with self._lock:
-                    if not self._completions or self._completions[0][0] > now:
-                        break
-                    _, uid, ns, name = heapq.heappop(self._completions)
+            with self._lock:
+                while self._completions and self._completions[0][0] <= now:
+                    _, uid = heapq.heappop(self._completions)
                     running = self.running.get(uid)
-                    if running is None:
-                        continue
-                    self._complete(uid, ns, name, running.ip)
+                    if running is not None and not self._closing:
+                        self._dispatch(uid, functools.partial(self._complete, uid, running))
 
-    def _complete(self, uid: str, ns: str, name: str, ip: str) -> None:
+    def _complete(self, uid: str, running: _Running) -> None:
         """Succeeded: the status keeps its IP (as a real kubelet leaves it), the sandbox and IP are freed."""
-        try:
-            self._write_status({"uid": uid, "namespace": ns, "name": name}, "Succeeded", ip)
-        except KubeError as exc:
-            self.stats.errors["api"] += 1
-            log.warning("pod %s/%s: completion not written: %s", ns, name, exc)
+        with self._lock:
+            if self.running.get(uid) is not running:
+                return  # deleted meanwhile
+        meta = {"namespace": running.namespace, "name": running.name}
+        if self._write_status(meta, "Succeeded", running.ip) is None:
             return
-        self._stop_pod(uid)
-        self.stats.completed += 1
+        with self._lock:
+            self._stop_pod(uid)
+            self.stats.completed += 1

@@ -135,6 +135,7 @@ class LabRun(Hooks):
         self.driver: Driver | None = None
         self.baselines: dict[str, float] = {}
         self.latencies_ms: list[float] = []
+        self.latency_unseen = 0  # deletes whose IP was never seen leaving the map (reused first)
         self.started = time.monotonic()
         self._stop_sampling = threading.Event()
         self._last: Sample | None = None
@@ -387,6 +388,7 @@ class LabRun(Hooks):
                     pending.pop(ip, None)
                 elif now - since > 5.0:
                     pending.pop(ip, None)  # reused before it was seen unmapped (or leaked: the checks say)
+                    self.latency_unseen += 1
 
     # --- traffic -------------------------------------------------------------------------------------
 
@@ -476,11 +478,12 @@ class LabRun(Hooks):
         self.result.failures = self.checker.summary()["failures"]
         self.result.counts = {
             "pods_created": stats.created, "pods_deleted": stats.deleted, "lifecycles": stats.lifecycles,
+            "deleted_in_phase": dict(stats.deleted_in_phase),
             "interest_flips": stats.flips, "faults": stats.faults, "agent_kills": stats.agent_kills,
             "driver_errors": stats.errors, "transient_violations": self.checker.transient,
             "overflow_max_waiting": self.checker.overflow_seen,
             "max_filter_drift": max((s.filter_drift for s in self.result.samples), default=0),
-            "delete_to_unmapped_ms": _percentiles(self.latencies_ms),
+            "delete_to_unmapped_ms": {**_percentiles(self.latencies_ms), "unseen": self.latency_unseen},
             "restart_converged_after_s": self.convergence_s,
         }
 
