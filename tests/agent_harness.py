@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,6 +22,7 @@ from podmeter.adapters.kube.reflector import ReflectorSettings
 from podmeter.adapters.kube.resources import ResourceKind
 from podmeter.model.datapath import Datapath
 from podmeter.runtime.agent import Agent, AgentSettings
+from waiting import wait_for
 
 T = TypeVar("T")
 OBSERVE = "podmeter.io/observe"
@@ -74,17 +74,6 @@ class AgentHarness:
     def wait_filter(self, expected: set[str], timeout: float = 10.0) -> None:
         wait_for(lambda: self.filter() == expected, timeout, f"filter == {sorted(expected)}",
                  lambda: f"filter is {sorted(self.filter())}")
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition",
-             describe: Callable[[], str] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    detail = f"; {describe()}" if describe else ""
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}{detail}")
 
 
 class Cluster:

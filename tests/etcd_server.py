@@ -18,13 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from waiting import free_port
+
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class EtcdServer:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -14,14 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from agent_harness import Cluster, wait_for
+from agent_harness import Cluster
 from lab_server import LabServer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from waiting import free_port, wait_for
 
 
 def get(url: str) -> tuple[int, str]:

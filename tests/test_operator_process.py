@@ -29,23 +29,13 @@ from podmeter.adapters.kube.connection import load_connection
 from podmeter.adapters.kube.reflector import ReflectorSettings
 from podmeter.model.identity import IdentityKey
 from podmeter.runtime.operator import Operator, OperatorSettings, ReflectorPodSource
+from waiting import wait_for
 
 __all__ = ["etcd"]
 
 APPS = ("report", "backup", "etl")
 LEASE_S = 3.0
 MC_PATH = "/apis/podmeter.io/v1alpha1/metricsconfigurations"
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition",
-             describe: Callable[[], object] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    detail = f": {describe()}" if describe is not None else ""
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}{detail}")
 
 
 def job_pod(i: int) -> dict[str, Any]:

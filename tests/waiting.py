@@ -1,0 +1,25 @@
+"""Small helpers every process-level test needs: a free loopback port, and waiting for a condition."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition",
+             describe: Callable[[], object] | None = None) -> None:
+    """Poll ``predicate`` every 50 ms; fail naming ``what`` (and ``describe()``) after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    detail = f"; {describe()}" if describe is not None else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{detail}")
