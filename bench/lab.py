@@ -61,6 +61,9 @@ def figures(result: LabResult, duration: float) -> dict[str, Any]:
         "duration_s": duration,
         "lifecycles": result.counts.get("lifecycles"),
         "lifecycles_per_s": round(result.counts.get("lifecycles", 0) / duration, 1),
+        # Pods whose sandbox was up (Running, or finished) when their delete came: the node's real pace.
+        "ran_before_delete": sum(n for phase, n in result.counts.get("deleted_in_phase", {}).items()
+                                 if phase in ("Running", "Succeeded")),
         "max_filter_drift": result.counts.get("max_filter_drift"),
         "agent_rss_growth_mib": memory.get("agent", {}).get("growth_mib"),
         "operator_rss_growth_mib": memory.get("operator", {}).get("growth_mib"),

@@ -65,5 +65,8 @@ def run(args: argparse.Namespace) -> int:
         worker.join(timeout=0.2)
     worker.join(timeout=2.0)
     node.teardown_all()  # idempotent: whatever the worker did not remove yet
-    log.info("node stopped: %d pods started, %d stopped", node.stats.started, node.stats.stopped)
+    stats = node.stats
+    log.info("node stopped: %d pods started, %d built (%.1f ms each on average), %d stopped, %d completed, "
+             "errors %s", stats.started, stats.built, 1000 * stats.build_seconds / max(1, stats.built),
+             stats.stopped, stats.completed, dict(stats.errors) or "none")
     return 0

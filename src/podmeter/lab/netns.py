@@ -7,23 +7,32 @@ Layout, the one Calico uses (no bridge, so every pod has its own host-side devic
 * the host side ``pm<id>`` stays in the node's namespace (the caller's), carries 169.254.1.1/32 (so it
   answers the pod's ARP for the gateway) and a /32 route to the pod IP; the node forwards between pods.
 
-Everything is netlink through pyroute2 (no shell); :meth:`Sandbox.destroy` is idempotent and also
-cleans up a half-built sandbox, so a failure midway leaves nothing behind.
+Everything is netlink through pyroute2 and two syscalls (no shell, no fork): a namespace is made by a
+short-lived thread that ``unshare``s its own network namespace and bind-mounts it under /run/netns, and
+removed by unmounting it. The kernel then dismantles the namespace in the background, and with it
+``eth0``, whose veth peer (the host side) and /32 route go too; the host route is installed with
+"replace", so a new pod given the same IP a moment later wins over a host side still being dismantled.
+:meth:`Sandbox.destroy` is idempotent and also cleans up a half-built sandbox.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from pyroute2 import IPRoute
-from pyroute2 import netns as pyroute2_netns
 from pyroute2.netlink.exceptions import NetlinkError
 
-from podmeter.adapters.datapath.ebpf.netns import netns
+from podmeter.adapters.datapath.ebpf.netns import CLONE_NEWNET, netns
+
+_libc = ctypes.CDLL(None, use_errno=True)
+MS_BIND = 4096
+MNT_DETACH = 2
 
 GATEWAY = "169.254.1.1"
 NETNS_DIR = Path("/run/netns")
@@ -58,14 +67,14 @@ class Sandbox:
     def create(self) -> None:
         """Build the namespace, the veth pair, addresses and routes; on failure undo what was built."""
         try:
-            pyroute2_netns.create(self.netns)
+            create_netns(self.netns_path)
             with IPRoute() as ipr:
                 ipr.link("add", ifname=self.host_device, kind="veth",
                          peer={"ifname": "eth0", "net_ns_fd": self.netns_path})
                 index = ipr.link_lookup(ifname=self.host_device)[0]
                 ipr.addr("add", index=index, address=GATEWAY, prefixlen=32)
                 ipr.link("set", index=index, state="up")
-                ipr.route("add", dst=f"{self.ip}/32", oif=index, scope=SCOPE_LINK)
+                ipr.route("replace", dst=f"{self.ip}/32", oif=index, scope=SCOPE_LINK)
             with netns(self.netns_path), IPRoute() as ipr:
                 eth0 = ipr.link_lookup(ifname="eth0")[0]
                 ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
@@ -74,19 +83,55 @@ class Sandbox:
                 ipr.route("add", dst=f"{GATEWAY}/32", oif=eth0, scope=SCOPE_LINK)
                 ipr.route("add", dst="0.0.0.0/0", gateway=GATEWAY, oif=eth0)
         except BaseException:
-            self.destroy()
+            self.destroy(wait=True)
             raise
 
-    def destroy(self) -> None:
-        """Remove the veth pair (its /32 route goes with it) and the namespace; absent parts are fine."""
-        with IPRoute() as ipr, contextlib.suppress(NetlinkError):
-            ipr.link("del", ifname=self.host_device)
-        if (NETNS_DIR / self.netns).exists():
-            with contextlib.suppress(OSError):
-                pyroute2_netns.remove(self.netns)
+    def destroy(self, wait: bool = False) -> None:
+        """Remove the namespace; the kernel removes its veth pair and route soon after. ``wait``: delete
+        the host side now (before reusing this sandbox's device name). Absent parts are fine."""
+        if wait:
+            with IPRoute() as ipr, contextlib.suppress(NetlinkError):
+                ipr.link("del", ifname=self.host_device)
+        remove_netns(self.netns_path)
 
     def exists(self) -> bool:
         return (NETNS_DIR / self.netns).exists()
+
+
+def create_netns(path: str) -> None:
+    """A new network namespace bound at ``path`` (like ``ip netns add``), without forking."""
+    NETNS_DIR.mkdir(parents=True, exist_ok=True)
+    errors: list[OSError] = []
+
+    def make() -> None:  # runs on its own thread: only that thread's namespace changes, and it ends
+        try:
+            if _libc.unshare(CLONE_NEWNET) != 0:
+                raise _errno_error("unshare(CLONE_NEWNET)")
+            os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0))
+            if _libc.mount(b"/proc/thread-self/ns/net", path.encode(), b"none", MS_BIND, None) != 0:
+                raise _errno_error(f"bind mount of a namespace on {path}")
+        except OSError as exc:
+            errors.append(exc)
+
+    maker = threading.Thread(target=make, name="netns-maker")
+    maker.start()
+    maker.join()
+    if errors:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise errors[0]
+
+
+def remove_netns(path: str) -> None:
+    """Unbind a namespace made by :func:`create_netns`; it goes once nothing else holds it. Idempotent."""
+    _libc.umount2(path.encode(), MNT_DETACH)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _errno_error(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def enable_forwarding() -> None:
@@ -101,15 +146,14 @@ def node_namespace(name: str) -> Iterator[str]:
 
     Running the lab node inside it keeps the lab off the machine's own interfaces, routes and sysctls.
     """
-    pyroute2_netns.create(name)
     path = str(NETNS_DIR / name)
+    create_netns(path)
     try:
         with netns(path), IPRoute() as ipr:
             ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
         yield path
     finally:
-        with contextlib.suppress(OSError):
-            pyroute2_netns.remove(name)
+        remove_netns(path)
 
 
 def in_namespace(path: str) -> contextlib.AbstractContextManager[None]:

@@ -38,6 +38,7 @@ log = logging.getLogger("podmeter.node")
 
 RUN_SECONDS_ANNOTATION = "lab.podmeter.io/run-seconds"
 TERMINAL = frozenset({"Succeeded", "Failed"})
+SYNC_TEARDOWN = False  # True: delete the host veth before freeing the IP (slower, same result)
 
 
 class PoolExhausted(RuntimeError):
@@ -119,6 +120,8 @@ class NodeStats:
     started: int = 0
     stopped: int = 0
     completed: int = 0
+    built: int = 0  # sandboxes built and announced (Running written)
+    build_seconds: float = 0.0
     errors: Counter[str] = field(default_factory=Counter)
 
 
@@ -289,9 +292,13 @@ class Node:
     # --- work (on the pod's worker, outside the lock) ---------------------------------------------
 
     def _build(self, uid: str, meta: dict[str, Any], running: _Running, write: bool) -> None:
+        with self._lock:
+            if self.running.get(uid) is not running:
+                return  # deleted while queued: its teardown job follows and frees the IP
+        started = time.monotonic()
         try:
             if running.sandbox is not None:
-                running.sandbox.destroy()  # a leftover of a killed node with the same pod
+                running.sandbox.destroy(wait=True)  # a leftover of a killed node with the same pod
                 running.sandbox.create()
         except OSError as exc:
             self.stats.errors["sandbox"] += 1
@@ -305,6 +312,8 @@ class Node:
             with self._lock:
                 self._stop_pod(uid)  # deleted while we built it
             return
+        self.stats.build_seconds += time.monotonic() - started
+        self.stats.built += 1
         run_for = (meta.get("annotations") or {}).get(RUN_SECONDS_ANNOTATION)
         if run_for is not None:
             self._schedule_completion(uid, running, run_for)
@@ -314,7 +323,7 @@ class Node:
 
     def _teardown(self, running: _Running) -> None:
         if running.sandbox is not None:
-            running.sandbox.destroy()
+            running.sandbox.destroy(wait=SYNC_TEARDOWN)
         self._release(running)
 
     def _release(self, running: _Running) -> None:

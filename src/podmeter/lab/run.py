@@ -302,7 +302,7 @@ class LabRun(Hooks):
             host_device = "pm" + path.name.removeprefix("pmpod-")
             if host_device in ours:
                 with contextlib.suppress(OSError):
-                    Sandbox(path.name, host_device, "").destroy()
+                    Sandbox(path.name, host_device, "").destroy(wait=True)
 
     # --- sampling ------------------------------------------------------------------------------------
 
