@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -142,6 +143,9 @@ def authorized(allowed: set[Grant], attributes: tuple[str, str, str, str, str]) 
                for scope, g, r, v, n in allowed)
 
 
+STASH = Path("/var/tmp/podmeter-deploy-stash")  # outside every emptyDir path of the manifests
+
+
 def container_filesystem(workload: Obj) -> list[str]:
     """argv prefix that gives a process the container's file system view, as far as it matters here: with
     ``readOnlyRootFilesystem`` a private mount namespace whose root mount is read-only, and a tmpfs at the
@@ -155,9 +159,20 @@ def container_filesystem(workload: Obj) -> list[str]:
     for mount in cont.get("volumeMounts", []):
         if "emptyDir" in volumes[mount["name"]]:
             size = volumes[mount["name"]]["emptyDir"].get("sizeLimit", "64Mi").replace("Mi", "m")
-            steps.append(f"mount -t tmpfs -o size={size} tmpfs {mount['mountPath']}")
+            steps.extend(_tmpfs_keeping_the_project(mount["mountPath"], size))
     script = " && ".join([*steps, 'exec "$@"'])
     return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh"]
+
+
+def _tmpfs_keeping_the_project(path: str, size: str) -> list[str]:
+    """Mount a tmpfs at ``path``; if this checkout (its venv, its sources) lives below it, as a CI clone in
+    /tmp does, bind it back on top so the process under test still finds its interpreter."""
+    mount = [f"mount -t tmpfs -o size={shlex.quote(size)} tmpfs {shlex.quote(path)}"]
+    if not ROOT.is_relative_to(path):
+        return mount
+    STASH.mkdir(parents=True, exist_ok=True)
+    project, stash = shlex.quote(str(ROOT)), shlex.quote(str(STASH))
+    return [f"mount --bind {project} {stash}", *mount, f"mkdir -p {project}", f"mount --bind {stash} {project}"]
 
 
 def service_account_dir() -> Path:
