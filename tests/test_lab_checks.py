@@ -116,3 +116,15 @@ def test_store_series_and_misattributed_traffic_from_the_agent_metrics() -> None
     clock.now = 2.0  # past settle + grace: the gone pod's series fails too
     checker.observe(_obs(truth, {"10.0.0.1", "10.0.0.2"}, agent=metrics))
     assert ("I5", "web/old") in {(f.invariant, f.subject) for f in checker.failures}
+
+
+def test_an_ip_passing_from_pod_to_pod_is_a_new_transient_each_time() -> None:
+    clock = Clock()
+    checker = Checker(settle=1.0, clock=clock)
+    for step, owner in enumerate(["a", "b", "c", "d"]):
+        clock.now = step * 0.8  # each pod's IP in flight for one sample, the IP missing throughout
+        checker.observe(_obs(_truth({"10.0.0.1": owner}), set()))
+    assert checker.failures == [] and checker.transient == 3
+    clock.now = 4.0  # the same pod's IP still missing past the settle time: a failure
+    checker.observe(_obs(_truth({"10.0.0.1": "d"}), set()))
+    assert [f.detail for f in checker.failures] == ["missing: 10.0.0.1 of observed web/d is not in the kernel filter"]

@@ -124,15 +124,15 @@ class Checker:
     settle: float
     metrics_grace: float = 5.0  # I5: the last scrape may still see a gone pod's final value
     clock: Callable[[], float] = time.monotonic
-    open: dict[tuple[str, str], Violation] = field(default_factory=dict)
+    open: dict[tuple[str, str, str], Violation] = field(default_factory=dict)
     failures: list[Violation] = field(default_factory=list)
     transient: int = 0
     overflow_seen: int = 0
     last_holder: dict[str, str] = field(default_factory=dict)  # ip -> "ns/name" of its last holder
     traffic_pods: set[str] = field(default_factory=set)  # "ns/name" of pods the lab sent traffic from/to
     _held: int = 0
-    _failed_keys: set[tuple[str, str]] = field(default_factory=set)
-    _graced: set[tuple[str, str]] = field(default_factory=set)  # series of gone pods: settle + metrics_grace
+    _failed_keys: set[tuple[str, str, str]] = field(default_factory=set)
+    _graced: set[tuple[str, str, str]] = field(default_factory=set)  # gone pods' series: settle + metrics_grace
 
     # --- holds ----------------------------------------------------------------------------------
 
@@ -157,9 +157,9 @@ class Checker:
         for pod in obs.truth.node_pods.values():
             for ip in pod.ips:
                 self.last_holder[ip] = pod.key
-        found: dict[tuple[str, str], tuple[str, str, str]] = {}
+        found: dict[tuple[str, str, str], tuple[str, str, str]] = {}
         for invariant, subject, detail in self._violations(obs):
-            found[(invariant, subject)] = (invariant, subject, detail)
+            found[_identity(invariant, subject, detail)] = (invariant, subject, detail)
         now = self.clock()
         for key in [k for k in self.open if k not in found]:
             if key not in self._failed_keys:
@@ -226,7 +226,7 @@ class Checker:
             pod = (labels.get("namespace", ""), labels.get("pod", ""))
             key = f"{pod[0]}/{pod[1]}"
             if pod not in obs.truth.pod_names:
-                self._graced.add(("I5", key))
+                self._graced.add(("I5", key, ""))
                 found.append(("I5", key, f"series podmeter_pod_bytes_total of {key}, a pod that is gone"))
             elif value > 0 and key not in self.traffic_pods:
                 found.append(("I5", f"{key}/{labels.get('direction')}",
@@ -246,6 +246,14 @@ class Checker:
     def summary(self) -> dict[str, Any]:
         return {"failures": [_violation_json(v) for v in self.failures], "transient": self.transient,
                 "overflow_max_waiting": self.overflow_seen}
+
+
+def _identity(invariant: str, subject: str, detail: str) -> tuple[str, str, str]:
+    """What makes two samples' violations *the same* one. A filter violation is about an IP *and* its
+    pods: under churn an IP passes from pod to pod in seconds (lowest free IP first), and a new pod's IP
+    in flight is a new transient, not the continuation of the last pod's. Counts (I1, I4) are one
+    violation however their numbers move."""
+    return (invariant, subject, detail if invariant in ("I2", "I3") else "")
 
 
 def _why_not(pod: Pod) -> str:
