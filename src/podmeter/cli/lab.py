@@ -61,6 +61,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def _print_summary(result: Any, files: list[Path]) -> None:
+    print()
     print(f"verdict: {'PASSED' if result.passed else 'FAILED'} ({result.scenario}, {result.datapath})")
     if result.error:
         print(f"error: {result.error}")

@@ -520,19 +520,24 @@ class LabRun(Hooks):
                 live.update(self._render())
 
     def _render(self) -> Any:
+        """A compact key/value panel: it fits an 80-column terminal (and a log, when not a terminal)."""
         from rich.table import Table
 
-        table = Table(title=f"podmeter lab: {self.scenario.name} ({self.datapath}, seed {self.scenario.seed})")
-        for column in ("time", "step", "lifecycles", "pods", "desired", "kernel", "agent MiB", "operator MiB",
-                       "identities", "open", "failed"):
-            table.add_column(column)
         s, stats = self._last, self.driver.stats if self.driver else None
-        table.add_row(
-            f"{time.monotonic() - self.started:5.1f}s", stats.step if stats else "",
-            str(stats.lifecycles) if stats else "0",
-            *(("-",) * 6 if s is None else (str(s.pods), str(s.desired), _fmt(s.kernel), _fmt(s.agent_rss),
-                                             _fmt(s.operator_rss), _fmt(s.identities))),
-            str(len(self.checker.open)), str(len(self.checker.failures)))
+        rows = [
+            ("time", f"{time.monotonic() - self.started:.1f} s"), ("step", stats.step if stats else "-"),
+            ("lifecycles", str(stats.lifecycles) if stats else "0"),
+            ("pods / desired / kernel", "-" if s is None else f"{s.pods} / {s.desired} / {_fmt(s.kernel)}"),
+            ("RSS agent / operator MiB", "-" if s is None else f"{_fmt(s.agent_rss)} / {_fmt(s.operator_rss)}"),
+            ("identities", "-" if s is None else _fmt(s.identities)),
+            ("violations open / failed", f"{len(self.checker.open)} / {len(self.checker.failures)}"),
+        ]
+        table = Table(title=f"podmeter lab: {self.scenario.name} ({self.datapath}, seed {self.scenario.seed})",
+                      show_header=False)
+        table.add_column(style="bold")
+        table.add_column()
+        for key, value in rows:
+            table.add_row(key, value)
         return table
 
 
