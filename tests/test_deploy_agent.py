@@ -131,14 +131,6 @@ def get(topology: Topology, port: int, path: str, host: str = "127.0.0.1") -> tu
             return 0, ""
 
 
-@pytest.fixture
-def topology() -> Iterator[Topology]:
-    topo = Topology()
-    try:
-        topo.create()
-        yield topo
-    finally:
-        topo.destroy()
 
 
 @pytest.fixture

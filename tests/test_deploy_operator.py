@@ -247,14 +247,6 @@ def mounts() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def topology() -> Iterator[Topology]:
-    topo = Topology()
-    try:
-        topo.create()
-        yield topo
-    finally:
-        topo.destroy()
 
 
 @pytest.mark.parametrize("overlay", ["overlays/default", "overlays/etcd"])
