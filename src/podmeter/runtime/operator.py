@@ -287,12 +287,16 @@ class IdentityReconciler:
             key = self._key(pod) if holds_identity(pod) else None
             if key is not None:
                 desired[pod.uid] = key
-        for crossing in self.refs.replace_all(desired):
-            if crossing.acquired is not None and crossing.acquired not in self.backend.held():
-                self.metrics.repaired.labels("identity_missing").inc()
-            self._dirty.update(k for k in (crossing.acquired, crossing.released) if k is not None)
-        stale = [k for k in self.backend.held() if self.refs.count(k) == 0 and k not in self._waiting]
-        self._dirty.update(stale)
+        # Under the flush lock: keys a flush has taken out of _dirty but not yet applied (it awaits the
+        # backend) are in neither set, and would otherwise be counted as stale.
+        async with self._lock:
+            already_pending = self._dirty | self._waiting  # releases events asked for: not the sweep's finds
+            for crossing in self.refs.replace_all(desired):
+                if crossing.acquired is not None and crossing.acquired not in self.backend.held():
+                    self.metrics.repaired.labels("identity_missing").inc()
+                self._dirty.update(k for k in (crossing.acquired, crossing.released) if k is not None)
+            stale = [k for k in self.backend.held() if self.refs.count(k) == 0 and k not in already_pending]
+            self._dirty.update(stale)
         self.metrics.gc_released.inc(len(stale))
         if stale:
             log.warning("sweep: %d identities had no live pod (missed deletes); releasing", len(stale))
