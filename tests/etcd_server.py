@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from waiting import free_port
+from waiting import free_port, stop_process
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
@@ -74,15 +74,8 @@ class EtcdServer:
             return False
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, sig)
         self.proc = None
 
 

@@ -41,6 +41,7 @@ import pytest
 import yaml
 
 from podmeter.lab.apiserver.client import AdminClient
+from waiting import stop_process
 
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 FAST_ENTRY = (
@@ -174,12 +175,7 @@ class LabServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+            stop_process(self.proc, grace=5)
             self.proc = None
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)

@@ -46,6 +46,7 @@ from test_deploy_support import (
     request_attributes,
     service_account_dir,
 )
+from waiting import stop_process
 
 pytestmark = [needs_kubectl, needs_root]
 
@@ -107,12 +108,7 @@ class Cluster:
         return path
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc)
 
 
 class Replica:
@@ -218,12 +214,7 @@ class Etcd:
         return int(answer.get("count", 0)) if answer else -1
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc)
 
 
 def b64(text: str) -> str:

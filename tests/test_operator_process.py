@@ -29,7 +29,7 @@ from podmeter.adapters.kube.connection import load_connection
 from podmeter.adapters.kube.reflector import ReflectorSettings
 from podmeter.model.identity import IdentityKey
 from podmeter.runtime.operator import Operator, OperatorSettings, ReflectorPodSource
-from waiting import wait_for
+from waiting import stop_process, wait_for
 
 __all__ = ["etcd"]
 
@@ -100,13 +100,7 @@ class OperatorProcess:
         return {d["labels"]["app"] for d in self.debug()["identities"] if d["id"] is not None}
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, sig)
 
 
 @pytest.fixture

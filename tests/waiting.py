@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def free_port() -> int:
@@ -23,3 +26,14 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "
         time.sleep(0.05)
     detail = f"; {describe()}" if describe is not None else ""
     raise AssertionError(f"timed out after {timeout}s waiting for {what}{detail}")
+
+
+def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
+    """Send ``sig`` and wait ``grace`` seconds; kill what is still running then. Safe on a dead process."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

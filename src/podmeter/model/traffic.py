@@ -152,7 +152,7 @@ class TrafficLedger:
 
 def _since(now_value: Traffic, base: Traffic) -> Traffic:
     """Traffic counted since ``base``; never negative (a counter the kernel restarted counts from zero)."""
-    if base is ZERO or base == ZERO:
+    if base == ZERO:
         return now_value
     if now_value.packets < base.packets or now_value.bytes < base.bytes:
         return now_value

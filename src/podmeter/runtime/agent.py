@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from podmeter.adapters.kube.connection import Connection
 from podmeter.adapters.kube.deltas import Delta, Replace, Upsert
 from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
 from podmeter.adapters.kube.resources import METRICS_CONFIGURATIONS, NAMESPACES, PODS, ResourceKind
+from podmeter.adapters.kube.transport import Transport
 from podmeter.adapters.metrics.agent_state import AgentSnapshot
 from podmeter.model.configuration import DEFAULT_NAME, NO_CONFIGURATION, MetricsConfiguration
 from podmeter.model.datapath import Datapath, Direction, Traffic
@@ -79,8 +79,7 @@ class Agent:
         self.synced: set[str] = set()
         self.ready = asyncio.Event()
         self.last_resync: float | None = None
-        self.deltas: Counter[str] = Counter()
-        self._client: Any = None
+        self._transport: Transport | None = None
         self._reflectors: list[Reflector] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._retry_scheduled = False
@@ -88,12 +87,12 @@ class Agent:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._client = self.connection.transport()
+        self._transport = self.connection.transport()
         for kind in COLLECTIONS:
             settings = self.settings.reflector(kind)
             if kind is PODS:
                 settings.field_selector = f"spec.nodeName={self.settings.node_name}"
-            self._reflectors.append(Reflector(kind, self._client, self.queue.put, settings))
+            self._reflectors.append(Reflector(kind, self._transport, self.queue.put, settings))
         self._tasks = [asyncio.create_task(r.run(), name=f"reflector-{r.kind.name}") for r in self._reflectors]
         self._tasks.append(asyncio.create_task(self._write_loop(), name="writer"))
         self._tasks.append(asyncio.create_task(self._resync_timer(), name="resync-timer"))
@@ -109,8 +108,8 @@ class Agent:
         self._drain_queue()
         if self.ready.is_set():
             self.writer.flush()
-        if self._client is not None:
-            await self._client.close()
+        if self._transport is not None:
+            await self._transport.close()
 
     # --- the writer task -------------------------------------------------------------------------
 
@@ -143,7 +142,6 @@ class Agent:
         if isinstance(item, _Expire):
             self.ledger.expire(time.monotonic())
             return
-        self.deltas[type(item).__name__] += 1
         if item.resource == PODS.name:
             self._apply_pod(item)
         elif item.resource == NAMESPACES.name:
