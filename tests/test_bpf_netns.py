@@ -244,6 +244,20 @@ def test_manager_follows_link_events(topology: Topology, open_datapath: Opener) 
         wait_until(lambda: manager.attached() == {})
 
 
+def test_manager_follows_renames(topology: Topology, open_datapath: Opener) -> None:
+    """A rename is a change of the rule's input: renamed away from the pattern, detached; back, attached."""
+    datapath = open_datapath(8)
+    assert datapath.programs is not None
+    pod = topology.add_pod()
+    other = unique("qn")
+    with AttachManager(datapath.programs, netns=topology.host_path, resync_interval=3600) as manager:
+        assert set(manager.attached()) == {pod.host_veth}
+        run("ip", "-n", topology.host, "link", "set", pod.host_veth, "name", other)
+        wait_until(lambda: manager.attached() == {})
+        run("ip", "-n", topology.host, "link", "set", other, "name", pod.host_veth)
+        wait_until(lambda: set(manager.attached()) == {pod.host_veth})
+
+
 def test_explicit_interfaces_are_attached_by_name(topology: Topology, open_datapath: Opener) -> None:
     datapath = open_datapath(8)
     assert datapath.programs is not None

@@ -6,10 +6,13 @@ prefixes ``veth*``, ``lxc*``, ``cali*``); interfaces named explicitly (``--inter
 whatever their kind. ``pm_from_pod`` goes on tc ingress (packets leaving the pod), ``pm_to_pod`` on tc
 egress (packets entering it).
 
-The manager is level-triggered like the rest of podmeter: a netlink link event only wakes it up; each
-pass lists the links that exist now, attaches to matching ones it has not attached yet and forgets or
-detaches the ones that vanished or stopped matching. A pass also runs every ``resync_interval``
-seconds, so a lost event (netlink drops them under pressure) delays an attach, never loses it.
+The manager converges the attachments towards the links that exist: for an interface, attached iff it
+exists and the rule selects it. It keeps its own table of links (ifindex -> name, kind), read whole by a
+dump at start, on :meth:`AttachManager.sync`, every ``resync_interval`` seconds and whenever the kernel
+reports lost notifications (ENOBUFS); between dumps, each link notification updates the table and only
+the interfaces it names are converged. So a lost or misread event delays an attach until the next dump,
+never loses it, and a busy node costs one small parse per change instead of a dump per change
+(:mod:`.links` explains why that matters for the agent's latency).
 
 Mechanisms:
 * TCX (kernel >= 6.6): a BPF link per hook, placed before other programs of the hook; the link lives as
@@ -32,7 +35,6 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pyroute2 import IPRoute
@@ -53,6 +55,7 @@ from podmeter.adapters.datapath.ebpf.libbpf import (
     TcOpts,
     libbpf,
 )
+from podmeter.adapters.datapath.ebpf.links import Link, dump_links, link_events, read_changes
 from podmeter.adapters.datapath.ebpf.loader import Program
 from podmeter.adapters.datapath.ebpf.netns import enter_netns
 
@@ -61,7 +64,6 @@ log = logging.getLogger("podmeter.attach")
 DEFAULT_PATTERNS = ("pm*", "veth*", "lxc*", "cali*")
 TC_HANDLE = 0x706D  # "pm": podmeter's cls_bpf filter handle
 TC_PRIORITY = 1  # first in line, so filters of other tools that end processing cannot hide packets
-RTMGRP_LINK = 1
 
 
 class AttachMode(enum.Enum):
@@ -192,7 +194,8 @@ class AttachManager:
         self._errors: dict[str, str] = {}
         self._attached: dict[int, Attachment] = {}
         self._lock = threading.Condition()
-        self._passes = 0
+        self._passes = 0  # full passes (dumps) done
+        self._links: dict[int, Link] = {}  # the worker's table: ifindex -> (name, kind)
         self._stopping = False
         self._failure: BaseException | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -253,11 +256,14 @@ class AttachManager:
         try:
             if self.netns is not None:
                 enter_netns(self.netns)
-            with _link_events() as events, IPRoute() as ipr:
+            with link_events() as events:
+                self._full_pass()
                 while not self._stopping:
-                    self._pass(ipr)
-                    self._sleep(events)
-                self._detach_all(ipr)
+                    self._wait(events)
+                self._links = dump_links()
+                for attachment in list(self._attached.values()):
+                    self.attacher.detach(attachment, exists=attachment.ifindex in self._links)
+                    self._forget(attachment.ifindex)
         except BaseException as error:  # reported to start()/sync() callers
             log.exception("attach manager stopped")
             self._abandon()
@@ -272,20 +278,50 @@ class AttachManager:
                 self.attacher.detach(attachment, exists=False)
             self._forget(index)
 
-    def _pass(self, ipr: IPRoute) -> None:
-        present = _links(ipr)
-        wanted = {index: name for index, (name, kind) in present.items() if self.rule.matches(name, kind)}
-        for index, attachment in list(self._attached.items()):
-            if wanted.get(index) != attachment.ifname:
-                self.attacher.detach(attachment, exists=index in present)
-                self._forget(index)
-        for index, name in wanted.items():
-            if index not in self._attached:
-                self._attach(index, name)
+    def _wait(self, events: socket.socket) -> None:
+        """Sleep until a link changes, a sync is asked for or the resync period ends; then converge."""
+        readable, _, _ = select.select([events.fileno(), self._wake_r], [], [], self.resync_interval)
+        woken = self._wake_r in readable
+        if woken:
+            os.read(self._wake_r, 4096)
+        found = read_changes(events) if events.fileno() in readable else []
+        if woken or not readable or found is None:
+            self._full_pass()
+            return
+        for change in found:
+            if change.link is None:
+                self._links.pop(change.index, None)
+            else:
+                self._links[change.index] = change.link
+        self._converge({change.index for change in found} | self._failed_indexes())
+
+    def _full_pass(self) -> None:
+        self._links = dump_links()
+        self._converge(set(self._links) | set(self._attached))
+        wanted = {name for name, kind in self._links.values() if self.rule.matches(name, kind)}
         with self._lock:
-            self._errors = {name: e for name, e in self._errors.items() if name in wanted.values()}
+            self._errors = {name: e for name, e in self._errors.items() if name in wanted}
             self._passes += 1
             self._lock.notify_all()
+
+    def _failed_indexes(self) -> set[int]:
+        """Selected interfaces whose last attach failed: retried at every change, not only every dump."""
+        with self._lock:
+            failed = set(self._errors)
+        return {index for index, (name, _) in self._links.items() if name in failed} if failed else set()
+
+    def _converge(self, indexes: set[int]) -> None:
+        """Attached iff the link exists and the rule selects it, for each of ``indexes``."""
+        for index in sorted(indexes):
+            link = self._links.get(index)
+            wanted = link is not None and self.rule.matches(*link)
+            attachment = self._attached.get(index)
+            if attachment is not None and (not wanted or link is None or attachment.ifname != link[0]):
+                self.attacher.detach(attachment, exists=link is not None)
+                self._forget(index)
+                attachment = None
+            if wanted and attachment is None and link is not None:
+                self._attach(index, link[0])
 
     def _attach(self, index: int, name: str) -> None:
         try:
@@ -305,19 +341,6 @@ class AttachManager:
             attachment = self._attached.pop(index)
         log.info("detached from %s (ifindex %d)", attachment.ifname, index)
 
-    def _detach_all(self, ipr: IPRoute) -> None:
-        present = _links(ipr)
-        for index, attachment in list(self._attached.items()):
-            self.attacher.detach(attachment, exists=index in present)
-            self._forget(index)
-
-    def _sleep(self, events: socket.socket) -> None:
-        readable, _, _ = select.select([events.fileno(), self._wake_r], [], [], self.resync_interval)
-        if events.fileno() in readable:
-            _drain(events)
-        if self._wake_r in readable:
-            os.read(self._wake_r, 4096)
-
     def _wait_for_pass(self, target: int, timeout: float) -> None:
         with self._lock:
             done = self._lock.wait_for(lambda: self._passes >= target or self._failure is not None, timeout)
@@ -330,33 +353,3 @@ class AttachManager:
 def _has_legacy_ingress_qdisc(ifindex: int) -> bool:
     with IPRoute() as ipr:  # in the calling thread's netns: the worker's
         return any(q.get_attr("TCA_KIND") == "ingress" for q in ipr.get_qdiscs(index=ifindex))
-
-
-def _links(ipr: IPRoute) -> dict[int, tuple[str, str | None]]:
-    """ifindex -> (name, link kind) of every interface in this netns."""
-    return {
-        link["index"]: (link.get_attr("IFLA_IFNAME"), link.get_nested("IFLA_LINKINFO", "IFLA_INFO_KIND"))
-        for link in ipr.get_links()
-    }
-
-
-@contextlib.contextmanager
-def _link_events() -> Iterator[socket.socket]:
-    """A netlink socket subscribed to link changes: we only wait on it, the pass reads the truth."""
-    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK, socket.NETLINK_ROUTE)
-    try:
-        sock.bind((0, RTMGRP_LINK))
-        yield sock
-    finally:
-        sock.close()
-
-
-def _drain(sock: socket.socket) -> None:
-    while True:
-        try:
-            sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as error:  # ENOBUFS: events were lost; the pass that follows rereads everything
-            if error.errno != errno.ENOBUFS:
-                raise
