@@ -1,15 +1,18 @@
 """A small synchronous Kubernetes client for the lab's own processes (node, scenario runner, checks).
 
-Standard library HTTP (one call per request, any thread, no event loop): the lab's writers are few and
-slow compared with the agent's watch, and the checks must not share code paths with the product they
-judge. Configuration comes from a kubeconfig through the product's loader (token or CA only; the lab API
-server needs nothing else).
+Standard library HTTP (any thread, no event loop), one kept-alive connection per thread: a soak makes
+hundreds of requests a second, and a new TCP connection per request cost the lab, the node and the API
+server more CPU than the requests themselves. The checks must not share code paths with the product
+they judge, so this is not the agent's client. Configuration comes from a kubeconfig through the
+product's loader (token or CA only; the lab API server needs nothing else).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -40,6 +43,8 @@ class KubeClient:
         self.token = token
         self.timeout = timeout
         self._context = ssl.create_default_context(cafile=ca_file) if self.server.startswith("https") else None
+        self._address = urllib.parse.urlsplit(self.server)
+        self._local = threading.local()  # .connection: this thread's kept-alive connection
 
     @classmethod
     def from_kubeconfig(cls, path: str, timeout: float = 10.0) -> KubeClient:
@@ -86,7 +91,7 @@ class KubeClient:
     def watch(self, path: str, timeout_seconds: int, **query: str) -> Iterator[dict[str, Any]]:
         """Watch events (parsed lines) until the server ends the stream; raises KubeError on failure."""
         params = {**query, "watch": "1", "timeoutSeconds": str(timeout_seconds), "allowWatchBookmarks": "true"}
-        request = self._request("GET", path, params, None, None)
+        request = self._request("GET", path, params)
         try:
             with urllib.request.urlopen(  # noqa: S310 (the kubeconfig's server)
                 request, timeout=timeout_seconds + 10, context=self._context
@@ -101,17 +106,19 @@ class KubeClient:
 
     # --- plumbing ---------------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, query: dict[str, str], body: dict[str, Any] | None,
-                 content_type: str | None) -> urllib.request.Request:
+    def _request(self, method: str, path: str, query: dict[str, str]) -> urllib.request.Request:
         url = self.server + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        return urllib.request.Request(url, method=method, headers=self._headers(None, None)[0])  # noqa: S310
+
+    def _headers(self, body: dict[str, Any] | None, content_type: str | None) -> tuple[dict[str, str], bytes | None]:
+        """The request's headers and encoded body."""
         headers = {"Accept": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = content_type or "application/json"
-        return urllib.request.Request(url, data=data, method=method, headers=headers)  # noqa: S310
+        if body is None:
+            return headers, None
+        headers["Content-Type"] = content_type or "application/json"
+        return headers, json.dumps(body).encode()
 
     def _call(self, method: str, path: str, query: dict[str, str], body: dict[str, Any] | None = None,
               content_type: str | None = None) -> dict[str, Any]:
@@ -128,17 +135,50 @@ class KubeClient:
 
     def _once(self, method: str, path: str, query: dict[str, str], body: dict[str, Any] | None,
               content_type: str | None) -> dict[str, Any]:
-        request = self._request(method, path, query, body, content_type)
-        try:
-            with urllib.request.urlopen(  # noqa: S310 (the kubeconfig's server)
-                request, timeout=self.timeout, context=self._context
-            ) as response:
-                result: dict[str, Any] = json.loads(response.read() or b"{}")
-                return result
-        except urllib.error.HTTPError as exc:
-            raise KubeError(exc.code, f"{method} {path}: {exc.read().decode(errors='replace')[:500]}") from None
-        except OSError as exc:
-            raise KubeError(0, f"{method} {path}: {exc}") from None
+        target = path + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        headers, data = self._headers(body, content_type)
+        status, payload = self._exchange(method, target, data, headers)
+        if status >= 400:
+            raise KubeError(status, f"{method} {path}: {payload.decode(errors='replace')[:500]}")
+        result: dict[str, Any] = json.loads(payload or b"{}")
+        return result
+
+    def _exchange(self, method: str, target: str, data: bytes | None, headers: dict[str, str]) -> tuple[int, bytes]:
+        """Send on this thread's connection. A kept-alive connection the server has closed meanwhile fails
+        on first use; then (only then) the request goes once more on a fresh connection."""
+        for reused in (True, False):
+            connection, was_open = self._connection()
+            try:
+                connection.request(method, target, body=data, headers=headers)
+                response = connection.getresponse()
+                return response.status, response.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+                self._drop()
+                if not (reused and was_open):
+                    raise KubeError(0, f"{method} {target}: {exc}") from None
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop()
+                raise KubeError(0, f"{method} {target}: {exc}") from None
+        raise AssertionError("unreachable")
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection, and whether it was already open (kept alive from an earlier call)."""
+        connection: http.client.HTTPConnection | None = getattr(self._local, "connection", None)
+        if connection is not None:
+            return connection, True
+        host, port = self._address.hostname or "localhost", self._address.port
+        if self._address.scheme == "https":
+            connection = http.client.HTTPSConnection(host, port, timeout=self.timeout, context=self._context)
+        else:
+            connection = http.client.HTTPConnection(host, port, timeout=self.timeout)
+        self._local.connection = connection
+        return connection, False
+
+    def _drop(self) -> None:
+        connection = getattr(self._local, "connection", None)
+        if connection is not None:
+            connection.close()
+        self._local.connection = None
 
 
 def pod_path(namespace: str, name: str = "", subresource: str = "") -> str:
