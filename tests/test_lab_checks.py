@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from podmeter.lab.checks import Checker, Observation, Truth, parse_metrics
+from podmeter.model.identity import IdentityKey
 from podmeter.model.records import decode_pod
 
 
@@ -27,8 +28,10 @@ def _truth(desired: dict[str, str], *others: Any) -> Truth:
                  {(p.namespace, p.name) for p in pods.values()})
 
 
-def _obs(truth: Truth, kernel: set[str], capacity: int = 16, agent: str = "") -> Observation:
-    return Observation(0.0, truth, kernel, capacity, parse_metrics(agent), None, agent_up=bool(agent))
+def _obs(truth: Truth, kernel: set[str], capacity: int = 16, agent: str = "", agent_pods: set[str] | None = None,
+         operator_keys: set[IdentityKey] | None = None) -> Observation:
+    return Observation(0.0, truth, kernel, capacity, parse_metrics(agent), None, agent_up=bool(agent),
+                       agent_pods=agent_pods, operator_keys=operator_keys)
 
 
 def test_a_violation_fails_only_after_the_settle_time() -> None:
@@ -105,14 +108,14 @@ def test_store_series_and_misattributed_traffic_from_the_agent_metrics() -> None
     truth = _truth({"10.0.0.1": "a", "10.0.0.2": "b"})
     checker.traffic_pods.add("web/a")
     metrics = "\n".join([
-        'podmeter_store_objects{resource="pods"} 3',
         'podmeter_pod_bytes_total{namespace="web",pod="a",direction="egress"} 100',
         'podmeter_pod_bytes_total{namespace="web",pod="b",direction="ingress"} 42',
         'podmeter_pod_bytes_total{namespace="web",pod="old",direction="ingress"} 0',
     ]) + "\n"
     for clock.now in (0.0, 1.0):
-        checker.observe(_obs(truth, {"10.0.0.1", "10.0.0.2"}, agent=metrics))
-    assert {(f.invariant, f.subject) for f in checker.failures} == {("I1", "store"), ("I5", "web/b/ingress")}
+        checker.observe(_obs(truth, {"10.0.0.1", "10.0.0.2"}, agent=metrics, agent_pods={"u-a", "u-gone"}))
+    assert {(f.invariant, f.subject) for f in checker.failures} == {("I1", "web/b"), ("I1", "u-gone"),
+                                                                   ("I5", "web/b/ingress")}
     clock.now = 2.0  # past settle + grace: the gone pod's series fails too
     checker.observe(_obs(truth, {"10.0.0.1", "10.0.0.2"}, agent=metrics))
     assert ("I5", "web/old") in {(f.invariant, f.subject) for f in checker.failures}
@@ -128,3 +131,27 @@ def test_an_ip_passing_from_pod_to_pod_is_a_new_transient_each_time() -> None:
     clock.now = 4.0  # the same pod's IP still missing past the settle time: a failure
     checker.observe(_obs(_truth({"10.0.0.1": "d"}), set()))
     assert [f.detail for f in checker.failures] == ["missing: 10.0.0.1 of observed web/d is not in the kernel filter"]
+
+
+def test_store_and_identities_are_compared_key_by_key_so_churn_is_transient() -> None:
+    """Under churn the agent's store and the truth differ at every sample, by different pods each time:
+    transients. One pod (or label set) that stays wrong past the settle time is a failure, named."""
+    clock = Clock()
+    checker = Checker(settle=1.0, clock=clock)
+    for step in range(6):
+        clock.now = step * 0.5
+        truth = _truth({f"10.0.1.{step}": f"p{step}", f"10.0.1.{step + 1}": f"p{step + 1}"})
+        truth.identity_keys = {IdentityKey("web", ("job", f"j{step}")), IdentityKey("web", ("job", f"j{step + 1}"))}
+        checker.observe(_obs(truth, set(truth.desired), agent="x 1\n", agent_pods={f"u-p{step}"},
+                             operator_keys={IdentityKey("web", ("job", f"j{step}"))}))
+    assert checker.failures == []
+    for step in range(3):
+        clock.now = 3.0 + step
+        truth = _truth({"10.0.2.1": "late"})
+        truth.identity_keys = set()
+        checker.observe(_obs(truth, {"10.0.2.1"}, agent="x 1\n", agent_pods=set(),
+                             operator_keys={IdentityKey("web", ("job", "old"))}))
+    assert {(f.invariant, f.detail) for f in checker.failures} == {
+        ("I1", "missing: the agent's store lacks web/late (uid u-late)"),
+        ("I4", 'leaked: identity ["web",["job","old"]] is held but no live pod has it'),
+    }

@@ -115,6 +115,8 @@ class Observation:
     agent: Samples
     operator: Samples | None
     agent_up: bool
+    agent_pods: set[str] | None = None  # UIDs in the agent's store (its /debug/state), None: not read
+    operator_keys: set[IdentityKey] | None = None  # identities the operator holds (/debug/identities)
 
 
 @dataclass
@@ -181,7 +183,7 @@ class Checker:
         found = self._filter_violations(obs) if obs.kernel is not None else []
         if obs.agent_up:
             found += self._store_violations(obs) + self._metric_violations(obs)
-        if obs.operator is not None:
+        if obs.operator_keys is not None:
             found += self._identity_violations(obs)
         return found
 
@@ -210,12 +212,17 @@ class Checker:
         return found
 
     def _store_violations(self, obs: Observation) -> list[tuple[str, str, str]]:
-        """I1: the agent's store holds exactly the node's pods (it counts them; we count the truth)."""
-        stored = metric_sum(obs.agent, "podmeter_store_objects", resource="pods")
-        if stored is None or int(stored) == len(obs.truth.node_pods):
+        """I1: the agent's store holds exactly the node's pods. Compared pod by pod, not by counts: under
+        churn two counts read a moment apart always differ, while one pod missing (or kept) past the settle
+        time is a real fault."""
+        if obs.agent_pods is None:
             return []
-        return [("I1", "store", f"agent stores {int(stored)} pods, the API server has "
-                                f"{len(obs.truth.node_pods)} on the node")]
+        truth = obs.truth.node_pods
+        found = [("I1", truth[uid].key, f"missing: the agent's store lacks {truth[uid].key} (uid {uid})")
+                 for uid in sorted(truth.keys() - obs.agent_pods)]
+        found += [("I1", uid, f"kept: the agent's store holds uid {uid}, which the API server does not have "
+                              "on the node") for uid in sorted(obs.agent_pods - truth.keys())]
+        return found
 
     def _metric_violations(self, obs: Observation) -> list[tuple[str, str, str]]:
         """I5: a per-pod series exists only for a pod of the node (after a short grace period), and a pod
@@ -235,13 +242,14 @@ class Checker:
         return found
 
     def _identity_violations(self, obs: Observation) -> list[tuple[str, str, str]]:
-        """I4: identities held == label sets of live pods."""
-        assert obs.operator is not None
-        held = metric_sum(obs.operator, "podmeter_identities")
-        want = len(obs.truth.identity_keys)
-        if held is None or int(held) == want:
-            return []
-        return [("I4", "identities", f"operator holds {int(held)} identities, live pods have {want} label sets")]
+        """I4: identities held == label sets of live pods, set by set (see I1 on why not by counts)."""
+        assert obs.operator_keys is not None
+        want = obs.truth.identity_keys
+        found = [("I4", key.encode(), f"missing: no identity for the label set {key.encode()} of live pods")
+                 for key in sorted(want - obs.operator_keys, key=IdentityKey.encode)]
+        found += [("I4", key.encode(), f"leaked: identity {key.encode()} is held but no live pod has it")
+                  for key in sorted(obs.operator_keys - want, key=IdentityKey.encode)]
+        return found
 
     def summary(self) -> dict[str, Any]:
         return {"failures": [_violation_json(v) for v in self.failures], "transient": self.transient,
@@ -251,8 +259,8 @@ class Checker:
 def _identity(invariant: str, subject: str, detail: str) -> tuple[str, str, str]:
     """What makes two samples' violations *the same* one. A filter violation is about an IP *and* its
     pods: under churn an IP passes from pod to pod in seconds (lowest free IP first), and a new pod's IP
-    in flight is a new transient, not the continuation of the last pod's. Counts (I1, I4) are one
-    violation however their numbers move."""
+    in flight is a new transient, not the continuation of the last pod's. I1 and I4 subjects are a pod
+    or a label set, which churn does not reuse."""
     return (invariant, subject, detail if invariant in ("I2", "I3") else "")
 
 

@@ -50,7 +50,7 @@ from podmeter.lab.processes import (
 )
 from podmeter.lab.traffic import UDP_OVERHEAD, Endpoint, send_tcp, send_udp
 from podmeter.model.datapath import Direction
-from podmeter.model.identity import LabelFilter
+from podmeter.model.identity import IdentityKey, LabelFilter
 
 log = logging.getLogger("podmeter.lab")
 NODE_NAME = "lab-node"
@@ -323,8 +323,11 @@ class LabRun(Hooks):
         operator = None
         if "operator" in self.processes.processes:
             operator = parse_metrics(http_text(f"http://127.0.0.1:{self.operator_port}/metrics")) or None
-        kernel, capacity = self._kernel_filter(agent_up)
-        obs = Observation(time.monotonic(), truth, kernel, capacity, agent, operator, agent_up and bool(agent))
+        state = self._agent_state() if agent_up else None
+        kernel, capacity = self._kernel_filter(state)
+        obs = Observation(time.monotonic(), truth, kernel, capacity, agent, operator, agent_up and bool(agent),
+                          agent_pods=None if state is None else set(state["pod_uids"]),
+                          operator_keys=self._operator_keys() if operator is not None else None)
         violations = self.checker.observe(obs)
         drift = sum(v.invariant in ("I2", "I3") for v in violations)
         if self._restarted_at is not None and kernel is not None and drift == 0:
@@ -332,20 +335,26 @@ class LabRun(Hooks):
             self._restarted_at = None
         self._record(truth, kernel, agent, operator, violations=len(violations), drift=drift)
 
-    def _kernel_filter(self, agent_up: bool) -> tuple[set[str] | None, int | None]:
+    def _agent_state(self) -> dict[str, Any] | None:
+        text = http_text(f"http://127.0.0.1:{self.agent_port}/debug/state")
+        return json.loads(text) if text else None
+
+    def _operator_keys(self) -> set[IdentityKey] | None:
+        text = http_text(f"http://127.0.0.1:{self.operator_port}/debug/identities")
+        return {IdentityKey.decode(key) for key in json.loads(text)["held"]} if text else None
+
+    def _kernel_filter(self, state: dict[str, Any] | None) -> tuple[set[str] | None, int | None]:
+        """The filter as the kernel has it (eBPF: the pinned map, read here), or in memory mode as the agent's
+        in-memory datapath has it (there is nothing else to read)."""
         if self.datapath == "ebpf":
             try:
                 with EbpfDatapath.open_pinned(self.bpffs) as datapath:
                     return datapath.contents(), datapath.capacity
             except Exception:  # no pins yet (the first agent is starting)
                 return None, None
-        if not agent_up:
+        if state is None:
             return None, None
-        state = http_text(f"http://127.0.0.1:{self.agent_port}/debug/state")
-        if not state:
-            return None, None
-        data = json.loads(state)
-        return set(data["filter"]["actual"]), int(data["filter"]["capacity"])
+        return set(state["filter"]["actual"]), int(state["filter"]["capacity"])
 
     def _record(self, truth: Truth, kernel: set[str] | None, agent: Any, operator: Any, *, violations: int,
                 drift: int) -> None:

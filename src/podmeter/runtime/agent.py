@@ -270,6 +270,7 @@ class Agent:
             "node": self.settings.node_name,
             "ready": self.ready.is_set(),
             "pods": len(view.pods),
+            "pod_uids": sorted(view.pods),  # what the store holds, for audits (the lab's I1 check)
             "namespaces": len(view.namespaces),
             "configuration": _interest_json(self.configuration),
             "filter": {

@@ -313,6 +313,7 @@ class IdentityReconciler:
                 for k, n in sorted(self.refs.counts().items(), key=lambda kv: held.get(kv[0], 0))
             ],
             "pending": [str(k) for k in self._dirty | self._waiting],
+            "held": sorted(k.encode() for k in held),  # allocated now, referenced or not (the lab's I4 check)
         }
 
 
