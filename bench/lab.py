@@ -2,11 +2,13 @@
 
 Run (root for eBPF):
 ``.venv/bin/python -m bench.lab ebpf --duration 600 --rate 20``   # the 10-minute eBPF run
-``.venv/bin/python -m bench.lab soak --duration 3600``            # the soak scenario, memory mode
+``.venv/bin/python -m bench.lab soak``                            # the soak scenario: 1,000,000 lifecycles
+``.venv/bin/python -m bench.lab soak --lifecycles 50000``         # a shorter soak
 
 ``ebpf`` generates a scenario: 40 steady observed pods, Job-style pods with unique labels (they finish,
 then are deleted) and plain pods deleted while running, ``--rate`` lifecycles per second in total, watch
-closes every 30 s. ``soak`` runs the shipped ``soak`` scenario for ``--duration`` seconds. Each prints the
+closes every 30 s. ``soak`` runs the shipped ``soak`` scenario (memory mode) until ``--lifecycles`` pods
+have been created and deleted (default: the scenario's 1,000,000), or ``--duration`` if given. Each prints the
 lab's verdict and one JSON line: ``lifecycles``, ``lifecycles_per_s``, ``max_filter_drift`` (most IPs
 leaked or missing at one sample), ``agent_rss_growth_mib`` / ``operator_rss_growth_mib`` (RSS after every
 pod is gone and the settle time, minus RSS at the start), ``delete_to_unmapped_p99_ms`` (from a running
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,19 +80,23 @@ def figures(result: LabResult, duration: float) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("mode", choices=("ebpf", "soak"))
-    parser.add_argument("--duration", type=float, default=600.0)
+    parser.add_argument("--duration", type=float, help="seconds (default: ebpf 600, soak the scenario's)")
+    parser.add_argument("--lifecycles", type=int, help="soak: end after this many lifecycles")
     parser.add_argument("--rate", type=float, default=20.0, help="ebpf: lifecycles per second")
     parser.add_argument("--out", type=Path, help="report directory (default: a temporary one)")
     args = parser.parse_args()
-    scenario = ebpf_scenario(args.duration, args.rate) if args.mode == "ebpf" else load_scenario("soak")
+    scenario = ebpf_scenario(args.duration or 600.0, args.rate) if args.mode == "ebpf" else load_scenario("soak")
     out = args.out or Path(tempfile.mkdtemp(prefix=f"podmeter-bench-{args.mode}-"))
-    duration = args.duration if args.mode == "soak" else None
-    result = LabRun(scenario, LabOptions(out, progress=False, duration=duration)).run()
+    options = LabOptions(out, progress=False, duration=args.duration if args.mode == "soak" else None,
+                         lifecycles=args.lifecycles)
+    started = time.monotonic()
+    result = LabRun(scenario, options).run()
+    elapsed = time.monotonic() - started
     write_report(result, out)
     print(f"{args.mode}: {'PASSED' if result.passed else 'FAILED'}; report {out / 'report.html'}")
     for failure in result.failures[:10]:
         print(f"  {failure['invariant']} {failure['subject']}: {failure['detail']}")
-    print(json.dumps(figures(result, args.duration)))
+    print(json.dumps(figures(result, result.steps_s or elapsed)))
 
 
 if __name__ == "__main__":

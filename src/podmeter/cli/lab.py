@@ -26,8 +26,20 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", type=Path, default=Path("lab-report"), help="report directory (default ./lab-report)")
     p.add_argument("--datapath", choices=("ebpf", "memory"), help="override the scenario's datapath")
     p.add_argument("--duration", type=float, help="override the scenario's duration (seconds)")
+    p.add_argument("--lifecycles", type=_positive_int,
+                   help="end the steps once this many pods were created and deleted (or at the duration)")
     p.add_argument("--no-progress", action="store_true", help="no live display")
     p.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"podmeter lab: {exc}", file=sys.stderr)
         return 2
     try:
-        lab = LabRun(scenario, LabOptions(args.out, args.datapath, not args.no_progress, args.duration))
+        lab = LabRun(scenario, LabOptions(args.out, args.datapath, not args.no_progress, args.duration,
+                                                args.lifecycles))
     except RuntimeError as exc:
         print(f"podmeter lab: {exc}", file=sys.stderr)
         return 2

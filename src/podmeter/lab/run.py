@@ -63,6 +63,7 @@ class LabOptions:
     datapath: str | None = None  # override the scenario's choice
     progress: bool = True
     duration: float | None = None  # override the scenario's duration (benchmarks)
+    lifecycles: int | None = None  # override the scenario's lifecycles (end after this many)
 
 
 @dataclass
@@ -97,6 +98,7 @@ class LabResult:
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     report_files: list[str] = field(default_factory=list)
+    steps_s: float | None = None  # how long the steps ran (the duration, or less when lifecycles ended them)
 
 
 def choose_datapath(requested: str) -> tuple[str, str | None]:
@@ -197,8 +199,8 @@ class LabRun(Hooks):
             duration = self.options.duration or self.scenario.duration
             steps = threading.Thread(target=self.driver.run_steps, args=(self.started,), daemon=True)
             steps.start()
-            steps.join(timeout=duration + 1)
-            self._wait_until(self.started + duration)
+            self._wait_for_end(self.started + duration, self.options.lifecycles or self.scenario.lifecycles)
+            self.result.steps_s = round(time.monotonic() - self.started, 1)
             self.driver.stop.set()
             self.driver.join()
             self.driver.stats.step = "teardown: deleting every pod"
@@ -208,9 +210,12 @@ class LabRun(Hooks):
         sampler.join(timeout=10)
         self._collect()
 
-    @staticmethod
-    def _wait_until(deadline: float) -> None:
+    def _wait_for_end(self, deadline: float, lifecycles: int | None) -> None:
+        """Until the duration is over, or the wanted number of lifecycles is done."""
+        assert self.driver is not None
         while (left := deadline - time.monotonic()) > 0:
+            if lifecycles is not None and self.driver.stats.lifecycles >= lifecycles:
+                return
             time.sleep(min(0.2, left))
 
     def _settle_at_end(self) -> None:

@@ -170,14 +170,16 @@ class ApiServerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class Scenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A whole scenario. Times are seconds from the start; after ``duration`` every pod is deleted and
-    the run ends once the node is empty and ``settle`` seconds have passed (the memory check)."""
+    """A whole scenario. Times are seconds from the start; after ``duration`` (or, if set, as soon as
+    ``lifecycles`` pods have been created and deleted, whichever comes first) every pod is deleted and the
+    run ends once the node is empty and ``settle`` seconds have passed (the memory check)."""
 
     name: Name
     description: str = ""
     seed: int = 1
     datapath: Literal["ebpf", "memory", "auto"] = "auto"
     duration: PositiveSeconds
+    lifecycles: Annotated[int, msgspec.Meta(ge=1)] | None = None  # end the steps early after this many
     settle: PositiveSeconds = 5.0  # how long a violation may last before it fails the run
     sample_interval: PositiveSeconds = 0.5
     memory_tolerance_mib: Annotated[float, msgspec.Meta(ge=0)] = 16.0
