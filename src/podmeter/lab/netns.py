@@ -7,8 +7,9 @@ Layout, the one Calico uses (no bridge, so every pod has its own host-side devic
 * the host side ``pm<id>`` stays in the node's namespace (the caller's), carries 169.254.1.1/32 (so it
   answers the pod's ARP for the gateway) and a /32 route to the pod IP; the node forwards between pods.
 
-Everything is netlink through pyroute2 and two syscalls (no shell, no fork): a namespace is made by a
-short-lived thread that ``unshare``s its own network namespace and bind-mounts it under /run/netns, and
+Everything is netlink through pyroute2 and two syscalls (no shell, no fork); interface indexes come from
+``if_nametoindex`` (one ioctl), not a lookup that dumps every link of a node with hundreds. A namespace is
+made by a short-lived thread that ``unshare``s its own network namespace and bind-mounts it under /run/netns, and
 removed by unmounting it. The kernel then dismantles the namespace in the background, and with it
 ``eth0``, whose veth peer (the host side) and /32 route go too; the host route is installed with
 "replace", so a new pod given the same IP a moment later wins over a host side still being dismantled.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -71,13 +73,13 @@ class Sandbox:
             with IPRoute() as ipr:
                 ipr.link("add", ifname=self.host_device, kind="veth",
                          peer={"ifname": "eth0", "net_ns_fd": self.netns_path})
-                index = ipr.link_lookup(ifname=self.host_device)[0]
+                index = socket.if_nametoindex(self.host_device)  # link_lookup would dump every link
                 ipr.addr("add", index=index, address=GATEWAY, prefixlen=32)
                 ipr.link("set", index=index, state="up")
                 ipr.route("replace", dst=f"{self.ip}/32", oif=index, scope=SCOPE_LINK)
             with netns(self.netns_path), IPRoute() as ipr:
-                eth0 = ipr.link_lookup(ifname="eth0")[0]
-                ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+                eth0 = socket.if_nametoindex("eth0")  # the calling thread's netns: the pod's
+                ipr.link("set", index=socket.if_nametoindex("lo"), state="up")
                 ipr.addr("add", index=eth0, address=self.ip, prefixlen=32)
                 ipr.link("set", index=eth0, state="up")
                 ipr.route("add", dst=f"{GATEWAY}/32", oif=eth0, scope=SCOPE_LINK)
