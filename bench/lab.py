@@ -4,6 +4,7 @@ Run (root for eBPF):
 ``.venv/bin/python -m bench.lab ebpf --duration 600 --rate 20``   # the 10-minute eBPF run
 ``.venv/bin/python -m bench.lab soak``                            # the soak scenario: 1,000,000 lifecycles
 ``.venv/bin/python -m bench.lab soak --lifecycles 50000``         # a shorter soak
+``.venv/bin/python -m bench.lab scenarios``                       # every other shipped scenario, end to end
 
 ``ebpf`` generates a scenario: 40 steady observed pods, Job-style pods with unique labels (they finish,
 then are deleted) and plain pods deleted while running, ``--rate`` lifecycles per second in total, watch
@@ -13,7 +14,9 @@ lab's verdict and one JSON line: ``lifecycles``, ``lifecycles_per_s``, ``max_fil
 leaked or missing at one sample), ``agent_rss_growth_mib`` / ``operator_rss_growth_mib`` (RSS after every
 pod is gone and the settle time, minus RSS at the start), ``delete_to_unmapped_p99_ms`` (from a running
 pod's delete answered by the API server to its IP absent from the pinned map, polled every 5 ms; eBPF
-only), ``passed``.
+only), ``passed``. ``scenarios`` runs each shipped scenario but ``soak`` as it is (eBPF as root) and prints
+one JSON line per scenario with the same figures plus the traffic checks, the restart convergence times,
+transient violations and the most observed IPs that waited for a filter slot.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 from podmeter.lab.report import write_report
 from podmeter.lab.run import LabOptions, LabResult, LabRun
-from podmeter.lab.scenario import Scenario, load_scenario, parse_scenario
+from podmeter.lab.scenario import Scenario, load_scenario, parse_scenario, shipped_scenarios
 
 
 def ebpf_scenario(duration: float, rate: float) -> Scenario:
@@ -77,25 +80,56 @@ def figures(result: LabResult, duration: float) -> dict[str, Any]:
     }
 
 
+def scenario_figures(result: LabResult, duration: float) -> dict[str, Any]:
+    checks = [t for t in result.traffic if "skipped" not in t]
+    return {
+        **figures(result, duration),
+        "traffic_checks": len(checks),
+        "traffic_ok": sum(1 for t in checks if t.get("ok")),
+        "agent_kills": result.counts.get("agent_kills"),
+        "restart_converged_after_s": result.counts.get("restart_converged_after_s"),
+        "transient_violations": result.counts.get("transient_violations"),
+        "overflow_max_waiting": result.counts.get("overflow_max_waiting"),
+    }
+
+
+def run_scenarios(out: Path) -> None:
+    for name in shipped_scenarios():
+        if name == "soak":
+            continue
+        started = time.monotonic()
+        result = LabRun(load_scenario(name), LabOptions(out / name, progress=False)).run()
+        write_report(result, out / name)
+        report(name, result)
+        print(json.dumps(scenario_figures(result, result.steps_s or time.monotonic() - started)), flush=True)
+
+
+def report(name: str, result: LabResult) -> None:
+    print(f"{name}: {'PASSED' if result.passed else 'FAILED'}; report {result.report_files[:1] or '-'}")
+    for failure in result.failures[:10]:
+        print(f"  {failure['invariant']} {failure['subject']}: {failure['detail']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("mode", choices=("ebpf", "soak"))
+    parser.add_argument("mode", choices=("ebpf", "soak", "scenarios"))
     parser.add_argument("--duration", type=float, help="seconds (default: ebpf 600, soak the scenario's)")
     parser.add_argument("--lifecycles", type=int, help="soak: end after this many lifecycles")
     parser.add_argument("--rate", type=float, default=20.0, help="ebpf: lifecycles per second")
     parser.add_argument("--out", type=Path, help="report directory (default: a temporary one)")
     args = parser.parse_args()
-    scenario = ebpf_scenario(args.duration or 600.0, args.rate) if args.mode == "ebpf" else load_scenario("soak")
     out = args.out or Path(tempfile.mkdtemp(prefix=f"podmeter-bench-{args.mode}-"))
+    if args.mode == "scenarios":
+        run_scenarios(out)
+        return
+    scenario = ebpf_scenario(args.duration or 600.0, args.rate) if args.mode == "ebpf" else load_scenario("soak")
     options = LabOptions(out, progress=False, duration=args.duration if args.mode == "soak" else None,
                          lifecycles=args.lifecycles)
     started = time.monotonic()
     result = LabRun(scenario, options).run()
     elapsed = time.monotonic() - started
     write_report(result, out)
-    print(f"{args.mode}: {'PASSED' if result.passed else 'FAILED'}; report {out / 'report.html'}")
-    for failure in result.failures[:10]:
-        print(f"  {failure['invariant']} {failure['subject']}: {failure['detail']}")
+    report(args.mode, result)
     print(json.dumps(figures(result, result.steps_s or elapsed)))
 
 

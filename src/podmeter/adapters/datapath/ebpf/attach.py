@@ -314,14 +314,14 @@ class AttachManager:
         """Attached iff the link exists and the rule selects it, for each of ``indexes``."""
         for index in sorted(indexes):
             link = self._links.get(index)
-            wanted = link is not None and self.rule.matches(*link)
+            selected = link[0] if link is not None and self.rule.matches(*link) else None  # its name
             attachment = self._attached.get(index)
-            if attachment is not None and (not wanted or link is None or attachment.ifname != link[0]):
+            if attachment is not None and attachment.ifname != selected:  # gone, renamed or unselected
                 self.attacher.detach(attachment, exists=link is not None)
                 self._forget(index)
                 attachment = None
-            if wanted and attachment is None and link is not None:
-                self._attach(index, link[0])
+            if selected is not None and attachment is None:
+                self._attach(index, selected)
 
     def _attach(self, index: int, name: str) -> None:
         try:
