@@ -72,7 +72,32 @@ def test_an_agent_that_drops_deletes_fails_the_lab_with_the_leaked_ips_named(tmp
     assert set(leaked) == {"10.244.3.1", "10.244.3.2", "10.244.3.3", "10.244.3.4"}
     for ip, detail in leaked.items():
         assert detail.startswith(f"leaked: {ip} is in the kernel filter but no pod holds it (last held by web/app-")
-    assert any(f["invariant"] == "I1" for f in result.failures)  # its store still has the deleted pods
+    kept = [f["detail"] for f in result.failures if f["invariant"] == "I1"]  # its store still has the deleted pods
+    assert len(kept) == 4 and all(d.startswith("kept: the agent's store holds uid ") for d in kept)
     write_report(result, tmp_path)
     assert "FAILED" in (tmp_path / "report.html").read_text()
     assert _leftovers(lab.tag) == []
+
+
+ENDLESS_CHURN = """
+name: until-n
+seed: 3
+datapath: memory
+duration: 600
+lifecycles: 60
+settle: 3
+sample_interval: 0.5
+node: {pod_cidr: 10.244.4.0/24}
+namespaces: [{name: jobs}]
+steps:
+  - {at: 0, do: churn, namespace: jobs, rate: 30, duration: 599, lifetime: 0.5, complete: true, linger: 0.2,
+     unique_labels: true}
+"""
+
+
+def test_a_run_ends_once_its_lifecycles_are_done(tmp_path: Path) -> None:
+    result = LabRun(parse_scenario(ENDLESS_CHURN), LabOptions(tmp_path, progress=False)).run()
+    assert result.error is None
+    assert result.passed, result.failures
+    assert result.counts["lifecycles"] >= 60
+    assert result.steps_s is not None and result.steps_s < 30  # not the 600 s duration

@@ -538,9 +538,12 @@ class LabRun(Hooks):
         from rich.table import Table
 
         s, stats = self._last, self.driver.stats if self.driver else None
+        duration = self.options.duration or self.scenario.duration
+        target = self.options.lifecycles or self.scenario.lifecycles
         rows = [
-            ("time", f"{time.monotonic() - self.started:.1f} s"), ("step", stats.step if stats else "-"),
-            ("lifecycles", str(stats.lifecycles) if stats else "0"),
+            ("time", f"{time.monotonic() - self.started:.1f} of {duration:g} s"),
+            ("step", stats.step if stats else "-"),
+            ("lifecycles", f"{stats.lifecycles if stats else 0:,}" + (f" of {target:,}" if target else "")),
             ("pods / desired / kernel", "-" if s is None else f"{s.pods} / {s.desired} / {_fmt(s.kernel)}"),
             ("RSS agent / operator MiB", "-" if s is None else f"{_fmt(s.agent_rss)} / {_fmt(s.operator_rss)}"),
             ("identities", "-" if s is None else _fmt(s.identities)),
