@@ -105,7 +105,8 @@ def run_scenarios(out: Path) -> None:
 
 
 def report(name: str, result: LabResult) -> None:
-    print(f"{name}: {'PASSED' if result.passed else 'FAILED'}; report {result.report_files[:1] or '-'}")
+    where = result.report_files[-1] if result.report_files else "-"  # report.html comes last
+    print(f"{name}: {'PASSED' if result.passed else 'FAILED'}; report {where}")
     for failure in result.failures[:10]:
         print(f"  {failure['invariant']} {failure['subject']}: {failure['detail']}")
 

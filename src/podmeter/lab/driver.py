@@ -29,6 +29,7 @@ log = logging.getLogger("podmeter.lab")
 
 MCONF = "/apis/podmeter.io/v1alpha1/metricsconfigurations"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.9"
+LABEL_SET = "lab.podmeter.io/set"  # churn's label_sets: a label the operator's filter keeps
 
 
 @dataclass
@@ -180,6 +181,7 @@ class Driver:
         start = time.monotonic()
         next_start, lifetime = start, step.lifetime
         delete_after = lifetime + step.linger if step.complete else lifetime
+        started = 0
         while not self.stop.is_set():
             now = time.monotonic()
             while due and due[0][0] <= now:
@@ -188,6 +190,9 @@ class Driver:
                 return
             if now >= next_start and now < start + step.duration:
                 labels = self._job_labels(rng) if step.unique_labels else {}
+                if step.label_sets:
+                    labels[LABEL_SET] = f"s{started % step.label_sets}"
+                started += 1
                 name = self._safe(functools.partial(
                     self.new_pod, step.namespace, "job" if step.unique_labels else "churn", step.observe,
                     labels=labels, run_seconds=lifetime if step.complete else None))

@@ -55,7 +55,10 @@ class Churn(_Step, tag="churn"):
 
     ``complete``: the pod finishes (Succeeded, IP freed) at its lifetime and is deleted ``linger`` seconds
     later, like a Job's pod; otherwise it is deleted at its lifetime. ``unique_labels``: every pod gets
-    unique ``job-name``/``controller-uid`` labels, as CronJob pods have.
+    unique ``job-name``/``controller-uid`` labels, as CronJob pods have (the operator's default filter
+    drops them). ``label_sets``: the pods also carry ``lab.podmeter.io/set: s<n>`` with n the step's pod
+    count modulo ``label_sets``, a label the filter keeps, so that many identities come and go (larger
+    than the number of pods started: one identity per pod, allocated and released with it).
     """
 
     namespace: Name
@@ -65,6 +68,7 @@ class Churn(_Step, tag="churn"):
     complete: bool = False
     linger: Seconds = 1.0
     unique_labels: bool = False
+    label_sets: Annotated[int, msgspec.Meta(ge=0)] = 0
     observe: bool = True
 
 
