@@ -226,7 +226,8 @@ class AttachManager:
 
     @property
     def errors(self) -> dict[str, str]:
-        """Selected interfaces whose last attach failed (name -> reason); retried on every pass."""
+        """Selected interfaces whose last attach failed (name -> reason); retried when the interface
+        changes, on sync() and on every dump."""
         with self._lock:
             return dict(self._errors)
 
@@ -293,7 +294,7 @@ class AttachManager:
                 self._links.pop(change.index, None)
             else:
                 self._links[change.index] = change.link
-        self._converge({change.index for change in found} | self._failed_indexes())
+        self._converge({change.index for change in found})
 
     def _full_pass(self) -> None:
         self._links = dump_links()
@@ -303,12 +304,6 @@ class AttachManager:
             self._errors = {name: e for name, e in self._errors.items() if name in wanted}
             self._passes += 1
             self._lock.notify_all()
-
-    def _failed_indexes(self) -> set[int]:
-        """Selected interfaces whose last attach failed: retried at every change, not only every dump."""
-        with self._lock:
-            failed = set(self._errors)
-        return {index for index, (name, _) in self._links.items() if name in failed} if failed else set()
 
     def _converge(self, indexes: set[int]) -> None:
         """Attached iff the link exists and the rule selects it, for each of ``indexes``."""
