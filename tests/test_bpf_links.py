@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import threading
 
+import pytest
+
+from podmeter.adapters.datapath.ebpf import links
 from podmeter.adapters.datapath.ebpf.links import LinkChange, changes, dump_links, link_events, read_changes
 from test_bpf_support import Topology, needs_root, run, unique
 
@@ -55,3 +60,38 @@ def test_malformed_messages_end_the_walk_instead_of_looping() -> None:
     body = bytes(4) + struct.pack("=i", 7) + bytes(8) + struct.pack("=HH", 2, 3)  # an attribute of length 2
     message = struct.pack("=IHHII", 16 + len(body), 16, 0, 0, 0) + body
     assert list(changes(memoryview(message))) == [LinkChange(7, ("", None))]
+
+
+def test_links_that_exist_throughout_are_in_every_dump_taken_during_churn(topology: Topology) -> None:
+    """Dumps taken while other links come and go (the kernel marks them interrupted) are redone, so a
+    stable link is never missing: the attach manager would detach from it."""
+    stable = {topology.add_pod().host_veth for _ in range(15)}
+    stop = threading.Event()
+
+    def churn() -> None:
+        name = unique("qc")
+        while not stop.is_set():
+            subprocess.run(["ip", "-n", topology.host, "link", "add", name, "type", "veth", "peer", "name",
+                            name + "p"], check=False, capture_output=True)
+            subprocess.run(["ip", "-n", topology.host, "link", "del", name], check=False, capture_output=True)
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        with topology.in_host():
+            for _ in range(40):
+                names = {name for name, _ in dump_links().values()}
+                assert stable <= names
+    finally:
+        stop.set()
+        worker.join()
+
+
+def test_an_interrupted_dump_is_taken_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    answers = [({1: ("lo", None)}, False), ({1: ("lo", None)}, False), ({1: ("lo", None), 2: ("pm1", "veth")}, True)]
+    monkeypatch.setattr(links, "_dump_once", lambda: answers.pop(0))
+    assert dump_links() == {1: ("lo", None), 2: ("pm1", "veth")}
+    always_interrupted = [({1: ("lo", None)}, False)] * links.DUMP_ATTEMPTS
+    monkeypatch.setattr(links, "_dump_once", lambda: always_interrupted.pop(0))
+    assert dump_links() == {1: ("lo", None)}  # the last one is used: notifications correct it
+    assert always_interrupted == []

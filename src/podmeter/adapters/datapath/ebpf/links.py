@@ -28,6 +28,8 @@ RTM_DELLINK = 17
 RTM_GETLINK = 18
 NLM_F_REQUEST = 0x1
 NLM_F_DUMP = 0x300
+NLM_F_DUMP_INTR = 0x10  # the table changed while it was being dumped: the dump may miss or repeat links
+DUMP_ATTEMPTS = 5
 RTMGRP_LINK = 1
 IFLA_IFNAME = 3
 IFLA_LINKINFO = 18
@@ -90,39 +92,53 @@ def _link(body: memoryview) -> tuple[int, Link]:
     return index, (name, kind)
 
 
-def messages(data: memoryview) -> Iterator[tuple[int, memoryview]]:
-    """Split a datagram into (message type, body after the nlmsghdr)."""
+def messages(data: memoryview) -> Iterator[tuple[int, int, memoryview]]:
+    """Split a datagram into (message type, flags, body after the nlmsghdr)."""
     offset, end = 0, len(data)
     while offset + _HEADER.size <= end:
-        length, kind, _, _, _ = _HEADER.unpack_from(data, offset)
+        length, kind, flags, _, _ = _HEADER.unpack_from(data, offset)
         if length < _HEADER.size:
             return
-        yield kind, data[offset + _HEADER.size:offset + length]
+        yield kind, flags, data[offset + _HEADER.size:offset + length]
         offset += (length + 3) & ~3
 
 
 def changes(data: memoryview) -> Iterator[LinkChange]:
     """The link notifications in one datagram of a socket subscribed to ``RTMGRP_LINK``."""
-    for kind, body in messages(data):
+    for kind, _, body in messages(data):
         if kind in (RTM_NEWLINK, RTM_DELLINK) and len(body) >= _IFINFO_SIZE:
             index, link = _link(body)
             yield LinkChange(index, link if kind == RTM_NEWLINK else None)
 
 
 def dump_links() -> dict[int, Link]:
-    """Every link of the calling thread's netns: ifindex -> (name, kind)."""
+    """Every link of the calling thread's netns: ifindex -> (name, kind).
+
+    A dump that the kernel marks interrupted (links changed meanwhile, which churn makes common) is done
+    again: an inconsistent one could miss a link that existed all along, and the attach manager would
+    detach from it. After ``DUMP_ATTEMPTS`` the last one is used (notifications then correct it)."""
+    for _ in range(DUMP_ATTEMPTS - 1):
+        found, consistent = _dump_once()
+        if consistent:
+            return found
+    return _dump_once()[0]
+
+
+def _dump_once() -> tuple[dict[int, Link], bool]:
     request = _HEADER.pack(_HEADER.size + _IFINFO_SIZE, RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
     request += bytes(_IFINFO_SIZE)  # ifi_family AF_UNSPEC: every link
     found: dict[int, Link] = {}
+    consistent = True
     buffer = bytearray(_BUFFER_SIZE)
     with contextlib.closing(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)) as sock:
         sock.bind((0, 0))
         sock.send(request)
         while True:
             size = sock.recv_into(buffer)
-            for kind, body in messages(memoryview(buffer)[:size]):
+            for kind, flags, body in messages(memoryview(buffer)[:size]):
+                consistent = consistent and not flags & NLM_F_DUMP_INTR
                 if kind == NLMSG_DONE:
-                    return found
+                    return found, consistent
                 if kind == NLMSG_ERROR:
                     code = -struct.unpack_from("=i", body)[0]
                     raise NetlinkError(code, f"RTM_GETLINK dump: {errno.errorcode.get(code, code)}")
