@@ -7,8 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,16 +14,7 @@ import pytest
 from agent_harness import Cluster
 from lab_server import LabServer
 from waiting import free_port, wait_for
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-    except OSError:
-        return 0, ""
+from waiting import http_get as get
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ from test_deploy_support import (
     request_attributes,
     service_account_dir,
 )
-from waiting import stop_process
+from waiting import http_get, stop_process
 
 pytestmark = [needs_kubectl, needs_root]
 
@@ -146,14 +146,7 @@ class Replica:
     def http(self, path: str, port: str = "metrics") -> tuple[int, str]:
         """From the node, to the pod's IP (as a kubelet probe or Prometheus would)."""
         with self.topology.in_host():
-            try:
-                url = f"http://{self.pod.ip}:{self.ports[port]}{path}"
-                with urllib.request.urlopen(url, timeout=5) as response:
-                    return response.status, response.read().decode()
-            except urllib.error.HTTPError as err:
-                return err.code, err.read().decode()
-            except OSError:
-                return 0, ""
+            return http_get(f"http://{self.pod.ip}:{self.ports[port]}{path}")
 
     def leads(self) -> bool:
         return metric(self, "podmeter_leader") == 1

@@ -6,6 +6,8 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -37,3 +39,14 @@ def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, grace: 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """(status, body) of a GET; (0, "") when nothing answers (a process still starting or gone)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+    except OSError:
+        return 0, ""
