@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
+from podmeter.adapters.datapath.ebpf.links import dump_links
 from podmeter.lab import scenario as sc
 from podmeter.lab.apiserver.client import AdminClient
 from podmeter.lab.checks import Checker, Observation, Truth, metric_sum, parse_metrics, read_truth
@@ -299,10 +300,7 @@ class LabRun(Hooks):
         """Sandboxes a killed node could not remove: every pod namespace of this run's node namespace."""
         if self.datapath != "ebpf" or self.client is None:
             return
-        from pyroute2 import IPRoute
-
-        with IPRoute() as ipr:  # the node namespace's devices (sysfs would show the machine's)
-            ours = {link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
+        ours = {name for name, _ in dump_links().values()}  # the node namespace's (sysfs: the machine's)
         for path in list(Path("/run/netns").glob("pmpod-*")):
             host_device = "pm" + path.name.removeprefix("pmpod-")
             if host_device in ours:

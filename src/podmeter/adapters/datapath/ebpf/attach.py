@@ -261,10 +261,7 @@ class AttachManager:
                 self._full_pass()
                 while not self._stopping:
                     self._wait(events)
-                self._links = dump_links()
-                for attachment in list(self._attached.values()):
-                    self.attacher.detach(attachment, exists=attachment.ifindex in self._links)
-                    self._forget(attachment.ifindex)
+                self._detach_all()
         except BaseException as error:  # reported to start()/sync() callers
             log.exception("attach manager stopped")
             self._abandon()
@@ -277,6 +274,12 @@ class AttachManager:
         for index, attachment in list(self._attached.items()):
             with contextlib.suppress(OSError):
                 self.attacher.detach(attachment, exists=False)
+            self._forget(index)
+
+    def _detach_all(self) -> None:
+        present = dump_links()
+        for index, attachment in list(self._attached.items()):
+            self.attacher.detach(attachment, exists=index in present)
             self._forget(index)
 
     def _wait(self, events: socket.socket) -> None:

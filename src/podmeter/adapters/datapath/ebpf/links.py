@@ -41,6 +41,7 @@ _IFINDEX = struct.Struct("=i")  # ifinfomsg.ifi_index, at offset 4 of the ifinfo
 _ATTR = struct.Struct("=HH")  # rtattr: len, type
 _IFINFO_SIZE = 16
 _BUFFER_SIZE = 1 << 18  # larger than any dump chunk the kernel sends (it sizes them to the reader)
+_EVENT_BUFFER_SIZE = 1 << 16  # a notification is one message of a few KiB
 
 Link = tuple[str, str | None]  # (name, link kind: "veth", ... or None)
 
@@ -163,7 +164,7 @@ def read_changes(sock: socket.socket) -> list[LinkChange] | None:
     the caller must then dump the links again."""
     found: list[LinkChange] = []
     lost = False
-    buffer = bytearray(_BUFFER_SIZE)
+    buffer = bytearray(_EVENT_BUFFER_SIZE)
     while True:
         try:
             size = sock.recv_into(buffer)
