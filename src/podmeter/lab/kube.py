@@ -146,7 +146,7 @@ class KubeClient:
     def _exchange(self, method: str, target: str, data: bytes | None, headers: dict[str, str]) -> tuple[int, bytes]:
         """Send on this thread's connection. A kept-alive connection the server has closed meanwhile fails
         on first use; then (only then) the request goes once more on a fresh connection."""
-        for reused in (True, False):
+        for may_retry in (True, False):
             connection, was_open = self._connection()
             try:
                 connection.request(method, target, body=data, headers=headers)
@@ -154,7 +154,7 @@ class KubeClient:
                 return response.status, response.read()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
                 self._drop()
-                if not (reused and was_open):
+                if not (may_retry and was_open):
                     raise KubeError(0, f"{method} {target}: {exc}") from None
             except (OSError, http.client.HTTPException) as exc:
                 self._drop()
