@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from podmeter.cli.lab import print_summary
 from podmeter.lab.report import write_report
 from podmeter.lab.run import LabOptions, LabResult, LabRun
 from podmeter.lab.scenario import Scenario, load_scenario, parse_scenario, shipped_scenarios
@@ -99,16 +100,8 @@ def run_scenarios(out: Path) -> None:
             continue
         started = time.monotonic()
         result = LabRun(load_scenario(name), LabOptions(out / name, progress=False)).run()
-        write_report(result, out / name)
-        report(name, result)
+        print_summary(result, write_report(result, out / name))
         print(json.dumps(scenario_figures(result, result.steps_s or time.monotonic() - started)), flush=True)
-
-
-def report(name: str, result: LabResult) -> None:
-    where = result.report_files[-1] if result.report_files else "-"  # report.html comes last
-    print(f"{name}: {'PASSED' if result.passed else 'FAILED'}; report {where}")
-    for failure in result.failures[:10]:
-        print(f"  {failure['invariant']} {failure['subject']}: {failure['detail']}")
 
 
 def main() -> None:
@@ -129,8 +122,7 @@ def main() -> None:
     started = time.monotonic()
     result = LabRun(scenario, options).run()
     elapsed = time.monotonic() - started
-    write_report(result, out)
-    report(args.mode, result)
+    print_summary(result, write_report(result, out))
     print(json.dumps(figures(result, result.steps_s or elapsed)))
 
 

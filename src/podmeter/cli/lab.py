@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     result = lab.run()
     files = write_report(result, args.out)
-    _print_summary(result, files)
+    print_summary(result, files)
     return 0 if result.passed else 1
 
 
@@ -73,7 +73,8 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _print_summary(result: Any, files: list[Path]) -> None:
+def print_summary(result: Any, files: list[Path]) -> None:
+    """The verdict, every failure, and where the report is (also bench.lab's output)."""
     print()
     print(f"verdict: {'PASSED' if result.passed else 'FAILED'} ({result.scenario}, {result.datapath})")
     if result.error:
