@@ -3,8 +3,8 @@
 #   docker build -t podmeter:0.1.0 .
 #
 # Three stages: `bpf` compiles the eBPF object with clang (the only stage with a compiler), `build`
-# installs the package and its dependencies into a virtualenv, `runtime` is a slim Python with the system
-# libbpf (libbpf1) and that virtualenv. Nothing is compiled at run time.
+# installs the package without its lab and its dependencies into a virtualenv, `runtime` is a slim Python
+# with the system libbpf (libbpf1) and that virtualenv. Nothing is compiled at run time.
 #
 # The image runs as an unprivileged user (65532) by default: that is how the operator runs. The agent's
 # DaemonSet overrides it with runAsUser 0 and only these capabilities (drop ALL), because the kernel
@@ -39,8 +39,17 @@ WORKDIR /src
 COPY pyproject.toml ./
 COPY src/ src/
 COPY --from=bpf /src/out/ src/podmeter/bpf/
+# The image is the product only: no lab (podmeter.lab and its commands lab, apiserver, node) and none of its
+# packages (matplotlib with numpy and pillow, rich). Those packages are the `lab` extra, which this install
+# leaves out. The lab's modules must be removed here, before the install: an extra can only add
+# dependencies, not leave files out of the wheel, and excluding podmeter.lab in pyproject.toml instead
+# would take it out of every install, including `pip install 'podmeter[lab]'` and the editable one of
+# scripts/setup.sh. In the image `podmeter lab|apiserver|node` say that they need the lab extra.
+RUN rm -r src/podmeter/lab src/podmeter/cli/lab.py src/podmeter/cli/apiserver.py src/podmeter/cli/node.py
 RUN /opt/podmeter/bin/pip install . \
- && /opt/podmeter/bin/python -c "import importlib.resources as r; assert r.files('podmeter').joinpath('bpf/podmeter.bpf.o').is_file()"
+ && /opt/podmeter/bin/python -c "import importlib.resources as r; assert r.files('podmeter').joinpath('bpf/podmeter.bpf.o').is_file()" \
+ && /opt/podmeter/bin/python -c "import importlib.util as u; assert not [m for m in ('podmeter.lab', 'matplotlib', 'rich', 'numpy', 'PIL') if u.find_spec(m)]" \
+ && /opt/podmeter/bin/podmeter --help >/dev/null
 
 FROM ${PYTHON_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="podmeter" \

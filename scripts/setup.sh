@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything podmeter's lab and tests need on a fresh Debian 12 machine, idempotently:
-# system packages (clang, libbpf, bpftool, etcd, iproute2), the bpffs mount, a venv with the package
-# and its dev tools, and the BPF object. Safe to run again: each step checks before it acts.
+# system packages (clang, libbpf, bpftool, etcd, iproute2), the bpffs mount, a venv with the package,
+# its lab extra and its dev tools, and the BPF object. Safe to run again: each step checks before it acts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,7 +32,7 @@ fi
 stamp=.venv/.stamp-$(sha1sum pyproject.toml | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null
-  .venv/bin/pip install -q -e '.[dev]'
+  .venv/bin/pip install -q -e '.[dev,lab]'   # the lab is an extra: make lab and the tests need it
   rm -f .venv/.stamp-*
   touch "$stamp"
 fi

@@ -1,8 +1,11 @@
-"""The Dockerfile, checked without a Docker engine: stages, users, paths, the build context, and the BPF
-build step itself (run here with the same shell command, on a copy of what the context would hold)."""
+"""The Dockerfile, checked without a Docker engine: stages, users, paths, the build context, the BPF
+build step itself (run here with the same shell command, on a copy of what the context would hold), and
+the rule that the image holds the product only: the build stage's removal of the lab, run on a copy of src/.
+"""
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import json
 import re
@@ -138,6 +141,73 @@ def test_the_bpf_object_lands_where_the_package_data_expects_it() -> None:
     assert copies == [["--from=bpf", "/src/out/", "src/podmeter/bpf/"]]
     assert "bpf/*.o" in package_data["podmeter"]
     assert any("bpf/podmeter.bpf.o" in run for run in stage("build").all("RUN"))  # the build checks it
+
+
+# --- the image holds the product only: no lab, no plotting libraries -------------------------------------
+
+# What the image must not hold or import: the lab, and the packages of the `lab` extra (yaml: lightkube
+# brings pyyaml into the image, but no podmeter module left there may import it).
+LAB_ONLY = ("podmeter.lab", "matplotlib", "rich", "yaml", "numpy", "PIL")
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return names
+
+
+def _names_the_lab(path: Path) -> bool:
+    return any(name == root or name.startswith(root + ".") for name in _imports(path) for root in LAB_ONLY)
+
+
+def _install_commands(run: str) -> list[list[str]]:
+    commands = [shlex.split(command) for command in run.split("&&")]
+    return [words for words in commands if len(words) > 1 and words[0].endswith("pip") and words[1] == "install"]
+
+
+def test_the_build_stage_installs_the_package_without_extras() -> None:
+    runs = stage("build").all("RUN")
+    installs = [words for run in runs for words in _install_commands(run)]
+    assert installs == [["/opt/podmeter/bin/pip", "install", "."]]  # not .[lab]: the lab extra stays out
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lab = {re.split(r"[<>=!~ \[]", r, maxsplit=1)[0].lower() for r in project["optional-dependencies"]["lab"]}
+    product = {re.split(r"[<>=!~ \[]", r, maxsplit=1)[0].lower() for r in project["dependencies"]}
+    assert {"matplotlib", "rich"} <= lab and not lab & product
+    # and the build checks its result: neither the lab nor the plotting libraries are importable
+    (install,) = [run for run in runs if _install_commands(run)]
+    assert all(name in install for name in ("podmeter.lab", "matplotlib", "rich", "numpy", "PIL"))
+
+
+def test_the_build_stage_removes_the_lab_before_the_install(tmp_path: Path) -> None:
+    runs = stage("build").all("RUN")
+    removals = [run for run in runs if shlex.split(run)[0] == "rm"]
+    assert len(removals) == 1
+    (install,) = [run for run in runs if _install_commands(run)]
+    assert runs.index(removals[0]) < runs.index(install)
+    # run it on a copy of what COPY src/ src/ brings in
+    shutil.copytree(ROOT / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    result = subprocess.run(["sh", "-c", removals[0]], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    package = tmp_path / "src" / "podmeter"
+    assert not (package / "lab").exists()
+    # every module that imports the lab (or its packages) is gone, and nothing else
+    lab_users = {p.relative_to(ROOT / "src") for p in (ROOT / "src" / "podmeter").rglob("*.py")
+                 if "lab" not in p.relative_to(ROOT / "src" / "podmeter").parts[:1] and _names_the_lab(p)}
+    left = {p.relative_to(tmp_path / "src") for p in package.rglob("*.py")}
+    assert not lab_users & left, f"import the lab but would be in the image: {sorted(map(str, lab_users & left))}"
+    removed = {p.relative_to(ROOT / "src") for p in (ROOT / "src" / "podmeter").rglob("*.py")
+               if "__pycache__" not in p.parts} - left
+    assert {p for p in removed if p.parts[1] != "lab"} == lab_users
+    # the commands that stay are the product's, and the dispatcher knows the removed ones as the lab's
+    from podmeter.cli.main import COMMANDS, LAB_COMMANDS
+
+    kept = {name for name in COMMANDS if (package / "cli" / f"{name}.py").exists()}
+    assert kept == set(COMMANDS) - LAB_COMMANDS
+    assert {"agent", "operator", "inspect", "doctor"} <= kept
 
 
 # --- the build context (.dockerignore) ---------------------------------------------------------------------

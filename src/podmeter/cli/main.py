@@ -8,12 +8,54 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 # Subcommand modules; each defines ``register(subparsers) -> None`` and sets ``func`` on its parser.
 COMMANDS = ("agent", "operator", "apiserver", "node", "lab", "inspect", "doctor", "demo")
+# The lab's commands: they import podmeter.lab, which is only usable with the `lab` extra installed
+# (and is not in the image at all). The product's commands never import it (tests/test_packaging.py).
+LAB_COMMANDS = frozenset({"apiserver", "node", "lab"})
+# What the `lab` extra of pyproject.toml brings, by import name (tests/test_packaging.py keeps them equal).
+LAB_REQUIRES = ("matplotlib", "rich", "yaml")
+LAB_EXTRA_MISSING = "the lab needs the lab extra: pip install 'podmeter[lab]'"
+
+
+def lab_missing() -> str | None:
+    """The first module the lab needs that cannot be imported here (its own package, or one of the lab
+    extra's), or None; found without importing any of them."""
+    for name in ("podmeter.lab", *LAB_REQUIRES):
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except (ImportError, ValueError):
+            return name
+    return None
+
+
+def _is_lab_module(name: str | None) -> bool:
+    """Whether a module that failed to import is the lab's (its package, its commands, its extra's)."""
+    if not name:
+        return False
+    if name == "podmeter.lab" or name.startswith("podmeter.lab."):
+        return True
+    return name.partition(".")[0] in LAB_REQUIRES or name in {f"podmeter.cli.{c}" for c in LAB_COMMANDS}
+
+
+def _lab_extra_missing(command: str) -> int:
+    print(f"podmeter {command}: {LAB_EXTRA_MISSING}", file=sys.stderr)
+    return 2
+
+
+def _register_unavailable(subparsers: Any, name: str) -> None:
+    """A placeholder for a lab command, listed by `podmeter --help` where the lab cannot run."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name, help="(lab) needs the lab extra: pip install 'podmeter[lab]'", add_help=False)
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.set_defaults(func=lambda args: _lab_extra_missing(name))
 
 
 def env_defaults(parser: argparse.ArgumentParser) -> None:
@@ -46,12 +88,17 @@ def _convert(action: argparse.Action, raw: str) -> object:
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``only``, just that subcommand's module is imported (each pulls in its own stack:
     the agent aiohttp and lightkube, the lab matplotlib, the operator an etcd client), so a process starts
-    in a fraction of the time."""
+    in a fraction of the time. Where the lab cannot run (no `lab` extra, or the image, which has no
+    podmeter.lab), its commands are placeholders that say so."""
     parser = argparse.ArgumentParser(
         prog="podmeter", description="Pod-level network observability for Kubernetes that cannot leak.",
         epilog="Every long option can also be set as PODMETER_<OPTION>; `podmeter COMMAND --help` for more.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    lab_ok = lab_missing() is None if only is None or only in LAB_COMMANDS else True
     for name in COMMANDS if only is None else (only,):
+        if name in LAB_COMMANDS and not lab_ok:
+            _register_unavailable(subparsers, name)
+            continue
         module = importlib.import_module(f"podmeter.cli.{name}")
         module.register(subparsers)
     for sub in subparsers.choices.values():
@@ -61,12 +108,20 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(words[0] if words and words[0] in COMMANDS else None)
-    args = parser.parse_args(words)
+    command = words[0] if words and words[0] in COMMANDS else None
+    if command in LAB_COMMANDS and lab_missing() is not None:
+        return _lab_extra_missing(str(command))
     try:
+        parser = build_parser(command)
+        args = parser.parse_args(words)
         result = args.func(args)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:
+        # A lab command whose extra is only partly installed (the check above looks at top-level names).
+        if command in LAB_COMMANDS and _is_lab_module(exc.name):
+            return _lab_extra_missing(str(command))
+        raise
     return int(result or 0)
 
 
