@@ -21,7 +21,8 @@ import msgspec
 from bench.measure import json_line, median_of, rss_mib, table, timed_ms, traced_bytes
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.lab.podgen import realistic_pod
-from podmeter.model.configuration import Interest
+from podmeter.model.configuration import DEFAULT_NAME, Interest, MetricsConfiguration
+from podmeter.model.deltas import CONFIGURATIONS, PODS, Delete, Upsert
 from podmeter.model.records import Pod, decode_pod
 from podmeter.model.view import NodeView
 from podmeter.runtime.writer import Writer
@@ -38,15 +39,17 @@ def template_pods(n: int) -> list[Pod]:
     return [decode_pod(msgspec.json.encode(realistic_pod(i, ip=ip_of(i)))) for i in range(n)]
 
 
-def observed_writer(capacity: int) -> Writer:
+def observed_writer(capacity: int) -> tuple[NodeView, Writer]:
+    """A view whose configuration observes namespace ``default``, and its writer over the memory datapath."""
     view = NodeView("node-a")
-    view.set_interest(Interest(include=frozenset({"default"})))
-    return Writer(view, MemoryDatapath(capacity))
+    config = MetricsConfiguration(DEFAULT_NAME, "1", 1, Interest(include=frozenset({"default"})))
+    view.apply(Upsert(CONFIGURATIONS, config))
+    return view, Writer(view.desired, MemoryDatapath(capacity))
 
 
 def apply_events_per_s(pods: list[Pod]) -> float:
     """Create every pod, then churn: each pod deleted and recreated with a new UID and a new IP."""
-    writer = observed_writer(len(pods) * 2)
+    view, writer = observed_writer(len(pods) * 2)
     n = len(pods)
     reborn = [msgspec.structs.replace(p, uid=p.uid + "-2", ips=(ip_of(i + n),)) for i, p in enumerate(pods)]
     start = time.perf_counter()
@@ -54,22 +57,22 @@ def apply_events_per_s(pods: list[Pod]) -> float:
     for batch in (pods, reborn):
         for pod in batch:
             if batch is reborn:
-                writer.delete_pod(pod.uid[:-2])
+                view.apply(Delete(PODS, pod.uid[:-2]))
                 events += 1
-            writer.upsert_pod(pod)
+            view.apply(Upsert(PODS, pod))
             events += 1
             if events % FLUSH_EVERY == 0:
                 writer.flush()
     writer.flush()
     elapsed = time.perf_counter() - start
-    assert writer.datapath.contents() == set(writer.view.desired)
+    assert writer.datapath.contents() == set(view.desired)
     return events / elapsed
 
 
 def reconcile_ms(pods: list[Pod]) -> float:
-    writer = observed_writer(len(pods))
+    view, writer = observed_writer(len(pods))
     for pod in pods:
-        writer.upsert_pod(pod)
+        view.apply(Upsert(PODS, pod))
     writer.flush()
     assert len(writer.datapath.contents()) == len(pods)
 
@@ -86,15 +89,15 @@ def bytes_per_pod(n: int) -> float:
     raw = [msgspec.json.encode(realistic_pod(i, ip=ip_of(i))) for i in range(n)]
 
     def build() -> Writer:
-        writer = observed_writer(n)
+        view, writer = observed_writer(n)
         for data in raw:
-            writer.upsert_pod(decode_pod(data))
+            view.apply(Upsert(PODS, decode_pod(data)))
         writer.flush()
-        return writer
+        return view, writer
 
     # Build the writer first so its empty containers are part of the baseline, not the figure.
-    writer, used = traced_bytes(build)
-    assert len(writer.view.pods) == n
+    (view, writer), used = traced_bytes(build)
+    assert len(view.pods) == n
     # The in-memory datapath's own set is not the agent's memory (the kernel holds the map): subtract it.
     _, datapath_bytes = traced_bytes(lambda: set(writer.datapath.contents()))
     return (used - datapath_bytes) / n
@@ -103,7 +106,7 @@ def bytes_per_pod(n: int) -> float:
 def rss_growth_mib(lifecycles: int, live: int) -> tuple[float, float, float]:
     """lifecycles pod create -> delete with at most ``live`` alive; RSS at 10 % vs at the end."""
     template = decode_pod(msgspec.json.encode(realistic_pod(0, ip=ip_of(0))))
-    writer = observed_writer(live * 2)
+    view, writer = observed_writer(live * 2)
     alive: list[str] = []
     checkpoint = lifecycles // 10
     rss_at_10 = 0.0
@@ -112,10 +115,10 @@ def rss_growth_mib(lifecycles: int, live: int) -> tuple[float, float, float]:
         pod = msgspec.structs.replace(
             template, uid=f"uid-{i:08d}", name=f"job-{i:08d}", ips=(ip_of(i % 60000),)
         )
-        writer.upsert_pod(pod)
+        view.apply(Upsert(PODS, pod))
         alive.append(pod.uid)
         if len(alive) >= live:
-            writer.delete_pod(alive.pop(0))
+            view.apply(Delete(PODS, alive.pop(0)))
         if i % FLUSH_EVERY == 0:
             writer.flush()
         if i == checkpoint:
@@ -125,11 +128,11 @@ def rss_growth_mib(lifecycles: int, live: int) -> tuple[float, float, float]:
             rate = i / (time.perf_counter() - start)
             print(f"  ... {i:,} lifecycles, {rate:,.0f}/s, RSS {rss_mib():.1f} MiB")
     for uid in alive:
-        writer.delete_pod(uid)
+        view.apply(Delete(PODS, uid))
     writer.flush()
     gc.collect()
     end = rss_mib()
-    assert not writer.view.pods and not writer.datapath.contents()
+    assert not view.pods and not writer.datapath.contents()
     return end - rss_at_10, rss_at_10, end
 
 

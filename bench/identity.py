@@ -5,7 +5,8 @@ Run: ``.venv/bin/python -m bench.identity [--pods 100000] [--live 1000] [--etcd-
 Prints a table, then one JSON line with ``identity_allocs_per_s`` (memory and etcd),
 ``rss_growth_mib_100k_job_pods`` and ``rss_after_delete_all_vs_baseline_mib``. The churn runs the
 operator's real reconciler (label filter, per-UID references, dirty keys, sweep) on the memory backend,
-side by side with a reference that behaves like the prior art (identity per unfiltered label set,
+side by side with a reference that behaves like the allocators of failure modes F12 and F13 in
+docs/design.md (identity per unfiltered label set,
 released only by delete events, 1% of deletes lost).
 """
 
@@ -27,13 +28,13 @@ from pathlib import Path
 
 from podmeter.adapters.identity.etcd import EtcdIdentityBackend
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
-from podmeter.adapters.kube.deltas import Delete, Delta, Upsert
+from podmeter.model.deltas import PODS, Delete, Delta, Upsert
 from podmeter.model.identity import IdentityKey, LabelFilter, make_key
 from podmeter.model.records import Pod
-from podmeter.runtime.operator import IdentityReconciler, OperatorMetrics, PodStore
+from podmeter.model.store import Store
+from podmeter.runtime.operator import IdentityReconciler
 
 APPS = ("report", "backup", "etl", "sync", "index")
-GC_RELEASED = "podmeter_identity_gc_released_total"
 
 
 def rss_mib() -> float:
@@ -56,52 +57,52 @@ async def churn(pods: int, live: int) -> dict[str, float]:
     """The operator's path on Job pods (deltas -> pod store -> reconciler -> memory backend): RSS after
     warm-up, at the end of churn, after delete-all."""
     backend = MemoryIdentityBackend()
-    rec = IdentityReconciler(backend, LabelFilter(), OperatorMetrics())
-    store = PodStore()
+    rec = IdentityReconciler(backend, LabelFilter())
+    store: Store[Pod] = Store(PODS)
 
-    def apply(delta: Delta) -> None:
-        for event in store.apply(delta):
-            rec.observe(*event)
+    def apply(delta: Delta[Pod]) -> None:
+        for change in store.apply(delta):
+            rec.observe(*change)
 
     await warm_up(rec, store, live)
     gc.collect()
     baseline = rss_mib()
     warm = held_at_end = 0.0
     for i in range(pods):
-        apply(Upsert("pods", job_pod(i)))
+        apply(Upsert(PODS, job_pod(i)))
         if i >= live:
-            apply(Delete("pods", job_pod(i - live).uid))
+            apply(Delete(PODS, job_pod(i - live).uid))
         await rec.flush()
         if i % 10_000 == 9_999:
-            await rec.sweep(store.pods.values())
+            await rec.sweep(store.objects.values())
         if i == min(pods - 1, 10 * live):
             gc.collect()
             warm = rss_mib()
     gc.collect()
     end, held_at_end = rss_mib(), len(backend.held())
-    for uid in list(store.pods):
-        apply(Delete("pods", uid))
+    for uid in list(store.objects):
+        apply(Delete(PODS, uid))
     await rec.flush()
-    await rec.sweep(store.pods.values())
+    await rec.sweep(store.objects.values())
     gc.collect()
     return {"baseline": baseline, "warm": warm, "end": end, "after_delete": rss_mib(),
             "identities_end": held_at_end, "identities_after_delete": len(backend.held()),
-            "gc_released": rec.metrics.registry.get_sample_value(GC_RELEASED) or 0.0}
+            "gc_released": rec.stats.gc_released}
 
 
-async def warm_up(rec: IdentityReconciler, store: PodStore, live: int) -> None:
+async def warm_up(rec: IdentityReconciler, store: Store[Pod], live: int) -> None:
     """One round of ``live`` pods created and deleted, so one-time allocations precede the baseline."""
     pods = [job_pod(-1 - i) for i in range(live)]
-    deltas: list[Delta] = [*(Upsert("pods", p) for p in pods), *(Delete("pods", p.uid) for p in pods)]
+    deltas: list[Delta[Pod]] = [*(Upsert(PODS, p) for p in pods), *(Delete(PODS, p.uid) for p in pods)]
     for delta in deltas:
-        for event in store.apply(delta):
-            rec.observe(*event)
+        for change in store.apply(delta):
+            rec.observe(*change)
         await rec.flush()
     await rec.sweep(())
 
 
 def reference_churn(pods: int, live: int) -> dict[str, float]:
-    """The prior art: identity per unfiltered label set, released only on a delete event, 1% lost."""
+    """The failing allocators (F12, F13): identity per unfiltered label set, released on delete events, 1% lost."""
     no_filter = LabelFilter(frozenset())
     ids: dict[IdentityKey, int] = {}
     refs: dict[IdentityKey, int] = {}
@@ -203,7 +204,7 @@ def main() -> None:
         ("identities released by the sweep (lost events)", f"{ours['gc_released']:.0f}", ""),
     ]
     width = max(len(r[0]) for r in rows)
-    print(f"{'figure':<{width}}  {'podmeter':>12}  reference (prior-art behaviour)")
+    print(f"{'figure':<{width}}  {'podmeter':>12}  reference (F12/F13 allocator)")
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:>12}  {note}")
     print(json.dumps({

@@ -18,11 +18,11 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from bench.measure import json_line, median_of, table
 from podmeter.adapters.datapath.memory import MemoryDatapath
-from podmeter.adapters.kube.deltas import Replace, Upsert
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
 from podmeter.adapters.metrics.pod_traffic import POD_LABELS, PodTrafficExposition
 from podmeter.lab.podgen import realistic_pod
 from podmeter.model.datapath import Direction
+from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Replace, Upsert
 from podmeter.model.records import decode_pod
 from podmeter.runtime.agent import Agent, AgentSettings
 
@@ -35,8 +35,8 @@ def agent_with_pods(n: int) -> Agent:
         raw = realistic_pod(i, ip=f"10.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}")
         raw["metadata"].setdefault("annotations", {})["podmeter.io/observe"] = "true"
         pods.append(decode_pod(raw))
-    agent.apply_batch([Replace("namespaces", []), Replace("metricsconfigurations", []), Replace("pods", [])])
-    agent.apply_batch([Upsert("pods", p) for p in pods])
+    agent.apply_batch([Replace(NAMESPACES, []), Replace(CONFIGURATIONS, []), Replace(PODS, [])])
+    agent.apply_batch([Upsert(PODS, p) for p in pods])
     for pod in pods:
         for direction in Direction:
             datapath.count(pod.ips[0], direction, 1234, 1234 * 800)

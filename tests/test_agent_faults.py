@@ -1,4 +1,4 @@
-"""The agent under the API server's faults (prior-art items 7, 8, 17, 18): watch closes, compaction gaps,
+"""The agent under the API server's faults (F7, F8, F17, F18 of docs/design.md): watch closes, compaction gaps,
 an API server that goes away, stalled streams, bad objects on the wire."""
 
 from __future__ import annotations

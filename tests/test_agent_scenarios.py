@@ -1,4 +1,4 @@
-"""The agent over real HTTP against the lab API server: prior-art items 1-2 and 17 as users meet them."""
+"""The agent over real HTTP against the lab API server: F1, F2 and F17 of docs/design.md as users meet them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The lab API server on the wire, compared with the real server's recorded answers (reference/wire/)."""
+"""The lab API server on the wire, compared with the real server's recorded answers (tests/data/wire/)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ import pytest
 
 from lab_server import LabServer
 
-WIRE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "wire"
-if not WIRE.exists():
-    WIRE = Path("/work/shared/reference/wire")
+WIRE = Path(__file__).resolve().parent / "data" / "wire"
 
 
 def recorded(name: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core_harness import Core
 from factories import make_pod
 from podmeter.adapters.datapath.ebpf import (
     EbpfDatapath,
@@ -24,8 +25,6 @@ from podmeter.adapters.datapath.ebpf import (
 from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.datapath import DatapathError, Direction, FilterFull, Traffic
-from podmeter.model.view import NodeView
-from podmeter.runtime.writer import Writer
 from test_bpf_support import BPFFS, needs_root, remove_pin_dir, run, unique
 
 pytestmark = needs_root
@@ -97,7 +96,7 @@ def test_delete_of_an_absent_ip_stops_the_batch_with_enoent(open_datapath: Opene
 def test_writer_accounts_for_a_partial_batch(open_datapath: Opener) -> None:
     """More desired IPs than slots: the kernel holds exactly what the writer says it installed."""
     dp = open_datapath(8)
-    writer = Writer(NodeView("node-a"), dp)
+    writer = Core(dp)
     for n, ip in enumerate(ips(12)):
         writer.upsert_pod(make_pod(f"p{n}", ips=(ip,), observe=True))
     writer.flush()

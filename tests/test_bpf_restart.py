@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from core_harness import Core
 from factories import make_pod
 from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath
 from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.model.datapath import Direction, Traffic
-from podmeter.model.view import NodeView
-from podmeter.runtime.writer import Writer
 from test_bpf_netns import udp_echo
 from test_bpf_support import Topology, needs_root, run
 
@@ -46,11 +45,10 @@ DOOMED_AGENT = """
 import sys, time
 from factories import make_pod
 from podmeter.adapters.datapath.ebpf import EbpfDatapath, frames
-from podmeter.model.view import NodeView
-from podmeter.runtime.writer import Writer
+from core_harness import Core
 pins, ips = sys.argv[1], sys.argv[2:]
 dp = EbpfDatapath.open(pins, filter_size=16)
-writer = Writer(NodeView("node-a"), dp)
+writer = Core(dp)
 for n, ip in enumerate(ips):
     writer.upsert_pod(make_pod(f"pod-{n}", ips=(ip,), observe=True))
 writer.flush()
@@ -104,13 +102,12 @@ def test_successor_of_a_killed_agent_converges(pin_dir: Path, open_datapath: Ope
 
     # Meanwhile pods B and C were deleted and D was created; A lives on (same UID is irrelevant here:
     # the successor knows only the current state).
-    released: dict[tuple[str, Direction], Traffic] = {}
-    view = NodeView("node-a")
     datapath = open_datapath(16)
-    writer = Writer(view, datapath, on_release=lambda _ips, final: released.update(final))
+    writer = Core(datapath)
     survivors = [make_pod("pod-0", ips=(a,), observe=True), make_pod("pod-3", ips=(d,), observe=True)]
     writer.replace_pods(survivors)
     repairs = writer.resync()
+    released = repairs.final
 
     assert datapath.contents() == {a, d}
     assert repairs.leaked == tuple(sorted([b, c]))

@@ -1,4 +1,4 @@
-"""One test per state-related failure mode of prior-art.md (items 1-9, 11, 17), on the core.
+"""One test per state-related failure mode of docs/design.md (F1-F9, F11, F17), on the core.
 
 Each drives the real view + writer + in-memory datapath (kernel semantics) and asserts what ends up in
 the filter: the only thing that matters to a user whose map fills up.
@@ -8,25 +8,24 @@ from __future__ import annotations
 
 import pytest
 
+from core_harness import Core
 from factories import make_namespace, make_pod, with_changes
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.configuration import Interest
 from podmeter.model.datapath import DatapathError
-from podmeter.model.view import NodeView
-from podmeter.runtime.writer import Writer
 
 
-def writer(capacity: int = 64) -> tuple[Writer, MemoryDatapath]:
+def writer(capacity: int = 64) -> tuple[Core, MemoryDatapath]:
     datapath = MemoryDatapath(capacity)
-    return Writer(NodeView("node-a"), datapath), datapath
+    return Core(datapath), datapath
 
 
-def settle(w: Writer) -> None:
+def settle(w: Core) -> None:
     w.flush()
     assert not w.view.desired.dirty
 
 
-# --- items 1-2: interest removed before the delete -------------------------------------------
+# --- F1-F2: interest removed before the delete -------------------------------------------
 
 
 def test_namespace_annotation_removed_then_pod_deleted() -> None:
@@ -71,12 +70,12 @@ def test_pod_annotation_removed_then_pod_deleted() -> None:
 
 def test_include_list_changed_then_pod_deleted() -> None:
     w, dp = writer()
-    w.view.set_interest(Interest(include=frozenset({"team"})))
+    w.configure(Interest(include=frozenset({"team"})))
     pod = make_pod("web", "team", ips=("10.0.0.1",))
     w.upsert_pod(pod)
     settle(w)
     assert dp.entries == {"10.0.0.1"}
-    w.view.set_interest(Interest(include=frozenset({"other"})))
+    w.configure(Interest(include=frozenset({"other"})))
     settle(w)
     assert dp.entries == set()
     w.delete_pod(pod.uid)
@@ -99,7 +98,7 @@ def test_delete_needs_no_metadata_from_the_add() -> None:
     assert dp.entries == set()
 
 
-# --- items 3-4: IP reuse in every order ----------------------------------------------------------
+# --- F3-F4: IP reuse in every order ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("order", ["delete-first", "add-first"])
@@ -146,7 +145,7 @@ def test_ip_reuse_new_owner_interest_decides(new_observed: bool) -> None:
     assert dp.entries == ({"10.0.0.9"} if new_observed else set())
 
 
-# --- items 5-6: full map, partial batch ---------------------------------------------------------
+# --- F5-F6: full map, partial batch ---------------------------------------------------------
 
 
 def test_full_map_keeps_only_desired_ips_and_reports_overflow() -> None:
@@ -172,11 +171,11 @@ def test_partial_batch_is_accounted_and_retried() -> None:
     dp.fail_next(DatapathError("EIO", "injected"), times=1)
     for i in range(4):
         w.upsert_pod(make_pod(f"p{i}", ips=(f"10.0.1.{i}",), observe=True))
-    assert w.flush() is False
+    assert w.flush().ok is False
     assert dp.entries == set()  # the first element failed: nothing applied, nothing believed
     assert w.installed == set() and len(w.pending) == 4
     assert w.stats.write_errors[("insert", "EIO")] == 1
-    assert w.flush() is True  # the failed adds were kept, not dropped (item 7)
+    assert w.flush().ok is True  # the failed adds were kept, not dropped (F7)
     assert dp.entries == {f"10.0.1.{i}" for i in range(4)}
 
 
@@ -211,9 +210,9 @@ def test_failed_delete_is_retried() -> None:
     settle(w)
     w.delete_pod(pod.uid)
     dp.fail_next(DatapathError("EIO", "injected"))
-    assert w.flush() is False
+    assert w.flush().ok is False
     assert dp.entries == {"10.0.0.1"}
-    assert w.flush() is True
+    assert w.flush().ok is True
     assert dp.entries == set()
 
 
@@ -231,13 +230,13 @@ def test_kernel_full_of_unknown_entries_stops_inserting_until_resync() -> None:
     assert dp.entries == {"10.0.0.1"}
 
 
-# --- items 7-8: restart with stale pinned state ---------------------------------------------------
+# --- F7-F8: restart with stale pinned state ---------------------------------------------------
 
 
 def test_restart_against_stale_actual_state_converges() -> None:
     dp = MemoryDatapath(64)
     dp.entries |= {"10.0.0.1", "10.0.0.2", "10.0.0.3"}  # left by a dead predecessor
-    w = Writer(NodeView("node-a"), dp)
+    w = Core(dp)
     w.replace_pods([make_pod("alive", ips=("10.0.0.2",), observe=True),
                     make_pod("new", ips=("10.0.0.4",), observe=True)])
     repairs = w.resync()
@@ -267,7 +266,7 @@ def test_resync_without_drift_repairs_nothing() -> None:
     assert sum(w.stats.drift_repaired.values()) == 0
 
 
-# --- item 9: changing IPs, terminal pods, mode switch, IPv6 -----------------------------------------
+# --- F9: changing IPs, terminal pods, mode switch, IPv6 -----------------------------------------
 
 
 def test_pod_whose_ip_changes_keeps_only_the_new_ip() -> None:
@@ -312,10 +311,10 @@ def test_switching_exclude_to_include_leaves_no_extra_ips() -> None:
     w, dp = writer()
     for ns in ("a", "b", "c"):
         w.upsert_pod(make_pod(f"p-{ns}", ns, ips=(f"10.0.{ord(ns)}.1",)))
-    w.view.set_interest(Interest(exclude=frozenset({"a"})))
+    w.configure(Interest(exclude=frozenset({"a"})))
     settle(w)
     assert dp.entries == {"10.0.98.1", "10.0.99.1"}
-    w.view.set_interest(Interest(include=frozenset({"a"})))
+    w.configure(Interest(include=frozenset({"a"})))
     settle(w)
     assert dp.entries == {"10.0.97.1"}
 
@@ -323,7 +322,7 @@ def test_switching_exclude_to_include_leaves_no_extra_ips() -> None:
 def test_annotations_off_ignores_annotations() -> None:
     w, dp = writer()
     w.upsert_pod(make_pod("p", ips=("10.0.0.1",), observe=True))
-    w.view.set_interest(Interest(annotations=False))
+    w.configure(Interest(annotations=False))
     settle(w)
     assert dp.entries == set()
 
@@ -337,7 +336,7 @@ def test_ipv6_and_dual_stack_do_not_poison_a_batch() -> None:
     assert dp.entries == {"10.0.0.1", "fd00::1", "10.0.0.2", "fd00::2"}
 
 
-# --- item 11: one writer, namespace and pod changes interleaved --------------------------------------
+# --- F11: one writer, namespace and pod changes interleaved --------------------------------------
 
 
 def test_interleaved_namespace_and_pod_changes_match_a_recompute() -> None:
@@ -353,7 +352,7 @@ def test_interleaved_namespace_and_pod_changes_match_a_recompute() -> None:
     assert set(w.view.recompute()) == dp.entries and len(dp.entries) == 20
 
 
-# --- item 17: replays and recreated pods -----------------------------------------------------------------
+# --- F17: replays and recreated pods -----------------------------------------------------------------
 
 
 def test_duplicate_added_is_a_no_op() -> None:
@@ -373,8 +372,8 @@ def test_relist_replay_produces_no_changes_and_drops_vanished() -> None:
     for pod in pods:
         w.upsert_pod(pod)
     settle(w)
-    result = w.replace_pods(pods[1:])  # pods[0] was deleted while we were disconnected
-    assert (result.added, result.updated, result.deleted) == (0, 0, 1)
+    changed = w.replace_pods(pods[1:])  # pods[0] was deleted while we were disconnected
+    assert changed == 1  # the one delete; the unchanged pods are no-ops
     settle(w)
     assert dp.entries == {f"10.0.0.{i}" for i in range(1, 5)}
 

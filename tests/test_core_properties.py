@@ -12,13 +12,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from core_harness import Core
 from factories import make_namespace, make_pod
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.configuration import Interest
 from podmeter.model.datapath import DatapathError
-from podmeter.model.records import Pod
-from podmeter.model.view import NodeView
-from podmeter.runtime.writer import Writer
+from podmeter.model.records import Namespace, Pod
 
 IPS = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5", "fd00::1", "fd00::2", "fd00::3"]
 NAMESPACES = ["a", "b", "c"]
@@ -52,6 +51,7 @@ class CoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.server: dict[str, Pod] = {}
+        self.server_namespaces: dict[str, Namespace] = {}
         self.generation = 0
         self.lost_events = False
         self.drifted = False
@@ -59,7 +59,7 @@ class CoreMachine(RuleBasedStateMachine):
     @initialize(capacity=st.integers(min_value=2, max_value=10))
     def start(self, capacity: int) -> None:
         self.datapath = MemoryDatapath(capacity)
-        self.writer = Writer(NodeView("node-a"), self.datapath)
+        self.writer = Core(self.datapath)
 
     # --- pods -------------------------------------------------------------------------------
 
@@ -94,15 +94,22 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(ns=st.sampled_from(NAMESPACES), observe=st.booleans())
     def upsert_namespace(self, ns: str, observe: bool) -> None:
-        self.writer.upsert_namespace(make_namespace(ns, observe=observe))
+        namespace = make_namespace(ns, observe=observe)
+        self.server_namespaces[ns] = namespace
+        self.writer.upsert_namespace(namespace)
 
     @rule(ns=st.sampled_from(NAMESPACES))
     def delete_namespace(self, ns: str) -> None:
+        self.server_namespaces.pop(ns, None)
         self.writer.delete_namespace(ns)
 
-    @rule(interest=interests)
-    def set_interest(self, interest: Interest) -> None:
-        self.writer.view.set_interest(interest)
+    @rule()
+    def relist_namespaces(self) -> None:
+        self.writer.replace_namespaces(list(self.server_namespaces.values()))
+
+    @rule(interest=interests | st.none())
+    def set_interest(self, interest: Interest | None) -> None:
+        self.writer.configure(interest)
 
     # --- the datapath ---------------------------------------------------------------------------
 

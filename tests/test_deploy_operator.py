@@ -276,8 +276,12 @@ def test_two_operator_replicas_elect_one_leader_that_writes_the_status(topology:
             assert replica.proc.poll() is None, logs()
         wait_for(lambda: sum(r.leads() for r in running) == 1, timeout=30, what="one leader",
                  describe=logs)
-        wait_for(lambda: any(metric(r, "podmeter_configuration_valid") == 1 for r in running), timeout=30,
-                 what="the configuration checked", describe=logs)
+        def accepted_written() -> bool:
+            _, stored = cluster.call("GET", "/apis/podmeter.io/v1alpha1/metricsconfigurations/default")
+            return any(c.get("type") == "Accepted" for c in (stored.get("status") or {}).get("conditions") or [])
+
+        wait_for(accepted_written, timeout=30, what="the configuration checked", describe=logs)
+        assert all(metric(r, "podmeter_configuration_valid") == 1 for r in running)
 
         # every replica holds an identity per label set; with etcd they are one numbering, in the store
         wait_for(lambda: all(metric(r, "podmeter_identities") == 2 for r in running), timeout=30,

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from lab_server import LabServer
-from podmeter.model.configuration import Interest
+from podmeter.model.configuration import DEFAULT_NAME, Interest, MetricsConfiguration
+from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Replace, Upsert
 from podmeter.model.records import decode_namespace, decode_pod
 from podmeter.model.view import NodeView
 from podmeter.runtime.doctor import audit
@@ -29,8 +30,8 @@ def _pod(name: str, ip: str, *, observe: bool = True, phase: str = "Running", ho
 
 def _view(*pods: dict[str, Any]) -> NodeView:
     view = NodeView(NODE)
-    view.replace_namespaces([decode_namespace({"metadata": {"uid": "ns", "name": "web"}})])
-    view.replace_pods([decode_pod(p) for p in pods])
+    view.apply(Replace(NAMESPACES, [decode_namespace({"metadata": {"uid": "ns", "name": "web"}})]))
+    view.apply(Replace(PODS, [decode_pod(p) for p in pods]))
     return view
 
 
@@ -66,7 +67,7 @@ def test_missing_ips_are_named_with_their_owners_unless_the_map_is_full_of_desir
 
 def test_interest_comes_from_the_configuration_like_the_agent() -> None:
     view = _view(_pod("quiet", "10.0.0.5", observe=False))
-    view.set_interest(Interest(include=frozenset({"web"})))
+    view.apply(Upsert(CONFIGURATIONS, MetricsConfiguration(DEFAULT_NAME, "1", 1, Interest(include=frozenset({"web"})))))
     assert audit(view, {"10.0.0.5"}, 16).clean
 
 

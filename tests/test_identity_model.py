@@ -119,7 +119,7 @@ def test_refs_rebuild_after_shrinking() -> None:
         refs.upsert(f"u{i}", IdentityKey("ns", ("i", str(i))))
     for i in range(5000):
         refs.delete(f"u{i}")
-    assert refs._peak_pods < 1024 and refs._peak_keys < 1024
+    assert refs._pods_peak.peak < 1024 and refs._canonical_peak.peak < 1024 and len(refs._refs) == 0
 
 
 KEYS = [IdentityKey("ns", ("app", str(i))) for i in range(4)]

@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent_harness import AgentHarness, Cluster, wait_for
 from factories import make_pod
 from lab_server import LabServer
-from podmeter.adapters.kube.deltas import Delete, Replace, Upsert
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.model.datapath import Direction
+from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Delete, Replace, Upsert
 from podmeter.runtime.agent import Agent, AgentSettings
 
 IN, OUT = Direction.INGRESS, Direction.EGRESS
@@ -162,15 +162,15 @@ def test_thousand_pods_leave_no_series_and_no_memory() -> None:
 
     datapath = MemoryDatapath(2048)
     agent = Agent(AgentSettings(node_name="node-a", series_grace=0.0), connection=None, datapath=datapath)  # type: ignore[arg-type]
-    agent.apply_batch([Replace("pods", []), Replace("namespaces", []), Replace("metricsconfigurations", [])])
+    agent.apply_batch([Replace(PODS, []), Replace(NAMESPACES, []), Replace(CONFIGURATIONS, [])])
 
     def round_of_pods(offset: int) -> None:
         pods = [make_pod(f"job-{offset + i}", ips=(f"10.5.{i // 250}.{i % 250 + 1}",), observe=True)
                 for i in range(1000)]
-        agent.apply_batch([Upsert("pods", p) for p in pods])
+        agent.apply_batch([Upsert(PODS, p) for p in pods])
         for pod in pods:
             datapath.count(pod.ips[0], Direction.EGRESS, 2, 200)
-        agent.apply_batch([Delete("pods", p.uid, p) for p in pods])
+        agent.apply_batch([Delete(PODS, p.uid, p) for p in pods])
         agent.ledger.expire(time.monotonic() + 1)
 
     def ledger_bytes() -> int:

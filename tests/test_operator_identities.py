@@ -1,4 +1,4 @@
-"""The operator's identity reconciliation: prior-art items 12-14 as tests, on memory and on a real etcd."""
+"""The operator's identity reconciliation: F12-F14 of docs/design.md as tests, on memory and on a real etcd."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from etcd_server import EtcdServer, etcd
 from podmeter.adapters.identity.base import IdentityBackend
 from podmeter.adapters.identity.etcd import EtcdIdentityBackend
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
-from podmeter.adapters.kube.deltas import Delete, Replace, Upsert
+from podmeter.model.deltas import PODS, Delete, Replace, Upsert
 from podmeter.model.identity import IdentityKey
 from podmeter.model.records import Pod
-from podmeter.runtime.operator import Operator, OperatorSettings, PodStore
+from podmeter.model.store import Change, Store
+from podmeter.runtime.operator import Operator, OperatorSettings
 
 __all__ = ["etcd"]
 
@@ -45,21 +46,24 @@ def job_pod(i: int) -> Pod:
 
 
 class StoreSource:
-    """The pod-source interface over an in-process store: ``apply`` updates the store, then yields."""
+    """The pod-source interface over an in-process store: ``apply`` updates the store, then yields the
+    change (unless the event is lost: ``deliver=False``)."""
+
+    reflector = None
 
     def __init__(self) -> None:
         self.store: dict[str, Pod] = {}
-        self.queue: asyncio.Queue[tuple[str, Pod] | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[Change[Pod] | None] = asyncio.Queue()
 
     def apply(self, event: str, p: Pod, *, deliver: bool = True) -> None:
-        if event == "DELETED":
-            self.store.pop(p.uid, None)
-        else:
-            self.store[p.uid] = p
-        if deliver:
-            self.queue.put_nowait((event, p))
+        old = self.store.pop(p.uid, None) if event == "DELETED" else self.store.get(p.uid)
+        new = None if event == "DELETED" else p
+        if new is not None:
+            self.store[p.uid] = new
+        if deliver and (old, new) != (None, None):
+            self.queue.put_nowait((old, new))
 
-    async def events(self) -> AsyncIterator[tuple[str, Pod]]:
+    async def events(self) -> AsyncIterator[Change[Pod]]:
         while (item := await self.queue.get()) is not None:
             yield item
 
@@ -78,7 +82,7 @@ async def settle(op: Operator, source: StoreSource) -> None:
 
 
 def metric(op: Operator, name: str, labels: dict[str, str] | None = None) -> float:
-    value = op.metrics.registry.get_sample_value(name, labels or {})
+    value = op.registry.get_sample_value(name, labels or {})
     return 0.0 if value is None else value
 
 
@@ -294,26 +298,29 @@ async def test_operator_waits_for_etcd_at_start(tmp_path: Any) -> None:
 
 
 def test_pod_store_diffs_a_relist() -> None:
-    store = PodStore()
+    store: Store[Pod] = Store(PODS)
     a, b, c = pod("a", labels={"app": "x"}), pod("b", labels={"app": "y"}), pod("c", labels={"app": "z"})
-    assert store.apply(Upsert("pods", a)) == [("ADDED", a)]
-    assert store.apply(Upsert("pods", b)) == [("ADDED", b)]
-    assert store.apply(Upsert("pods", c)) == [("ADDED", c)]
+    assert store.apply(Upsert(PODS, a)) == [(None, a)]
+    assert store.apply(Upsert(PODS, b)) == [(None, b)]
+    assert store.apply(Upsert(PODS, c)) == [(None, c)]
+    assert store.apply(Upsert(PODS, c)) == []  # a replayed ADDED of an identical object: no change
     b2 = pod("b", labels={"app": "y2"})
     d = pod("d", labels={"app": "w"})
     # After a gap: a vanished, b changed, c failed to decode (kept), d is new.
-    events = store.apply(Replace("pods", [b2, d], keep=frozenset({"c"})))
-    assert sorted(events, key=lambda e: e[1].uid) == [("DELETED", a), ("MODIFIED", b2), ("ADDED", d)]
-    assert store.pods == {"b": b2, "c": c, "d": d}
-    assert store.apply(Delete("pods", "d")) == [("DELETED", d)]
-    assert store.apply(Delete("pods", "unknown")) == []
-    assert store.apply(Replace("pods", [b2, c])) == []  # nothing changed: no events
+    changes = store.apply(Replace(PODS, [b2, d], keep=frozenset({"c"})))
+    assert changes == [(a, None), (b, b2), (None, d)]
+    assert store.objects == {"b": b2, "c": c, "d": d}
+    assert store.apply(Delete(PODS, "d")) == [(d, None)]
+    assert store.apply(Delete(PODS, "unknown")) == []
+    assert store.apply(Replace(PODS, [b2, c])) == []  # nothing changed: no changes
 
 
 async def test_a_failing_source_stops_the_operator() -> None:
     class Failing:
-        async def events(self) -> AsyncIterator[tuple[str, Pod]]:
-            yield ("ADDED", pod("u1", labels={"app": "x"}))
+        reflector = None
+
+        async def events(self) -> AsyncIterator[Change[Pod]]:
+            yield (None, pod("u1", labels={"app": "x"}))
             raise RuntimeError("watch broke for good")
 
         def pods(self) -> Iterable[Pod]:
@@ -369,11 +376,11 @@ async def test_backend_failures_are_retried_by_the_timer(etcd: EtcdServer) -> No
 
 
 def test_pod_store_rebuilds_after_a_burst() -> None:
-    store = PodStore()
+    store: Store[Pod] = Store(PODS)
     pods = [pod(f"u{i}") for i in range(5000)]
     for p in pods:
-        store.apply(Upsert("pods", p))
+        store.apply(Upsert(PODS, p))
     for p in pods[:4990]:
-        store.apply(Delete("pods", p.uid))
-    assert len(store.pods) == 10 and store._peak < 1024
-    assert set(store.pods) == {p.uid for p in pods[4990:]}
+        store.apply(Delete(PODS, p.uid))
+    assert len(store.objects) == 10 and store._peak.peak < 1024
+    assert set(store.objects) == {p.uid for p in pods[4990:]}

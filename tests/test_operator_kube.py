@@ -12,8 +12,11 @@ from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 
 from lab_server import LabServer, lab_apiserver
-from podmeter.runtime.leadership import KubeLeaseStore, LeaderElector, LeaseConflict, LeaseRecord
-from podmeter.runtime.operator import ConfigurationStatus, KubeConfigApi, OperatorMetrics
+from podmeter.adapters.kube.lease import KubeLeaseStore
+from podmeter.adapters.kube.status import KubeConfigApi
+from podmeter.model.lease import LeaseConflict, LeaseRecord
+from podmeter.runtime.leadership import LeaderElector
+from podmeter.runtime.operator import ConfigurationStatus
 
 __all__ = ["lab_apiserver"]
 
@@ -87,7 +90,7 @@ def read_condition(server: LabServer) -> dict[str, Any]:
 
 async def test_invalid_configuration_status_says_why(client: AsyncClient, lab_apiserver: LabServer) -> None:
     create_config(lab_apiserver, {"namespaces": {"include": ["prod"], "exclude": ["kube-system"]}})
-    status = ConfigurationStatus(KubeConfigApi(client), OperatorMetrics())
+    status = ConfigurationStatus(KubeConfigApi(client))
     await status.reconcile()
     cond = read_condition(lab_apiserver)
     assert (cond["status"], cond["reason"]) == ("False", "Invalid")
@@ -99,7 +102,7 @@ async def test_valid_configuration_is_accepted_and_fixed_one_too(
     client: AsyncClient, lab_apiserver: LabServer
 ) -> None:
     create_config(lab_apiserver, {"namespaces": {"include": ["Bad Name"]}})
-    status = ConfigurationStatus(KubeConfigApi(client), OperatorMetrics())
+    status = ConfigurationStatus(KubeConfigApi(client))
     await status.reconcile()
     assert read_condition(lab_apiserver)["status"] == "False"
     code, _, _ = lab_apiserver.request(

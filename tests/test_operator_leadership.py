@@ -8,8 +8,11 @@ from typing import Any
 
 import pytest
 
-from podmeter.runtime.leadership import LeaderElector, LeaseConflict, LeaseRecord, MemoryLeaseStore
-from podmeter.runtime.operator import ConfigurationStatus, OperatorMetrics, accepted_condition
+from podmeter.adapters.kube.lease import MemoryLeaseStore
+from podmeter.model.configuration import accepted_condition
+from podmeter.model.lease import LeaseConflict, LeaseRecord
+from podmeter.runtime.leadership import LeaderElector
+from podmeter.runtime.operator import ConfigurationStatus
 
 LEASE, RENEW, RETRY = 2.0, 1.2, 0.1
 FAST: dict[str, Any] = {"lease_duration": LEASE, "renew_deadline": RENEW, "retry_period": RETRY}
@@ -126,8 +129,9 @@ def test_condition_names_the_invalid_field() -> None:
 
 
 async def test_status_written_on_change_only() -> None:
-    api, metrics = DictConfigApi(config({"namespaces": {"exclude": ["kube-system"]}})), OperatorMetrics()
-    status = ConfigurationStatus(api, metrics)
+    api = DictConfigApi(config({"namespaces": {"exclude": ["kube-system"]}}))
+    status = ConfigurationStatus(api)
+    assert status.valid is None  # nothing read yet: no object is a valid setup
     await status.reconcile()
     await status.reconcile()
     assert len(api.writes) == 1
@@ -137,6 +141,7 @@ async def test_status_written_on_change_only() -> None:
     cond = api.writes[-1]["conditions"][0]
     assert (len(api.writes), cond["status"], cond["reason"]) == (2, "False", "Invalid")
     assert "annotations" in cond["message"]
-    assert metrics.registry.get_sample_value("podmeter_configuration_valid") == 0
+    assert status.valid is False
     api.obj = None
     assert await status.reconcile() is None
+    assert status.valid is None

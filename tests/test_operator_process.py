@@ -206,7 +206,7 @@ async def test_missed_deletes_across_compaction_are_released_by_relist(lab_apise
         await until(lambda: set(backend.held()) == expected, "the relist's deletes")
         assert source.reflector is not None and source.reflector.stats.relists.get("expired", 0) >= 1
         await asyncio.sleep(0.6)  # a sweep runs: nothing is left for it to repair
-        gc_released = op.metrics.registry.get_sample_value("podmeter_identity_gc_released_total")
+        gc_released = op.registry.get_sample_value("podmeter_identity_gc_released_total")
         assert gc_released == 0 and op.last_sweep is not None
     finally:
         task.cancel()

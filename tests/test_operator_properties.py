@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
 from podmeter.model.identity import IdentityKey, LabelFilter, key_of_flat
+from podmeter.model.interest import holds_identity
 from podmeter.model.records import Pod
-from podmeter.runtime.operator import IdentityReconciler, OperatorMetrics, holds_identity
+from podmeter.runtime.operator import IdentityReconciler
 
 UIDS = [f"u{i}" for i in range(6)]
 LABELS = [("app", "a"), ("app", "b"), ("app", "a", "job-name", "j1"), ("app", "a", "job-name", "j2"), ()]
@@ -36,23 +37,19 @@ def expected(store: dict[str, Pod]) -> set[IdentityKey]:
     return {key_of_flat(p.namespace, p.labels, f) for p in store.values() if holds_identity(p)}
 
 
-def metric(rec: IdentityReconciler, name: str) -> float:
-    return rec.metrics.registry.get_sample_value(name) or 0.0
-
-
 async def run(events: list[tuple[str, str, tuple[str, ...], str, bool]]) -> None:
     backend = MemoryIdentityBackend()
-    rec = IdentityReconciler(backend, LabelFilter(), OperatorMetrics())
+    rec = IdentityReconciler(backend, LabelFilter())
     store: dict[str, Pod] = {}
     lost = False
     for kind, uid, labels, phase, delivered in events:
         p = make_pod(uid, labels, phase)
-        if kind == "DELETED":
-            store.pop(uid, None)
-        else:
-            store[uid] = p
+        old = store.pop(uid, None) if kind == "DELETED" else store.get(uid)
+        new = None if kind == "DELETED" else p
+        if new is not None:
+            store[uid] = new
         if delivered:
-            rec.observe(kind, p)
+            rec.observe(old or (p if new is None else None), new)
         lost |= not delivered
         await rec.flush()
         if not lost:  # every event arrived: the incremental state is exact after each flush
@@ -63,7 +60,7 @@ async def run(events: list[tuple[str, str, tuple[str, ...], str, bool]]) -> None
                                        and key_of_flat("ns", p.labels, LabelFilter()) == k)
                                  for k in expected(store)}
     if not lost:
-        assert released == 0 and metric(rec, "podmeter_identity_gc_released_total") == 0
+        assert released == 0 and rec.stats.gc_released == 0
     assert await rec.sweep(store.values()) == 0  # a second sweep finds nothing
 
 

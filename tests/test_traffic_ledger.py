@@ -1,4 +1,4 @@
-"""The traffic ledger: exact attribution of per-IP kernel counters to pods (prior-art items 20-21)."""
+"""The traffic ledger: exact attribution of per-IP kernel counters to pods (failure modes F20-F21 of docs/design.md)."""
 
 from __future__ import annotations
 

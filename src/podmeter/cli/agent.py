@@ -10,12 +10,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
+from podmeter.adapters.http import build_app, parse_listen, serve
 from podmeter.adapters.kube.connection import ConnectionConfigError, load_connection
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.runtime.agent import Agent, AgentSettings
 from podmeter.runtime.datapaths import open_datapath
-from podmeter.runtime.endpoints import build_app, parse_listen, serve
 from podmeter.runtime.logs import setup_logging
 
 log = logging.getLogger("podmeter.agent")

@@ -11,7 +11,8 @@ import argparse
 from typing import Any
 
 from podmeter.adapters.datapath.memory import MemoryDatapath
-from podmeter.model.configuration import Interest
+from podmeter.model.configuration import DEFAULT_NAME, Interest, MetricsConfiguration
+from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Delete, Upsert
 from podmeter.model.records import Namespace, Pod
 from podmeter.model.view import NodeView
 from podmeter.runtime.writer import Writer
@@ -39,8 +40,20 @@ def _ns(name: str, observe: bool) -> Namespace:
 class _Story:
     def __init__(self, capacity: int) -> None:
         self.datapath = MemoryDatapath(capacity)
-        self.writer = Writer(NodeView("demo-node"), self.datapath)
+        self.view = NodeView("demo-node")
+        self.writer = Writer(self.view.desired, self.datapath)
         self.step = 0
+
+    def upsert(self, item: Pod | Namespace | MetricsConfiguration) -> None:
+        if isinstance(item, Pod):
+            self.view.apply(Upsert(PODS, item))
+        elif isinstance(item, Namespace):
+            self.view.apply(Upsert(NAMESPACES, item))
+        else:
+            self.view.apply(Upsert(CONFIGURATIONS, item))
+
+    def delete(self, pod: Pod) -> None:
+        self.view.apply(Delete(PODS, pod.uid))
 
     def show(self, what: str) -> None:
         self.writer.flush()
@@ -52,29 +65,28 @@ class _Story:
 
 def run(args: argparse.Namespace) -> int:
     story = _Story(args.capacity)
-    w = story.writer
     print(f"podmeter demo: in-memory core, filter capacity {args.capacity}\n")
-    w.upsert_namespace(_ns("shop", observe=True))
+    story.upsert(_ns("shop", observe=True))
     web = _pod("web", "shop", "10.0.0.1")
-    w.upsert_pod(web)
+    story.upsert(web)
     story.show("namespace shop annotated podmeter.io/observe=true; pod shop/web gets 10.0.0.1")
-    w.upsert_namespace(_ns("shop", observe=False))
+    story.upsert(_ns("shop", observe=False))
     story.show("annotation removed from namespace shop (interest gone before the delete)")
-    w.delete_pod(web.uid)
+    story.delete(web)
     story.show("pod shop/web deleted: nothing left behind")
     old = _pod("job-1", "batch", "10.0.0.9", observe=True)
-    w.upsert_pod(old)
+    story.upsert(old)
     new = _pod("job-2", "batch", "10.0.0.9", observe=True)
-    w.upsert_pod(new)
-    w.delete_pod(old.uid)
+    story.upsert(new)
+    story.delete(old)
     story.show("IP 10.0.0.9 passes from batch/job-1 to batch/job-2; the late delete of job-1 keeps it")
-    w.view.set_interest(Interest(include=frozenset({"load"})))
+    story.upsert(MetricsConfiguration(DEFAULT_NAME, "1", 1, Interest(include=frozenset({"load"}))))
     for i in range(args.capacity + 2):
-        w.upsert_pod(_pod(f"gen-{i}", "load", f"10.0.1.{i}"))
+        story.upsert(_pod(f"gen-{i}", "load", f"10.0.1.{i}"))
     story.show(f"MetricsConfiguration includes namespace load; {args.capacity + 2} pods there")
     story.datapath.entries.add("10.9.9.9")
     story.datapath.entries.discard("10.0.1.0")
-    repairs = w.resync()
+    repairs = story.writer.resync()
     story.show(f"drift injected; resync removed {list(repairs.leaked)} and restored {list(repairs.missing)}")
     print("\nEvery state above is a function of the stored objects, never of the order events arrived in.")
     return 0

@@ -14,15 +14,18 @@ import signal
 import socket
 from typing import Any
 
-from aiohttp import web
-
+from podmeter.adapters.http import parse_listen
+from podmeter.adapters.http import serve as serve_http
 from podmeter.adapters.identity.base import IdentityBackend
 from podmeter.adapters.identity.etcd import EtcdIdentityBackend
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
 from podmeter.adapters.kube.connection import Connection, ConnectionConfigError, load_connection
+from podmeter.adapters.kube.lease import KubeLeaseStore
+from podmeter.adapters.kube.status import KubeConfigApi
 from podmeter.model.identity import LabelFilter
-from podmeter.runtime.leadership import KubeLeaseStore, LeaderElector
-from podmeter.runtime.operator import KubeConfigApi, Operator, OperatorSettings, ReflectorPodSource
+from podmeter.runtime.leadership import LeaderElector
+from podmeter.runtime.logs import setup_logging
+from podmeter.runtime.operator import Operator, OperatorSettings, ReflectorPodSource
 
 log = logging.getLogger("podmeter.operator")
 
@@ -52,7 +55,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sweep-period", type=float, default=30.0)
     p.add_argument("--gc-period", type=float, default=30.0)
     p.add_argument("--config-period", type=float, default=5.0)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.set_defaults(func=_run)
 
 
@@ -65,13 +69,6 @@ def parse_range(text: str) -> tuple[int, int]:
     if not sep or not 0 < lo <= hi:
         raise argparse.ArgumentTypeError(f"--identity-range {text!r}: expected FIRST-LAST, 0 < FIRST <= LAST")
     return lo, hi
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"--listen {text!r}: expected HOST:PORT")
-    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def label_filter(args: argparse.Namespace) -> LabelFilter:
@@ -119,11 +116,8 @@ async def serve(args: argparse.Namespace) -> int:
     except ConnectionConfigError as exc:
         print(f"podmeter operator: {exc}")
         return 2
-    host, port = parse_listen(args.listen)
-    runner = web.AppRunner(operator.http_app())
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    log.info("podmeter operator: %s backend, listening on %s:%d", operator.backend.name, host, port)
+    runner, port = await serve_http(operator.http_app(), args.listen)
+    log.info("podmeter operator: %s backend, HTTP on %s (port %d)", operator.backend.name, args.listen, port)
     task = asyncio.create_task(operator.run())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -140,8 +134,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=args.log_level.upper(), format=fmt)
+    setup_logging(args.log_level, args.log_format)
     for noisy in ("aiohttp.access", "httpx", "httpx2", "httpcore"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

@@ -14,6 +14,7 @@ their clock restarts when the hold ends, so only a failure to converge *after* a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,11 +23,12 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from podmeter.lab.kube import KubeClient
-from podmeter.model.configuration import DEFAULT_NAME, NO_CONFIGURATION, decode_configuration
+from podmeter.model.configuration import DEFAULT_NAME, decode_configuration
+from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Replace, Upsert
 from podmeter.model.identity import IdentityKey, LabelFilter, key_of_flat
+from podmeter.model.interest import holds_identity
 from podmeter.model.records import DecodeError, Pod, decode_namespace, decode_pod
 from podmeter.model.view import NodeView
-from podmeter.runtime.operator import holds_identity
 
 MCONF_PATH = "/apis/podmeter.io/v1alpha1/metricsconfigurations"
 
@@ -52,18 +54,15 @@ def read_truth(client: KubeClient, node_name: str, label_filter: LabelFilter) ->
     """One consistent-enough snapshot: namespaces and configuration first, then pods."""
     view = NodeView(node_name)
     namespaces = [decode_namespace(ns) for ns in client.list("/api/v1/namespaces").get("items") or []]
-    view.replace_namespaces(namespaces)
+    view.apply(Replace(NAMESPACES, namespaces))
     config = client.get(f"{MCONF_PATH}/{DEFAULT_NAME}")
-    interest = NO_CONFIGURATION
     if config is not None:
-        try:
-            interest = decode_configuration(config).interest
-        except DecodeError:
-            interest = NO_CONFIGURATION  # an invalid object: the agent keeps the last valid one; so do we
-    view.set_interest(interest)
+        # An invalid object: the agent keeps the last valid one; we judge as without one (annotations).
+        with contextlib.suppress(DecodeError):
+            view.apply(Upsert(CONFIGURATIONS, decode_configuration(config)))
     pods = [decode_pod(p) for p in client.list("/api/v1/pods").get("items") or []]
     node_pods = {p.uid: p for p in pods if p.node_name == node_name}
-    view.replace_pods(node_pods.values())
+    view.apply(Replace(PODS, list(node_pods.values())))
     keys = {key_of_flat(p.namespace, p.labels, label_filter) for p in pods if holds_identity(p)}
     return Truth(node_pods, view.recompute(), keys, {(p.namespace, p.name) for p in node_pods.values()})
 
@@ -227,7 +226,7 @@ class Checker:
     def _metric_violations(self, obs: Observation) -> list[tuple[str, str, str]]:
         """I5: a per-pod series exists only for a pod of the node (after a short grace period), and a pod
         the lab sent no traffic to or from has no bytes: anything there came from an earlier owner of its
-        IP (prior-art 21)."""
+        IP (failure mode F21 in docs/design.md)."""
         found: list[tuple[str, str, str]] = []
         for labels, value in obs.agent.get("podmeter_pod_bytes_total", []):
             pod = (labels.get("namespace", ""), labels.get("pod", ""))

@@ -1,7 +1,7 @@
 """Test-only faults planted in a real agent process, to show that the lab's checks can fail.
 
 ``drop-deletes``: the agent ignores every pod DELETE its watch delivers (the pod stays in its store, so
-its IP stays in the kernel filter): the failure mode of prior-art items 1, 2 and 7. Relists still work,
+its IP stays in the kernel filter): failure modes F1, F2 and F7 of docs/design.md. Relists still work,
 as in the agents that had this bug; the lab's scenario for it avoids relists.
 
 The fault is installed by ``python -m podmeter.cli.lab --faulty-agent KIND agent ...`` before the agent
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from podmeter.runtime.writer import Writer
+from podmeter.model.deltas import PODS, Delete
+from podmeter.model.view import NodeView, ViewDelta
 
 FAULTS: Final = ("drop-deletes",)
 
@@ -21,7 +22,11 @@ def install(kind: str) -> None:
     if kind not in FAULTS:
         raise ValueError(f"unknown agent fault {kind!r} (known: {', '.join(FAULTS)})")
 
-    def drop_delete(self: Writer, uid: str) -> bool:
-        return False
+    apply = NodeView.apply
 
-    Writer.delete_pod = drop_delete  # type: ignore[method-assign]
+    def drop_pod_deletes(self: NodeView, delta: ViewDelta) -> int:
+        if isinstance(delta, Delete) and delta.collection is PODS:
+            return 0  # the seeded bug: a pod's delete is lost, its IPs stay desired
+        return apply(self, delta)
+
+    NodeView.apply = drop_pod_deletes  # type: ignore[method-assign]

@@ -124,7 +124,7 @@ class CompactionGap(_Step, tag="compaction-gap"):
 
 class KillAgent(_Step, tag="kill-agent"):
     """SIGKILL the agent, delete ``deletes`` pods of the namespace while it is down, restart it after
-    ``down`` seconds (prior-art 8 and invariant I6)."""
+    ``down`` seconds (failure mode F8 and invariant I6, docs/design.md)."""
 
     down: Seconds = 2.0
     namespace: Name | None = None

@@ -99,3 +99,15 @@ def _valid_names(name: str, which: str, names: list[str]) -> frozenset[str]:
             raise DecodeError(KIND, name, f"$.spec.namespaces.{which}[{index}]",
                               f"{ns[:80]!r} is not a valid namespace name (DNS-1123 label)")
     return frozenset(names)
+
+
+def accepted_condition(obj: dict[str, Any]) -> dict[str, Any]:
+    """The ``Accepted`` condition for a MetricsConfiguration object (True, or False with the reason)."""
+    generation = int((obj.get("metadata") or {}).get("generation") or 0)
+    try:
+        decode_configuration(obj)
+    except DecodeError as exc:
+        return {"type": "Accepted", "status": "False", "reason": "Invalid", "message": str(exc),
+                "observedGeneration": generation}
+    return {"type": "Accepted", "status": "True", "reason": "Valid",
+            "message": "configuration accepted", "observedGeneration": generation}

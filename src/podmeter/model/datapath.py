@@ -6,7 +6,7 @@ key layouts is the adapter's business.
 
 Batch operations have the kernel's semantics: they apply elements in order, stop at the first error and
 report how many they applied. Callers must honour that count (a partial batch that is ignored leaves
-kernel and userspace out of sync: prior-art item 6).
+kernel and userspace out of sync: failure mode F6 in docs/design.md).
 """
 
 from __future__ import annotations

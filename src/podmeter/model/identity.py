@@ -3,7 +3,7 @@
 An *identity key* is a pod's namespace plus its labels after filtering, sorted by label key. Labels that
 are unique per pod or per controller run (``job-name``, ``controller-uid``, ``pod-template-hash`` ...)
 are filtered out by default, so the pods of one CronJob share one identity instead of taking a new one per
-run (prior-art item 13).
+run (failure mode F13 in docs/design.md).
 
 Nothing here does I/O; everything is synchronous and deterministic so that Hypothesis can drive it.
 The backends (memory, etcd) and the operator live in the layers above and call into this module.
@@ -16,6 +16,9 @@ import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+
+from podmeter.model.compaction import PeakTracker
+from podmeter.model.refs import Refs
 
 DEFAULT_EXCLUDED_LABELS: tuple[str, ...] = (
     "pod-template-hash",
@@ -33,10 +36,6 @@ DEFAULT_EXCLUDED_LABELS: tuple[str, ...] = (
 DEFAULT_FIRST_ID = 256
 DEFAULT_LAST_ID = 65535
 
-# A container is rebuilt when it holds fewer than 1/SHRINK_FACTOR of the entries it once held (and the
-# peak was at least SHRINK_MIN): Python dicts never give back the slots of deleted entries.
-SHRINK_FACTOR = 4
-SHRINK_MIN = 1024
 
 
 class IdentityError(Exception):
@@ -149,70 +148,57 @@ class Crossing:
 NO_CROSSING = Crossing()
 
 
-class _Entry:
-    __slots__ = ("count", "key")
-
-    def __init__(self, key: IdentityKey) -> None:
-        self.key = key
-        self.count = 0
-
-
 class PodRefs:
     """References to identity keys, one per pod UID.
 
     Invariants: a key is in ``counts()`` iff at least one pod UID currently refers to it, and its count
-    is the number of such UIDs. A UID refers to at most one key, so a duplicate ADDED, a MODIFIED that
-    does not change the key, or a DELETE for an unknown UID change nothing. Every key change is reported
-    as a :class:`Crossing` only when a count goes 0→1 or 1→0. All pods referring to one label set share
-    one key object. Both dicts are rebuilt when they shrink far below their peak.
+    is the number of such UIDs (:class:`~podmeter.model.refs.Refs` keeps them). A UID refers to at most
+    one key, so a duplicate ADDED, a MODIFIED that does not change the key, or a DELETE for an unknown UID
+    change nothing. Every key change is reported as a :class:`Crossing` only when a count goes 0→1 or
+    1→0. All pods referring to one label set share one key object (``_canonical``).
     """
 
     def __init__(self) -> None:
-        self._pods: dict[str, _Entry] = {}
-        self._keys: dict[IdentityKey, _Entry] = {}
-        self._peak_pods = 0
-        self._peak_keys = 0
+        self._pods: dict[str, IdentityKey] = {}
+        self._refs: Refs[IdentityKey] = Refs()
+        self._canonical: dict[IdentityKey, IdentityKey] = {}
+        self._pods_peak = PeakTracker()
+        self._canonical_peak = PeakTracker()
 
     def __len__(self) -> int:
         return len(self._pods)
 
     def key_of(self, uid: str) -> IdentityKey | None:
-        entry = self._pods.get(uid)
-        return entry.key if entry is not None else None
+        return self._pods.get(uid)
 
     def count(self, key: IdentityKey) -> int:
-        entry = self._keys.get(key)
-        return entry.count if entry is not None else 0
+        return self._refs.count(key)
 
     def counts(self) -> dict[IdentityKey, int]:
-        return {e.key: e.count for e in self._keys.values()}
+        return {key: self._refs.count(key) for key in self._refs}
 
     def keys(self) -> Iterator[IdentityKey]:
-        return iter(self._keys)
+        return iter(self._refs)
 
     def upsert(self, uid: str, key: IdentityKey) -> Crossing:
         old = self._pods.get(uid)
-        if old is not None and old.key == key:
+        if old is not None and old == key:
             return NO_CROSSING
-        released = self._unref(old) if old is not None else None
-        entry = self._keys.get(key)
-        acquired = None
-        if entry is None:
-            entry = self._keys[key] = _Entry(key)
-            self._peak_keys = max(self._peak_keys, len(self._keys))
-            acquired = key
-        entry.count += 1
-        self._pods[uid] = entry
-        self._peak_pods = max(self._peak_pods, len(self._pods))
+        released = self._unref(old, uid) if old is not None else None
+        shared = self._canonical.setdefault(key, key)
+        self._canonical_peak.grew_to(len(self._canonical))
+        acquired = shared if self._refs.add(shared, uid) else None
+        self._pods[uid] = shared
+        self._pods_peak.grew_to(len(self._pods))
         return Crossing(acquired, released)
 
     def delete(self, uid: str) -> Crossing:
         old = self._pods.pop(uid, None)
         if old is None:
             return NO_CROSSING
-        released = self._unref(old)
-        self._maybe_shrink()
-        return Crossing(None, released)
+        if self._pods_peak.should_rebuild(len(self._pods)):
+            self._pods = dict(self._pods)
+        return Crossing(None, self._unref(old, uid))
 
     def replace_all(self, pods: Mapping[str, IdentityKey]) -> list[Crossing]:
         """Make the references exactly ``pods`` (a relist or a sweep); the crossings that took."""
@@ -220,26 +206,14 @@ class PodRefs:
         out.extend(c for uid, key in pods.items() if (c := self.upsert(uid, key)))
         return out
 
-    def _unref(self, entry: _Entry) -> IdentityKey | None:
-        entry.count -= 1
-        if entry.count > 0:
+    def _unref(self, key: IdentityKey, uid: str) -> IdentityKey | None:
+        """Drop ``uid``'s reference to ``key``; the key if that was its last reference (1→0)."""
+        if not self._refs.discard(key, uid):
             return None
-        del self._keys[entry.key]
-        return entry.key
-
-    def _maybe_shrink(self) -> None:
-        if shrunk_far(len(self._pods), self._peak_pods):
-            self._pods = dict(self._pods)
-            self._peak_pods = len(self._pods)
-        if shrunk_far(len(self._keys), self._peak_keys):
-            self._keys = dict(self._keys)
-            self._peak_keys = len(self._keys)
-
-
-def shrunk_far(size: int, peak: int) -> bool:
-    """Whether a container of ``size`` entries that once held ``peak`` should be rebuilt: far below a
-    large peak, or empty after holding more than a handful (rebuilding an empty dict costs nothing)."""
-    return (peak >= SHRINK_MIN and size * SHRINK_FACTOR < peak) or (size == 0 and peak > 8)
+        del self._canonical[key]
+        if self._canonical_peak.should_rebuild(len(self._canonical)):
+            self._canonical = dict(self._canonical)
+        return key
 
 
 @dataclass(slots=True)

@@ -35,3 +35,9 @@ def observed(pod: Pod, namespace: Namespace | None, interest: Interest, node_nam
     if not interest.annotations:
         return False
     return pod.observe or (namespace is not None and namespace.observe)
+
+
+def holds_identity(pod: Pod) -> bool:
+    """Whether a pod has an endpoint of its own, so an identity: not host-network, not finished. (Unlike
+    the filter, a pod without an IP yet holds one: its identity is ready when the IP comes.)"""
+    return not pod.host_network and pod.phase not in TERMINAL_PHASES

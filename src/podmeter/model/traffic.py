@@ -5,9 +5,9 @@ The kernel counts by IP. A pod's series is the traffic of the IPs it held *while
 * when a pod becomes the owner of an IP, the IP's current kernel value is its ``base``;
 * when it stops owning it (the IP left the filter, or passed to another pod without ever leaving it),
   what the IP counted since ``base`` is moved into the pod's ``closed`` total; the next owner's base is
-  the kernel value at that moment, so no byte is counted twice or for the wrong pod (prior-art 21);
+  the kernel value at that moment, so no byte is counted twice or for the wrong pod (F21 in docs/design.md);
 * a series lives while its pod holds an IP, then ``grace`` seconds more (so the last scrape sees the final
-  value), then it is dropped (prior-art 20); its traffic stays in the node totals.
+  value), then it is dropped (F20); its traffic stays in the node totals.
 
 Pure and synchronous: the agent calls :meth:`TrafficLedger.assign` and :meth:`TrafficLedger.release` from
 the writer task and reads :meth:`TrafficLedger.series_values` at scrape time, on the same thread.

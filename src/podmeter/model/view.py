@@ -1,44 +1,57 @@
 """The agent's view of its node: the stored objects and the desired filter derived from them.
 
-This is the level-triggered core. The store mirrors the API server (pods by UID, namespaces by name, the
-interest configuration); the desired filter is a pure function of the store, maintained incrementally:
-each change re-evaluates only the pods it can affect (one pod; the pods of one namespace; all pods for a
-configuration change) and :meth:`NodeView.recompute` rebuilds it from scratch for checks.
+This is the level-triggered core. One :class:`~podmeter.model.store.Store` per collection mirrors the API
+server (pods by UID, namespaces and MetricsConfigurations by name); :meth:`NodeView.apply` hands a delta
+to its collection's store and moves the desired filter by the changes the store reports. Each change
+re-evaluates only the pods it can affect (one pod; the pods of one namespace; all pods when the
+``default`` configuration changes); :meth:`NodeView.recompute` rebuilds the filter from scratch for checks.
 
-Nothing here depends on the history of events: a delete needs only the UID, a duplicate upsert of an
-identical record is a no-op, and a relist (:meth:`NodeView.replace_pods`) turns vanished objects into
-deletes and leaves unchanged ones alone.
+Nothing here depends on the history of events: a delete needs only the key, a duplicate upsert of an
+identical record is a no-op, and a relist turns vanished objects into deletes and leaves unchanged ones
+alone.
+
+Next stage: the writer (``runtime.writer``) pushes the desired filter's crossings to the datapath.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
-from podmeter.model.compaction import PeakTracker
-from podmeter.model.configuration import NO_CONFIGURATION, Interest
+from podmeter.model.configuration import DEFAULT_NAME, NO_CONFIGURATION, Interest, MetricsConfiguration
+from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Collection, Delta
 from podmeter.model.desired import DesiredFilter
 from podmeter.model.interest import observed
 from podmeter.model.records import Namespace, Pod
+from podmeter.model.store import Store
 
-T = TypeVar("T")
+R = TypeVar("R")
+
+# A delta of any collection the view stores.
+ViewDelta = Delta[Pod] | Delta[Namespace] | Delta[MetricsConfiguration]
 
 
 @dataclass(frozen=True, slots=True)
-class ReplaceResult:
-    """What a relist changed: objects added, updated (new resourceVersion) and deleted (vanished)."""
+class _Route(Generic[R]):
+    """Where a collection's deltas go: its store, then the handler of each change it reports."""
 
-    added: int = 0
-    updated: int = 0
-    deleted: int = 0
+    store: Store[R]
+    changed: Callable[[R | None, R | None], None]
+
+    def apply(self, delta: Delta[R]) -> int:
+        changes = self.store.apply(delta)
+        for old, new in changes:
+            self.changed(old, new)
+        return len(changes)
 
 
 class NodeView:
-    """Stored pods and namespaces, the interest configuration, and the desired filter.
+    """Stored pods, namespaces and configurations, and the desired filter.
 
     Invariant: a stored pod holds exactly ``pod.ips`` in the desired filter iff it is observed under the
     current namespaces and interest, and holds nothing otherwise; so ``desired`` == :meth:`recompute`.
+    ``interest`` is the interest of the stored configuration named ``default`` (none: annotations only).
 
     No per-pod bookkeeping besides the store itself: whether a pod counted *before* a change is
     recomputed from the state before the change (the old record, the old namespace, the old interest),
@@ -48,70 +61,35 @@ class NodeView:
 
     def __init__(self, node_name: str | None = None, track_moves: bool = False) -> None:
         self.node_name = node_name
-        self.pods: dict[str, Pod] = {}
-        self.namespaces: dict[str, Namespace] = {}
+        self.pod_store: Store[Pod] = Store(PODS)
+        self.namespace_store: Store[Namespace] = Store(NAMESPACES)
+        self.configuration_store: Store[MetricsConfiguration] = Store(CONFIGURATIONS)
         self.interest: Interest = NO_CONFIGURATION
         self.desired = DesiredFilter(track_moves)
-        self._pods_peak = PeakTracker()
+        self._routes: dict[Collection[Any], _Route[Any]] = {
+            PODS: _Route(self.pod_store, self._pod_changed),
+            NAMESPACES: _Route(self.namespace_store, self._namespace_changed),
+            CONFIGURATIONS: _Route(self.configuration_store, self._configuration_changed),
+        }
 
-    # --- pods ---------------------------------------------------------------------------------
+    def apply(self, delta: ViewDelta) -> int:
+        """Apply one delta to its collection's store and the desired filter; how many objects changed."""
+        return self._routes[delta.collection].apply(delta)
 
-    def upsert_pod(self, pod: Pod) -> bool:
-        """Store ``pod``; False (and no work) if an identical record is already stored."""
-        old = self.pods.get(pod.uid)
-        if old == pod:
-            return False
-        held = old.ips if old is not None and self.is_observed(old) else ()
-        self.pods[pod.uid] = pod
-        self._pods_peak.grew_to(len(self.pods))
-        self.desired.move(pod.uid, held, pod.ips if self.is_observed(pod) else ())
-        return True
+    # --- what the stores hold (read-only views) ------------------------------------------------
 
-    def delete_pod(self, uid: str) -> bool:
-        """Forget the pod with ``uid``; False if it was not stored."""
-        pod = self.pods.pop(uid, None)
-        if pod is None:
-            return False
-        if self.is_observed(pod):
-            self.desired.move(uid, pod.ips, ())
-        if self._pods_peak.should_rebuild(len(self.pods)):
-            self.pods = dict(self.pods)
-        return True
+    @property
+    def pods(self) -> dict[str, Pod]:
+        return self.pod_store.objects
 
-    def replace_pods(self, pods: Iterable[Pod], keep: Collection[str] = ()) -> ReplaceResult:
-        """Make the stored pods exactly ``pods`` (a relist): vanished ones are deleted. UIDs in ``keep``
-        were listed but could not be decoded: their last good state stays."""
-        listed = {pod.uid: pod for pod in pods}
-        return _replace(lambda: self.pods, listed, keep, self.upsert_pod, self.delete_pod)
+    @property
+    def namespaces(self) -> dict[str, Namespace]:
+        return self.namespace_store.objects
 
-    # --- namespaces and configuration ---------------------------------------------------------
-
-    def upsert_namespace(self, namespace: Namespace) -> bool:
-        old = self.namespaces.get(namespace.name)
-        if old == namespace:
-            return False
-        if old is not None and old.observe == namespace.observe:
-            self.namespaces[namespace.name] = namespace  # nothing interest depends on changed
-        else:
-            self._reevaluate(lambda: self.namespaces.__setitem__(namespace.name, namespace), namespace.name)
-        return True
-
-    def delete_namespace(self, name: str) -> bool:
-        if name not in self.namespaces:
-            return False
-        self._reevaluate(lambda: self.namespaces.__delitem__(name), name)
-        return True
-
-    def replace_namespaces(self, namespaces: Iterable[Namespace], keep: Collection[str] = ()) -> ReplaceResult:
-        listed = {ns.name: ns for ns in namespaces}
-        return _replace(lambda: self.namespaces, listed, keep, self.upsert_namespace, self.delete_namespace)
-
-    def set_interest(self, interest: Interest) -> bool:
-        """Apply a new (already validated) configuration; re-evaluates every pod when it changed."""
-        if interest == self.interest:
-            return False
-        self._reevaluate(lambda: setattr(self, "interest", interest))
-        return True
+    @property
+    def configuration(self) -> MetricsConfiguration | None:
+        """The configuration in force: the stored object named ``default``, if any."""
+        return self.configuration_store.get(DEFAULT_NAME)
 
     # --- derived state ------------------------------------------------------------------------
 
@@ -137,31 +115,38 @@ class NodeView:
         """The stored pods that hold ``ip`` in the desired filter."""
         return [self.pods[uid] for uid in self.desired.uids(ip) if uid in self.pods]
 
-    # --- internals ----------------------------------------------------------------------------
+    # --- how each change moves the desired filter ---------------------------------------------
 
-    def _reevaluate(self, change: Callable[[], None], namespace: str | None = None) -> None:
-        """Apply ``change`` (to namespaces or interest) and move each affected pod from what it held
-        before the change to what it holds after it."""
-        affected = [p for p in self.pods.values() if namespace is None or p.namespace == namespace]
-        before = [self.is_observed(p) for p in affected]
-        change()
-        for pod, was in zip(affected, before, strict=True):
-            now = self.is_observed(pod)
-            if was != now:
-                self.desired.move(pod.uid, pod.ips if was else (), pod.ips if now else ())
+    def _pod_changed(self, old: Pod | None, new: Pod | None) -> None:
+        held = old.ips if old is not None and self.is_observed(old) else ()
+        holds = new.ips if new is not None and self.is_observed(new) else ()
+        uid = new.uid if new is not None else old.uid if old is not None else ""
+        self.desired.move(uid, held, holds)
 
+    def _namespace_changed(self, old: Namespace | None, new: Namespace | None) -> None:
+        if old is not None and new is not None and old.observe == new.observe:
+            return  # nothing interest depends on changed
+        name = new.name if new is not None else old.name if old is not None else ""
+        node, interest = self.node_name, self.interest
+        self._reevaluate([p for p in self.pods.values() if p.namespace == name],
+                         lambda pod: observed(pod, old, interest, node), lambda pod: observed(pod, new, interest, node))
 
-def _replace(stored: Callable[[], dict[str, T]], listed: dict[str, T], keep: Collection[str],
-             upsert: Callable[[T], bool], delete: Callable[[str], bool]) -> ReplaceResult:
-    """A relist as a diff: delete what vanished (unless kept), upsert the rest; unchanged ones are no-ops.
-    ``stored`` is read afresh each time: a delete may rebuild the container (see compaction)."""
-    vanished = [key for key in stored() if key not in listed and key not in keep]
-    for key in vanished:
-        delete(key)
-    added = updated = 0
-    for key, item in listed.items():
-        known = key in stored()
-        if upsert(item):
-            updated += known
-            added += not known
-    return ReplaceResult(added, updated, len(vanished))
+    def _configuration_changed(self, old: MetricsConfiguration | None, new: MetricsConfiguration | None) -> None:
+        name = new.name if new is not None else old.name if old is not None else ""
+        if name != DEFAULT_NAME:
+            return  # only the object named "default" counts
+        interest = new.interest if new is not None else NO_CONFIGURATION
+        if interest == self.interest:
+            return
+        before, self.interest = self.interest, interest
+        node, namespaces = self.node_name, self.namespaces
+        self._reevaluate(list(self.pods.values()),
+                         lambda pod: observed(pod, namespaces.get(pod.namespace), before, node),
+                         lambda pod: observed(pod, namespaces.get(pod.namespace), interest, node))
+
+    def _reevaluate(self, pods: list[Pod], was: Callable[[Pod], bool], now: Callable[[Pod], bool]) -> None:
+        """Move each of ``pods`` from what it held before a change (``was``) to what it holds after it."""
+        for pod in pods:
+            before, after = was(pod), now(pod)
+            if before != after:
+                self.desired.move(pod.uid, pod.ips if before else (), pod.ips if after else ())

@@ -1,14 +1,18 @@
 """``podmeter agent``: the composition root on one node.
 
-Three reflectors (this node's pods, namespaces, the MetricsConfiguration) feed one queue; one writer task
-drains it, applies each delta to the view and flushes the difference to the datapath. Only the writer
-task touches the view and the filter, so there is no lock to forget. A periodic resync, queued like any
-delta, compares the filter with what the kernel really holds and repairs drift.
+One pod event's path, in one pass: a reflector (this node's pods, the namespaces, the
+MetricsConfigurations) puts a typed delta on the one queue; the writer task takes it, ``view.apply``
+stores it and moves the desired filter, ``writer.flush`` writes the filter's crossings to the datapath, and
+what the flush released (the final counters of IPs that left the filter) closes their owners' share in
+the traffic ledger, which then gives every IP whose holder changed to its new owner. Only the writer task
+touches the view, the writer and the ledger, so there is no lock to forget. Timers queue ticks
+(``runtime.ticks``): a periodic resync compares the filter with what the kernel really holds and repairs
+drift, an expiry drops traffic series whose grace is over.
 
 Nothing is flushed before every collection has been listed once: a pod listed before its namespace would
 otherwise be judged without the namespace's annotation, and entries pinned by a predecessor would be
 judged against a partial store. The first flush is a resync, which adopts what the predecessor left and
-removes what nobody wants any more (invariant I6).
+removes what nobody wants any more (invariant I6, docs/design.md).
 """
 
 from __future__ import annotations
@@ -22,20 +26,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from podmeter.adapters.kube.connection import Connection
-from podmeter.adapters.kube.deltas import Delta, Replace, Upsert
 from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
 from podmeter.adapters.kube.resources import METRICS_CONFIGURATIONS, NAMESPACES, PODS, ResourceKind
 from podmeter.adapters.kube.transport import Transport
 from podmeter.adapters.metrics.agent_state import AgentSnapshot
-from podmeter.model.configuration import DEFAULT_NAME, NO_CONFIGURATION, MetricsConfiguration
-from podmeter.model.datapath import Datapath, Direction, Traffic
+from podmeter.model.configuration import MetricsConfiguration
+from podmeter.model.datapath import Datapath
+from podmeter.model.deltas import Collection, Replace
 from podmeter.model.traffic import TrafficLedger
-from podmeter.model.view import NodeView
-from podmeter.runtime.writer import Writer
+from podmeter.model.view import NodeView, ViewDelta
+from podmeter.runtime.ticks import Tick, every
+from podmeter.runtime.writer import Pushed, Writer
 
 log = logging.getLogger("podmeter.agent")
 
-COLLECTIONS = (PODS, NAMESPACES, METRICS_CONFIGURATIONS)
+KINDS: tuple[ResourceKind[Any], ...] = (PODS, NAMESPACES, METRICS_CONFIGURATIONS)
 MAX_BATCH = 512  # deltas applied between two flushes at most (bounds the latency of a flush)
 
 
@@ -45,24 +50,12 @@ class AgentSettings:
     resync_interval: float = 60.0
     retry_interval: float = 1.0  # pause before retrying a flush the datapath refused
     series_grace: float = 30.0  # a pod's traffic series outlives its observation by this much (2 scrapes)
-    reflector: Callable[[ResourceKind], ReflectorSettings] = field(
+    reflector: Callable[[ResourceKind[Any]], ReflectorSettings] = field(
         default=lambda kind: ReflectorSettings()
     )
 
 
-class _Resync:
-    """Queued by the timer: the writer task does the resync between two deltas."""
-
-
-class _Retry:
-    """Queued after a refused flush: try again."""
-
-
-class _Expire:
-    """Queued by the timer: drop traffic series whose grace period is over."""
-
-
-Item = Delta | _Resync | _Retry | _Expire
+Item = ViewDelta | Tick
 
 
 class Agent:
@@ -72,15 +65,15 @@ class Agent:
         self.settings = settings
         self.connection = connection
         self.datapath = datapath
+        self.view = NodeView(settings.node_name, track_moves=True)
+        self.writer = Writer(self.view.desired, datapath)
         self.ledger = TrafficLedger(settings.series_grace)
-        self.writer = Writer(NodeView(settings.node_name, track_moves=True), datapath, on_release=self._released)
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=10_000)
-        self.configuration: MetricsConfiguration | None = None
-        self.synced: set[str] = set()
+        self.synced: set[Collection[Any]] = set()
         self.ready = asyncio.Event()
         self.last_resync: float | None = None
         self._transport: Transport | None = None
-        self._reflectors: list[Reflector] = []
+        self._reflectors: list[Reflector[Any]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._retry_scheduled = False
 
@@ -88,15 +81,17 @@ class Agent:
 
     async def start(self) -> None:
         self._transport = self.connection.transport()
-        for kind in COLLECTIONS:
+        for kind in KINDS:
             settings = self.settings.reflector(kind)
             if kind is PODS:
                 settings.field_selector = f"spec.nodeName={self.settings.node_name}"
             self._reflectors.append(Reflector(kind, self._transport, self.queue.put, settings))
         self._tasks = [asyncio.create_task(r.run(), name=f"reflector-{r.kind.name}") for r in self._reflectors]
         self._tasks.append(asyncio.create_task(self._write_loop(), name="writer"))
-        self._tasks.append(asyncio.create_task(self._resync_timer(), name="resync-timer"))
-        self._tasks.append(asyncio.create_task(self._expire_timer(), name="expire-timer"))
+        self._tasks.append(asyncio.create_task(
+            every(self.settings.resync_interval, self.queue, Tick.RESYNC), name="resync-timer"))
+        self._tasks.append(asyncio.create_task(
+            every(max(0.2, self.settings.series_grace / 4), self.queue, Tick.EXPIRE), name="expire-timer"))
 
     async def stop(self) -> None:
         """Stop watching, push what is queued, leave the datapath's pinned state in place."""
@@ -107,7 +102,7 @@ class Agent:
                 await task
         self._drain_queue()
         if self.ready.is_set():
-            self.writer.flush()
+            self._settle(self.writer.flush())
         if self._transport is not None:
             await self._transport.close()
 
@@ -123,8 +118,12 @@ class Agent:
     def apply_batch(self, items: list[Item]) -> None:
         """Apply queued items, then push the result to the datapath. Only the writer task calls this
         (tests and benchmarks drive it directly, without reflectors)."""
+        interest = self.view.interest
         for item in items:
             self._apply(item)
+        if self.view.interest != interest:
+            config = self.view.configuration
+            log.info("MetricsConfiguration %s", f"applied: {config.interest}" if config else "removed")
         self._push()
 
     def _drain_queue(self) -> None:
@@ -132,113 +131,59 @@ class Agent:
             self._apply(self.queue.get_nowait())
 
     def _apply(self, item: Item) -> None:
-        if isinstance(item, _Resync):
+        if item is Tick.RESYNC:
             if self.ready.is_set():
                 self._resync()
-            return
-        if isinstance(item, _Retry):
+        elif item is Tick.RETRY:
             self._retry_scheduled = False
-            return
-        if isinstance(item, _Expire):
+        elif item is Tick.EXPIRE:
             self.ledger.expire(time.monotonic())
-            return
-        if item.resource == PODS.name:
-            self._apply_pod(item)
-        elif item.resource == NAMESPACES.name:
-            self._apply_namespace(item)
-        else:
-            self._apply_configuration(item)
-        if isinstance(item, Replace):
-            self.synced.add(item.resource)
-
-    def _apply_pod(self, delta: Delta) -> None:
-        if isinstance(delta, Replace):
-            self.writer.replace_pods(delta.items, delta.keep)
-        elif isinstance(delta, Upsert):
-            self.writer.upsert_pod(delta.item)
-        else:
-            self.writer.delete_pod(delta.key)
-
-    def _apply_namespace(self, delta: Delta) -> None:
-        if isinstance(delta, Replace):
-            self.writer.replace_namespaces(delta.items, delta.keep)
-        elif isinstance(delta, Upsert):
-            self.writer.upsert_namespace(delta.item)
-        else:
-            self.writer.delete_namespace(delta.key)
-
-    def _apply_configuration(self, delta: Delta) -> None:
-        """Only the object named ``default`` counts; an invalid one never arrives here (the reflector
-        skips and counts it), so the last valid configuration stays in force."""
-        if isinstance(delta, Replace):
-            if DEFAULT_NAME in delta.keep:
-                return
-            found = [c for c in delta.items if c.name == DEFAULT_NAME]
-            self._set_configuration(found[0] if found else None)
-        elif isinstance(delta, Upsert):
-            if delta.item.name == DEFAULT_NAME:
-                self._set_configuration(delta.item)
-        elif delta.key == DEFAULT_NAME:
-            self._set_configuration(None)
-
-    def _set_configuration(self, config: MetricsConfiguration | None) -> None:
-        self.configuration = config
-        if self.writer.view.set_interest(config.interest if config else NO_CONFIGURATION):
-            log.info("MetricsConfiguration %s", f"applied: {config.interest}" if config else "removed")
+        elif not isinstance(item, Tick):
+            self.view.apply(item)
+            if isinstance(item, Replace):
+                self.synced.add(item.collection)
 
     def _push(self) -> None:
         if not self.ready.is_set():
-            if len(self.synced) < len(COLLECTIONS):
+            if len(self.synced) < len(KINDS):
                 return
             self._resync()  # the first push: adopt or clean what a predecessor pinned
-            self._attribute()  # counters a predecessor left become the owners' baselines
             self.ready.set()
-            log.info("ready: %d pods, %d desired IPs", len(self.writer.view.pods), len(self.writer.view.desired))
+            log.info("ready: %d pods, %d desired IPs", len(self.view.pods), len(self.view.desired))
             return
-        if not self.writer.flush() or self.writer.dirty:
+        pushed = self.writer.flush()
+        if not pushed.ok or self.writer.dirty:
             self._schedule_retry()
-        self._attribute()
+        self._settle(pushed)
 
     def _resync(self) -> None:
-        self.writer.resync()
+        self._settle(self.writer.resync())
         self.last_resync = time.time()
-        self._attribute()
 
-    def _released(self, ips: list[str], final: dict[tuple[str, Direction], Traffic]) -> None:
-        """IPs left the filter: their last counters close their owners' share (called inside a flush)."""
-        self.ledger.release(ips, final, time.monotonic())
-
-    def _attribute(self) -> None:
-        """Give every IP whose holders changed to its new owner, with the kernel's counters as the base."""
-        moved = self.writer.view.desired.take_moved()
+    def _settle(self, pushed: Pushed) -> None:
+        """The ledger follows what the datapath did: IPs that left the filter close their owners' share
+        with their last counters; then every IP whose holders changed goes to its new owner, with the
+        kernel's counters now as its base (at start: counters a predecessor left)."""
+        now = time.monotonic()
+        if pushed.released:
+            self.ledger.release(pushed.released, pushed.final, now)
+        moved = self.view.desired.take_moved()
         if not moved:
             return
         kernel = self.datapath.read_counters()
-        now = time.monotonic()
-        view = self.writer.view
         for ip in moved:
-            self.ledger.assign(ip, view.owner(ip), kernel, now)
+            self.ledger.assign(ip, self.view.owner(ip), kernel, now)
 
     def _schedule_retry(self) -> None:
         if self._retry_scheduled:
             return
         self._retry_scheduled = True
-        asyncio.get_running_loop().call_later(self.settings.retry_interval, self.queue.put_nowait, _Retry())
-
-    async def _expire_timer(self) -> None:
-        while True:
-            await asyncio.sleep(max(0.2, self.settings.series_grace / 4))
-            await self.queue.put(_Expire())
-
-    async def _resync_timer(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.resync_interval)
-            await self.queue.put(_Resync())
+        asyncio.get_running_loop().call_later(self.settings.retry_interval, self.queue.put_nowait, Tick.RETRY)
 
     # --- views for the HTTP endpoints ------------------------------------------------------------
 
     def snapshot(self) -> AgentSnapshot:
-        view, stats = self.writer.view, self.writer.stats
+        view, stats = self.view, self.writer.stats
         events: dict[tuple[str, str], int] = {}
         relists: dict[tuple[str, str], int] = {}
         decode_errors: dict[str, int] = {}
@@ -256,14 +201,14 @@ class Agent:
             watch_events=events,
             relists=relists,
             store_objects={"pods": len(view.pods), "namespaces": len(view.namespaces),
-                           "metricsconfigurations": int(self.configuration is not None)},
+                           "metricsconfigurations": len(view.configuration_store)},
             decode_errors=decode_errors,
             resyncs=stats.resyncs,
             ready=self.ready.is_set(),
         )
 
     def debug_state(self) -> dict[str, Any]:
-        view = self.writer.view
+        view = self.view
         actual = sorted(self.datapath.contents())
         desired = {ip: [p.key for p in view.owners(ip)] for ip in view.desired}
         return {
@@ -272,7 +217,7 @@ class Agent:
             "pods": len(view.pods),
             "pod_uids": sorted(view.pods),  # what the store holds, for audits (the lab's I1 check)
             "namespaces": len(view.namespaces),
-            "configuration": _interest_json(self.configuration),
+            "configuration": _interest_json(view.configuration),
             "filter": {
                 "capacity": self.datapath.capacity,
                 "desired": desired,

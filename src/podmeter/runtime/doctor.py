@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from podmeter.adapters.kube.connection import Connection
-from podmeter.model.configuration import DEFAULT_NAME, NO_CONFIGURATION, decode_configuration
+from podmeter.model.configuration import DEFAULT_NAME, decode_configuration
+from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Replace, Upsert
 from podmeter.model.records import TERMINAL_PHASES, DecodeError, Pod, decode_namespace, decode_pod
 from podmeter.model.view import NodeView
 
@@ -81,16 +82,15 @@ async def read_view(connection: Connection, node_name: str) -> tuple[NodeView, l
     try:
         view = NodeView(node_name)
         namespaces = await _list(client, "/api/v1/namespaces", {})
-        view.replace_namespaces(_decoded(namespaces, decode_namespace, skipped))
+        view.apply(Replace(NAMESPACES, _decoded(namespaces, decode_namespace, skipped)))
         config = await _get(client, CONFIG_PATH)
         if config is not None:
             try:
-                view.set_interest(decode_configuration(config).interest)
+                view.apply(Upsert(CONFIGURATIONS, decode_configuration(config)))
             except DecodeError as exc:
                 skipped.append(f"{exc} (an invalid configuration: annotations only, as without one)")
-                view.set_interest(NO_CONFIGURATION)
         pods = await _list(client, "/api/v1/pods", {"fieldSelector": f"spec.nodeName={node_name}"})
-        view.replace_pods(_decoded(pods, decode_pod, skipped))
+        view.apply(Replace(PODS, _decoded(pods, decode_pod, skipped)))
         return view, skipped
     finally:
         await client.close()

@@ -10,12 +10,13 @@ Pieces, each testable alone:
   which stays 0 unless an event was lost).
 * :class:`ConfigurationStatus` validates the ``default`` MetricsConfiguration and writes its
   ``status.conditions`` (leader only).
-* :class:`Operator` composes them with a pod source, leader election and the HTTP endpoints.
+* :class:`Operator` composes them with a pod source, leader election and the HTTP endpoints; its metrics
+  are read from them at scrape time (``adapters.metrics.operator_state``).
 
-The pod source is a small interface (:class:`PodSource`): an async iterator of ``(event type, Pod)`` plus
-the store those events were applied to. Whatever feeds it must apply an event to the store before it
-yields it, and synthesise deletes for objects that vanished across a relist; :class:`ReflectorPodSource`
-does that over the kube reflector.
+The pod source is a small interface (:class:`PodSource`): an async iterator of store changes
+``(old, new)`` plus the store those changes were made to. :class:`ReflectorPodSource` feeds the kube
+reflector's deltas to a :class:`~podmeter.model.store.Store` (the same store, and the same relist diff, as
+the agent's view) and yields what each delta changed, after applying it.
 """
 
 from __future__ import annotations
@@ -24,116 +25,72 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry
 
+from podmeter.adapters.http import build_app
 from podmeter.adapters.identity.base import IdentityBackend, IdentityBackendError
 from podmeter.adapters.kube.connection import Connection
-from podmeter.adapters.kube.deltas import Delete, Delta, Replace, Upsert
 from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
 from podmeter.adapters.kube.resources import PODS
-from podmeter.model.configuration import DEFAULT_NAME, decode_configuration
-from podmeter.model.identity import (
-    BadIdentityKey,
-    IdentityExhausted,
-    IdentityKey,
-    LabelFilter,
-    PodRefs,
-    key_of_flat,
-    shrunk_far,
-)
-from podmeter.model.records import DecodeError, Pod
+from podmeter.adapters.metrics.operator_state import OperatorSnapshot, OperatorStateCollector
+from podmeter.model.configuration import DEFAULT_NAME, accepted_condition
+from podmeter.model.deltas import Delta, Replace
+from podmeter.model.identity import BadIdentityKey, IdentityExhausted, IdentityKey, LabelFilter, PodRefs, key_of_flat
+from podmeter.model.interest import holds_identity
+from podmeter.model.records import Pod
+from podmeter.model.store import Change, Store
 from podmeter.runtime.leadership import LeaderElector
+from podmeter.runtime.ticks import Tick, every
 
 log = logging.getLogger("podmeter.operator")
 
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
-
-
-def holds_identity(pod: Pod) -> bool:
-    """Pods with an endpoint of their own: not host-network, not finished."""
-    return not pod.host_network and pod.phase not in TERMINAL_PHASES
-
 
 class PodSource(Protocol):
-    """Pod events and the store they were applied to (see the module docstring). ``events`` may also
+    """Pod changes and the store they were made to (see the module docstring). ``events`` may also
     yield ``None``: "a (re)list was applied", which marks the operator ready even when it changed nothing
-    (an empty cluster)."""
+    (an empty cluster). ``reflector`` is the reflector behind it, if any (its counters are exported)."""
 
-    def events(self) -> AsyncIterator[tuple[str, Pod] | None]: ...
+    reflector: Reflector[Pod] | None
+
+    def events(self) -> AsyncIterator[Change[Pod] | None]: ...
 
     def pods(self) -> Iterable[Pod]: ...
-
-
-class PodStore:
-    """The cluster's pods keyed by UID, fed with reflector deltas; each delta returns the events it implies.
-
-    Invariant: ``pods`` is exactly the state after the deltas applied so far. A relist (:class:`Replace`)
-    is diffed: DELETED for what vanished, ADDED/MODIFIED for what is new or changed, nothing for the
-    unchanged; objects it could not decode (``keep``) keep their last good state. The dict is rebuilt by a
-    relist and when deletes leave it far below its peak, so a past burst of pods does not pin memory.
-    """
-
-    def __init__(self) -> None:
-        self.pods: dict[str, Pod] = {}
-        self._peak = 0
-
-    def apply(self, delta: Delta) -> list[tuple[str, Pod]]:
-        if isinstance(delta, Upsert):
-            old = self.pods.get(delta.item.uid)
-            self.pods[delta.item.uid] = delta.item
-            self._peak = max(self._peak, len(self.pods))
-            return [("ADDED" if old is None else "MODIFIED", delta.item)]
-        if isinstance(delta, Delete):
-            gone = self.pods.pop(delta.key, None) or delta.item
-            if shrunk_far(len(self.pods), self._peak):
-                self.pods, self._peak = dict(self.pods), len(self.pods)
-            return [("DELETED", gone)] if gone is not None else []
-        return self._replace(delta)
-
-    def _replace(self, delta: Replace) -> list[tuple[str, Pod]]:
-        new: dict[str, Pod] = {p.uid: p for p in delta.items}
-        new.update((k, self.pods[k]) for k in delta.keep if k in self.pods and k not in new)
-        out = [("DELETED", p) for uid, p in self.pods.items() if uid not in new]
-        out += [("ADDED" if uid not in self.pods else "MODIFIED", p)
-                for uid, p in new.items() if self.pods.get(uid) != p]
-        self.pods, self._peak = new, len(new)
-        return out
 
 
 class ReflectorPodSource:
     """:class:`PodSource` over the kube reflector, watching every pod of the cluster.
 
-    The reflector queues deltas; :meth:`events` applies each one to a :class:`PodStore` as it yields the
-    events it implies, so ``pods()`` is exactly the state after the last yielded event and a sweep
-    between events never races the event stream.
+    The reflector queues deltas; :meth:`events` applies each one to the store and yields the changes it
+    made, so ``pods()`` is exactly the state after the last yielded change and a sweep between changes
+    never races the event stream.
     """
 
     def __init__(self, connection: Connection, settings: ReflectorSettings | None = None) -> None:
         self.connection = connection
         self.settings = settings or ReflectorSettings()
-        self.store = PodStore()
-        self.reflector: Reflector | None = None
-        self._deltas: asyncio.Queue[Delta] = asyncio.Queue(maxsize=10_000)
+        self.store: Store[Pod] = Store(PODS.collection)
+        self.reflector: Reflector[Pod] | None = None
+        self._deltas: asyncio.Queue[Delta[Pod]] = asyncio.Queue(maxsize=10_000)
 
     def pods(self) -> Iterable[Pod]:
-        return self.store.pods.values()
+        return self.store.objects.values()
 
-    async def events(self) -> AsyncIterator[tuple[str, Pod] | None]:
+    async def events(self) -> AsyncIterator[Change[Pod] | None]:
         transport = self.connection.transport(self.settings.request_timeout)
         self.reflector = Reflector(PODS, transport, self._deltas.put, self.settings)
         task = asyncio.create_task(self.reflector.run(), name="reflector-pods")
         try:
             while True:
                 delta = await self._deltas.get()
-                for item in self.store.apply(delta):
-                    yield item
+                for change in self.store.apply(delta):
+                    yield change
                 if isinstance(delta, Replace):
                     yield None
         finally:
@@ -143,36 +100,15 @@ class ReflectorPodSource:
             await transport.close()
 
 
-class OperatorMetrics:
-    """The operator's Prometheus series, in a registry of its own (names documented in docs/operator.md)."""
+@dataclass
+class ReconcilerStats:
+    """Counters exported as metrics (at scrape time); they only ever grow."""
 
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry(auto_describe=True)
-        self.identities = Gauge("podmeter_identities", "Identities this operator holds", registry=r)
-        self.gc_released = Counter(
-            "podmeter_identity_gc_released", "Identities released by the sweep: no live pod", registry=r
-        )
-        self.repaired = Counter(
-            "podmeter_drift_repaired", "Differences a periodic resync repaired", ["kind"], registry=r
-        )
-        self.allocations = Counter("podmeter_identity_acquired", "Identities acquired (0->1)", registry=r)
-        self.releases = Counter("podmeter_identity_released", "Identities released (1->0)", registry=r)
-        self.errors = Counter(
-            "podmeter_identity_errors", "Identity operations that failed", ["op", "reason"], registry=r
-        )
-        self.pending = Gauge("podmeter_identity_pending", "Keys whose identity awaits a retry", registry=r)
-        self.exhausted = Gauge("podmeter_identity_exhausted", "1 while the ID range is exhausted", registry=r)
-        self.store_removed = Counter(
-            "podmeter_identity_store_gc_removed", "Unreferenced IDs removed from the store", registry=r
-        )
-        self.pods = Gauge("podmeter_store_objects", "Objects in the store", ["resource"], registry=r)
-        self.events = Counter(
-            "podmeter_watch_events", "Watch events applied", ["resource", "type"], registry=r
-        )
-        self.leader = Gauge("podmeter_leader", "1 while this operator leads", registry=r)
-        self.config_valid = Gauge(
-            "podmeter_configuration_valid", "1 if the default MetricsConfiguration is valid", registry=r
-        )
+    acquired: int = 0
+    released: int = 0
+    gc_released: int = 0  # released by a sweep: no live pod referred to them (an event was lost)
+    errors: Counter[tuple[str, str]] = field(default_factory=Counter)  # (op, reason)
+    repaired: Counter[str] = field(default_factory=Counter)  # kind
 
 
 class IdentityReconciler:
@@ -187,10 +123,10 @@ class IdentityReconciler:
     retried as soon as a release frees one, and every waiting key by :meth:`retry` (a timer) and sweeps.
     """
 
-    def __init__(self, backend: IdentityBackend, label_filter: LabelFilter, metrics: OperatorMetrics) -> None:
+    def __init__(self, backend: IdentityBackend, label_filter: LabelFilter) -> None:
         self.backend = backend
         self.label_filter = label_filter
-        self.metrics = metrics
+        self.stats = ReconcilerStats()
         self.refs = PodRefs()
         self._dirty: set[IdentityKey] = set()
         self._waiting: set[IdentityKey] = set()
@@ -210,10 +146,22 @@ class IdentityReconciler:
         """No flush under way and nothing dirty: held() is as desired, except for waiting keys."""
         return not self._dirty and not self._lock.locked()
 
-    def observe(self, event_type: str, pod: Pod) -> None:
-        """Apply one pod event to the references (no I/O)."""
-        self.metrics.events.labels("pods", event_type).inc()
-        key = self._key(pod) if event_type != "DELETED" and holds_identity(pod) else None
+    @property
+    def pending(self) -> int:
+        """Keys whose actual state may differ from the desired one."""
+        return len(self._dirty | self._waiting)
+
+    @property
+    def exhausted(self) -> bool:
+        """Some key waits for an ID because the range is used up."""
+        return bool(self._exhausted & self._waiting)
+
+    def observe(self, old: Pod | None, new: Pod | None) -> None:
+        """Apply one pod change from the store (``new`` None: deleted) to the references (no I/O)."""
+        pod = new if new is not None else old
+        if pod is None:
+            return
+        key = self._key(new) if new is not None and holds_identity(new) else None
         crossing = self.refs.delete(pod.uid) if key is None else self.refs.upsert(pod.uid, key)
         for k in (crossing.acquired, crossing.released):
             if k is not None:
@@ -223,7 +171,7 @@ class IdentityReconciler:
         try:
             return key_of_flat(pod.namespace, pod.labels, self.label_filter)
         except (BadIdentityKey, ValueError) as exc:
-            self.metrics.errors.labels("key", "bad_labels").inc()
+            self.stats.errors["key", "bad_labels"] += 1
             log.error("pod %s/%s: no identity: %s", pod.namespace, pod.name, exc)
             return None
 
@@ -237,7 +185,7 @@ class IdentityReconciler:
             if released and self._exhausted:
                 for key in self._exhausted & self._waiting:
                     await self._apply(key)
-            self._update_gauges()
+            self._exhausted &= self._waiting
 
     async def retry(self) -> None:
         """Try every waiting key again (called by a timer and by sweeps)."""
@@ -251,10 +199,10 @@ class IdentityReconciler:
         try:
             if want and not have:
                 await self.backend.acquire(key)
-                self.metrics.allocations.inc()
+                self.stats.acquired += 1
             elif have and not want:
                 await self.backend.release(key)
-                self.metrics.releases.inc()
+                self.stats.released += 1
         except IdentityExhausted as exc:
             self._failed(key, "acquire", "exhausted", exc)
             self._exhausted.add(key)
@@ -267,18 +215,10 @@ class IdentityReconciler:
         return 1 if have and not want else 0
 
     def _failed(self, key: IdentityKey, op: str, reason: str, exc: Exception) -> None:
-        self.metrics.errors.labels(op, reason).inc()
+        self.stats.errors[op, reason] += 1
         if key not in self._waiting:
             log.error("identity %s of %s failed (will retry): %s", op, key, exc)
         self._waiting.add(key)
-
-    def _update_gauges(self) -> None:
-        held = self.backend.held()
-        self._exhausted &= self._waiting
-        self.metrics.identities.set(len(held))
-        self.metrics.pending.set(len(self._dirty | self._waiting))
-        self.metrics.exhausted.set(1 if self._exhausted else 0)
-        self.metrics.pods.labels("pods").set(len(self.refs))
 
     async def sweep(self, pods: Iterable[Pod]) -> int:
         """Recompute the references from the store; release and count what no live pod wants."""
@@ -293,11 +233,11 @@ class IdentityReconciler:
             already_pending = self._dirty | self._waiting  # releases events asked for: not the sweep's finds
             for crossing in self.refs.replace_all(desired):
                 if crossing.acquired is not None and crossing.acquired not in self.backend.held():
-                    self.metrics.repaired.labels("identity_missing").inc()
+                    self.stats.repaired["identity_missing"] += 1
                 self._dirty.update(k for k in (crossing.acquired, crossing.released) if k is not None)
             stale = [k for k in self.backend.held() if self.refs.count(k) == 0 and k not in already_pending]
             self._dirty.update(stale)
-        self.metrics.gc_released.inc(len(stale))
+        self.stats.gc_released += len(stale)
         if stale:
             log.warning("sweep: %d identities had no live pod (missed deletes); releasing", len(stale))
         await self.retry()
@@ -328,18 +268,6 @@ class ConfigApi(Protocol):
     async def write_status(self, name: str, status: dict[str, Any]) -> None: ...
 
 
-def accepted_condition(obj: dict[str, Any]) -> dict[str, Any]:
-    """The ``Accepted`` condition for a MetricsConfiguration object (True, or False with the reason)."""
-    generation = int((obj.get("metadata") or {}).get("generation") or 0)
-    try:
-        decode_configuration(obj)
-    except DecodeError as exc:
-        return {"type": "Accepted", "status": "False", "reason": "Invalid", "message": str(exc),
-                "observedGeneration": generation}
-    return {"type": "Accepted", "status": "True", "reason": "Valid",
-            "message": "configuration accepted", "observedGeneration": generation}
-
-
 class ConfigurationStatus:
     """Keeps ``status.conditions`` of the ``default`` MetricsConfiguration in line with its spec.
 
@@ -347,16 +275,18 @@ class ConfigurationStatus:
     the one the object carries, so a steady object is never rewritten.
     """
 
-    def __init__(self, api: ConfigApi, metrics: OperatorMetrics, name: str = DEFAULT_NAME) -> None:
-        self.api, self.metrics, self.name = api, metrics, name
+    def __init__(self, api: ConfigApi, name: str = DEFAULT_NAME) -> None:
+        self.api, self.name = api, name
         self.writes = 0
+        self.valid: bool | None = None  # None: no such object (annotations only: a valid setup)
 
     async def reconcile(self) -> dict[str, Any] | None:
         obj = await self.api.get(self.name)
         if obj is None:
+            self.valid = None
             return None
         condition = accepted_condition(obj)
-        self.metrics.config_valid.set(1 if condition["status"] == "True" else 0)
+        self.valid = condition["status"] == "True"
         current = [c for c in ((obj.get("status") or {}).get("conditions") or []) if isinstance(c, dict)]
         old = next((c for c in current if c.get("type") == "Accepted"), None)
         if old is not None and {k: old.get(k) for k in condition} == condition:
@@ -372,42 +302,7 @@ class ConfigurationStatus:
         return condition
 
 
-class KubeConfigApi:
-    """:class:`ConfigApi` over a lightkube ``AsyncClient`` (cluster-scoped ``metricsconfigurations``)."""
-
-    def __init__(self, client: Any) -> None:
-        from lightkube.generic_resource import create_global_resource
-
-        self._client = client
-        self._res: Any = create_global_resource(
-            "podmeter.io", "v1alpha1", "MetricsConfiguration", "metricsconfigurations"
-        )
-
-    async def get(self, name: str) -> dict[str, Any] | None:
-        from lightkube import ApiError
-
-        try:
-            obj = await self._client.get(self._res, name)
-        except ApiError as exc:
-            if exc.status.code == 404:
-                return None
-            raise
-        return dict(obj.to_dict())
-
-    async def write_status(self, name: str, status: dict[str, Any]) -> None:
-        from lightkube.types import PatchType
-
-        await self._client.patch(self._res.Status, name, {"status": status}, patch_type=PatchType.MERGE)
-
-
 # -- the process ---------------------------------------------------------------------------------------
-
-
-class _Marker:
-    """A non-event item of the operator's event queue."""
-
-
-_SWEEP, _END, _SYNCED = _Marker(), _Marker(), _Marker()
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,14 +332,16 @@ class Operator:
         config: ConfigApi | None = None,
         settings: OperatorSettings | None = None,
     ) -> None:
-        self.metrics = OperatorMetrics()
         self.source, self.backend = source, backend
-        self.reconciler = IdentityReconciler(backend, label_filter or LabelFilter(), self.metrics)
+        self.reconciler = IdentityReconciler(backend, label_filter or LabelFilter())
         self.elector = elector
-        self.config = ConfigurationStatus(config, self.metrics) if config is not None else None
+        self.config = ConfigurationStatus(config) if config is not None else None
         self.settings = settings or OperatorSettings()
         self.ready = asyncio.Event()
         self.last_sweep: float | None = None
+        self.store_gc_removed = 0
+        self.registry = CollectorRegistry()
+        self.registry.register(OperatorStateCollector(self.snapshot))
 
     @property
     def is_leader(self) -> bool:
@@ -475,29 +372,25 @@ class Operator:
                 await self.backend.start()
                 return
             except IdentityBackendError as exc:
-                self.metrics.errors.labels("start", "backend").inc()
+                self.reconciler.stats.errors["start", "backend"] += 1
                 log.warning("identity backend %s not available (retrying in %.1fs): %s",
                             self.backend.name, delay, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
     async def _events(self) -> None:
-        queue: asyncio.Queue[tuple[str, Pod] | _Marker] = asyncio.Queue()
+        queue: asyncio.Queue[Change[Pod] | Tick] = asyncio.Queue()
 
         async def pump() -> None:
             try:
                 async for item in self.source.events():
-                    queue.put_nowait(_SYNCED if item is None else item)
+                    queue.put_nowait(Tick.SYNCED if item is None else item)
             finally:
-                queue.put_nowait(_END)
-
-        async def ticker() -> None:
-            while True:
-                await asyncio.sleep(self.settings.sweep_period)
-                queue.put_nowait(_SWEEP)
+                queue.put_nowait(Tick.END)
 
         helpers = [asyncio.create_task(pump(), name="operator-pod-events"),
-                   asyncio.create_task(ticker(), name="operator-sweep-timer")]
+                   asyncio.create_task(every(self.settings.sweep_period, queue, Tick.SWEEP),
+                                       name="operator-sweep-timer")]
         try:
             await self._consume(queue)
             await helpers[0]  # the source ended: re-raise its failure, if any
@@ -508,16 +401,16 @@ class Operator:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    async def _consume(self, queue: asyncio.Queue[tuple[str, Pod] | _Marker]) -> None:
-        """Apply events in order; flush when the queue is drained; sweep only then (store == events)."""
+    async def _consume(self, queue: asyncio.Queue[Change[Pod] | Tick]) -> None:
+        """Apply changes in order; flush when the queue is drained; sweep only then (store == changes)."""
         sweep_due = False
         while True:
             item = await queue.get()
-            if item is _END:
+            if item is Tick.END:
                 return
-            if item is _SWEEP:
+            if item is Tick.SWEEP:
                 sweep_due = True
-            elif isinstance(item, tuple):
+            elif not isinstance(item, Tick):
                 self.reconciler.observe(*item)
             if queue.empty():
                 await self.reconciler.flush()
@@ -539,7 +432,6 @@ class Operator:
                 "gc": (s.gc_period, True, self._gc),
                 "config": (s.config_period, True, self._config)}
         while True:
-            self.metrics.leader.set(1 if self.is_leader else 0)
             for name, (period, leader_only, job) in jobs.items():
                 now = time.monotonic()
                 if now >= due[name] and (self.is_leader or not leader_only):
@@ -549,9 +441,9 @@ class Operator:
 
     async def _gc(self) -> None:
         try:
-            self.metrics.store_removed.inc(await self.backend.gc())
+            self.store_gc_removed += await self.backend.gc()
         except IdentityBackendError as exc:
-            self.metrics.errors.labels("gc", "backend").inc()
+            self.reconciler.stats.errors["gc", "backend"] += 1
             log.warning("identity store GC failed (will retry): %s", exc)
 
     async def _config(self) -> None:
@@ -560,43 +452,46 @@ class Operator:
         try:
             await self.config.reconcile()
         except Exception as exc:  # the API server may be unreachable; retried next period
-            self.metrics.errors.labels("config_status", type(exc).__name__).inc()
+            self.reconciler.stats.errors["config_status", type(exc).__name__] += 1
             log.warning("MetricsConfiguration status: %s: %s", type(exc).__name__, exc)
 
-    # -- HTTP --------------------------------------------------------------------------------------
+    # -- metrics and HTTP ---------------------------------------------------------------------------
+
+    def snapshot(self) -> OperatorSnapshot:
+        """The operator's state as the metrics export it, read now."""
+        rec = self.reconciler
+        stats = rec.stats
+        reflector = self.source.reflector
+        events: dict[tuple[str, str], int] = {}
+        relists: dict[tuple[str, str], int] = {}
+        decode_errors: dict[str, int] = {}
+        if reflector is not None:
+            events = {("pods", t): n for t, n in reflector.stats.events.items()}
+            relists = {("pods", why): n for why, n in reflector.stats.relists.items()}
+            decode_errors = {"pods": reflector.stats.decode_errors}
+        return OperatorSnapshot(
+            identities=len(self.backend.held()), pending=rec.pending, exhausted=rec.exhausted,
+            leader=self.is_leader, configuration_valid=self.config is None or self.config.valid is not False,
+            ready=self.ready.is_set(), acquired=stats.acquired, released=stats.released,
+            gc_released=stats.gc_released, store_gc_removed=self.store_gc_removed, errors=dict(stats.errors),
+            drift_repaired=dict(stats.repaired), watch_events=events, relists=relists,
+            decode_errors=decode_errors, store_objects={"pods": len(rec.refs)},
+        )
 
     def http_app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/readyz", self._readyz)
-        app.router.add_get("/debug/identities", self._debug)
-        return app
+        return build_app(self.registry, self.ready.is_set, {"/debug/identities": self.debug_identities},
+                         self.settings.debug_anywhere)
 
-    async def _metrics(self, _: web.Request) -> web.Response:
-        self.metrics.leader.set(1 if self.is_leader else 0)
-        body = generate_latest(self.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def _healthz(self, _: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
-
-    async def _readyz(self, _: web.Request) -> web.Response:
-        ok = self.ready.is_set()
-        return web.Response(text="ready\n" if ok else "not ready\n", status=200 if ok else 503)
-
-    async def _debug(self, request: web.Request) -> web.Response:
-        if not self.settings.debug_anywhere and request.remote not in ("127.0.0.1", "::1"):
-            return web.Response(status=403, text="debug endpoints answer on loopback only\n")
+    async def debug_identities(self) -> dict[str, Any]:
         body = self.reconciler.debug() | {"leader": self.is_leader, "last_sweep": self.last_sweep}
-        reflector = getattr(self.source, "reflector", None)
-        if isinstance(reflector, Reflector):
+        reflector = self.source.reflector
+        if reflector is not None:
             stats = reflector.stats
             body["reflector"] = {"events": dict(stats.events), "relists": dict(stats.relists),
                                  "failures": dict(stats.failures), "resource_version": reflector.resource_version}
         if self.is_leader:
             body["store"] = {str(i): str(k) for i, k in sorted((await self._store_ids()).items())}
-        return web.json_response(body)
+        return body
 
     async def _store_ids(self) -> dict[int, IdentityKey]:
         try:

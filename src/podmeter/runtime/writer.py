@@ -1,7 +1,10 @@
-"""The one writer: applies store changes to the view and pushes the difference to the datapath.
+"""The one writer: pushes the desired filter's difference to the datapath, and nothing else.
 
-Only the writer mutates the view and the datapath's filter (the agent runs it in one task; tests drive it
-directly). It is synchronous; the asyncio wrapping lives in the agent.
+Only the writer mutates the datapath's filter (the agent runs it in its one writer task; tests drive it
+directly). It reads the desired filter, never the stores: what is desired is the view's business. It is
+synchronous; the asyncio wrapping lives in the agent. Each :meth:`Writer.flush` and :meth:`Writer.resync`
+returns a :class:`Pushed`: whether the datapath took everything, and the final counters of the IPs that
+left the filter, which the agent hands to the traffic ledger (next stage: ``model.traffic``).
 
 Capacity rule (documented in docs/agent.md): when more IPs are desired than the filter holds, the filter
 holds desired IPs only, and the ones that wait (``pending``) are those that became desired last; an IP
@@ -15,17 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from podmeter.model.datapath import Datapath, DatapathError, Direction, FilterFull, Traffic
-from podmeter.model.records import Namespace, Pod
-from podmeter.model.view import NodeView, ReplaceResult
+from podmeter.model.desired import DesiredFilter
 
 log = logging.getLogger("podmeter.writer")
-
-# Called with the IPs that left the filter and their last counters (read and removed from the datapath).
-ReleaseHook = Callable[[list[str], dict[tuple[str, Direction], Traffic]], None]
 
 
 @dataclass
@@ -39,10 +37,19 @@ class WriterStats:
     resyncs: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Repairs:
-    """What one resync repaired: entries found in the kernel that nobody wants, and wanted ones missing."""
+@dataclass(slots=True)
+class Pushed:
+    """What one flush or resync did.
 
+    ``ok``: the datapath took everything it was given; ``released``: the IPs that left the filter, with
+    ``final`` their last counters (read and removed from the datapath: the kernel starts over for the
+    next holder); ``leaked`` / ``missing``: what a resync repaired (entries found in the kernel that
+    nobody wants, and wanted ones that were gone).
+    """
+
+    ok: bool = True
+    released: list[str] = field(default_factory=list)
+    final: dict[tuple[str, Direction], Traffic] = field(default_factory=dict)
     leaked: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
 
@@ -56,35 +63,15 @@ class Writer:
     * ``len(installed) == min(capacity, len(desired))`` unless the kernel refused an insert (``blocked``).
     """
 
-    def __init__(self, view: NodeView, datapath: Datapath, on_release: ReleaseHook | None = None) -> None:
-        self.view = view
+    def __init__(self, desired: DesiredFilter, datapath: Datapath) -> None:
+        self.desired = desired
         self.datapath = datapath
         self.installed: set[str] = set()
         self.pending: dict[str, None] = {}
         self.retry_deletes: dict[str, None] = {}
         self.blocked = False  # the kernel said full while we counted room: wait for a resync
         self.stats = WriterStats()
-        self._on_release = on_release
-
-    # --- store changes (delegated to the view; the flush pushes the result) -------------------
-
-    def upsert_pod(self, pod: Pod) -> bool:
-        return self.view.upsert_pod(pod)
-
-    def delete_pod(self, uid: str) -> bool:
-        return self.view.delete_pod(uid)
-
-    def replace_pods(self, pods: Iterable[Pod], keep: Collection[str] = ()) -> ReplaceResult:
-        return self.view.replace_pods(pods, keep)
-
-    def upsert_namespace(self, namespace: Namespace) -> bool:
-        return self.view.upsert_namespace(namespace)
-
-    def delete_namespace(self, name: str) -> bool:
-        return self.view.delete_namespace(name)
-
-    def replace_namespaces(self, namespaces: Iterable[Namespace], keep: Collection[str] = ()) -> ReplaceResult:
-        return self.view.replace_namespaces(namespaces, keep)
+        self._pushed = Pushed()  # what the flush or resync under way has done so far
 
     # --- pushing to the datapath --------------------------------------------------------------
 
@@ -96,20 +83,22 @@ class Writer:
     @property
     def dirty(self) -> bool:
         """True while some work is waiting for a flush."""
-        return bool(self.view.desired.dirty or self.retry_deletes or (self.pending and self._room() > 0))
+        return bool(self.desired.dirty or self.retry_deletes or (self.pending and self._room() > 0))
 
-    def flush(self) -> bool:
-        """Push every crossing since the last flush; True if the datapath took everything it was given."""
-        to_delete = self._sort_dirty()
-        ok = self._delete(to_delete)
-        return self._fill() and ok
+    def flush(self) -> Pushed:
+        """Push every crossing since the last flush."""
+        self._pushed = pushed = Pushed()
+        deleted = self._delete(self._sort_dirty())
+        pushed.ok = self._fill() and deleted
+        return pushed
 
-    def resync(self) -> Repairs:
+    def resync(self) -> Pushed:
         """Read what the datapath really holds and repair drift both ways; count the repairs."""
+        self._pushed = pushed = Pushed()
         self.stats.resyncs += 1
         self._delete(self._sort_dirty())  # inserts wait until we know what is there (a restart adopts)
         actual = self.datapath.contents()
-        desired = self.view.desired
+        desired = self.desired
         leaked = tuple(sorted(ip for ip in actual if ip not in desired))
         missing = tuple(sorted(ip for ip in self.installed if ip not in actual))
         adopted = {ip for ip in actual if ip in desired and ip not in self.installed}
@@ -118,9 +107,10 @@ class Writer:
         self.blocked = False
         self._count_repairs(leaked, missing)
         self.installed |= set(leaked)  # so that _delete treats them as ours to remove
-        self._delete(list(leaked))
-        self._fill()
-        return Repairs(leaked, missing)
+        deleted = self._delete(list(leaked))
+        pushed.ok = self._fill() and deleted
+        pushed.leaked, pushed.missing = leaked, missing
+        return pushed
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -128,7 +118,7 @@ class Writer:
         """Route each crossed IP: to delete if installed and undesired, to pending if desired and absent."""
         to_delete = list(self.retry_deletes)
         self.retry_deletes = {}
-        desired = self.view.desired
+        desired = self.desired
         for ip in desired.take_dirty():
             if ip in desired:
                 if ip not in self.installed:
@@ -163,9 +153,8 @@ class Writer:
             return
         self.installed.difference_update(ips)
         self.stats.deletes += len(ips)
-        final = self.datapath.take_counters(ips)
-        if self._on_release is not None:
-            self._on_release(ips, final)
+        self._pushed.released.extend(ips)
+        self._pushed.final.update(self.datapath.take_counters(ips))
 
     def _room(self) -> int:
         return 0 if self.blocked else self.datapath.capacity - len(self.installed)

@@ -38,6 +38,7 @@ import aetcd.exceptions
 import aetcd.utils
 
 from podmeter.adapters.identity.base import IdentityBackendError
+from podmeter.model.compaction import PeakTracker
 from podmeter.model.identity import (
     DEFAULT_FIRST_ID,
     DEFAULT_LAST_ID,
@@ -45,7 +46,6 @@ from podmeter.model.identity import (
     IdentityExhausted,
     IdentityKey,
     IdPool,
-    shrunk_far,
 )
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class EtcdIdentityBackend:
         self._first, self._last = first, last
         self._pool = IdPool(first, last)
         self._held: dict[IdentityKey, int] = {}
-        self._peak = 0
+        self._peak = PeakTracker()
         self._lease_id = 0
         self._lock = asyncio.Lock()
         self._client: Any = None
@@ -191,7 +191,7 @@ class EtcdIdentityBackend:
             if ident is None:
                 ident = await self._call(lambda: self._acquire(key))
                 self._held[key] = ident
-                self._peak = max(self._peak, len(self._held))
+                self._peak.grew_to(len(self._held))
             return ident
 
     async def release(self, key: IdentityKey) -> None:
@@ -201,9 +201,8 @@ class EtcdIdentityBackend:
             enc = key.encode().encode()
             await self._call(lambda: self._client.delete(self._ref_key(enc)))
             del self._held[key]
-            if shrunk_far(len(self._held), self._peak):
+            if self._peak.should_rebuild(len(self._held)):
                 self._held = dict(self._held)
-                self._peak = len(self._held)
 
     async def identities(self) -> dict[int, IdentityKey]:
         masters = await self._call(self._masters)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from podmeter.model.identity import DEFAULT_FIRST_ID, DEFAULT_LAST_ID, IdentityKey, IdPool, shrunk_far
+from podmeter.model.compaction import PeakTracker
+from podmeter.model.identity import DEFAULT_FIRST_ID, DEFAULT_LAST_ID, IdentityKey, IdPool
 
 
 class MemoryIdentityBackend:
@@ -20,7 +21,7 @@ class MemoryIdentityBackend:
     def __init__(self, first: int = DEFAULT_FIRST_ID, last: int = DEFAULT_LAST_ID) -> None:
         self._pool = IdPool(first, last)
         self._ids: dict[IdentityKey, int] = {}
-        self._peak = 0
+        self._peak = PeakTracker()
 
     async def start(self) -> None:
         return None
@@ -32,7 +33,7 @@ class MemoryIdentityBackend:
         ident = self._ids.get(key)
         if ident is None:
             ident = self._ids[key] = self._pool.take()
-            self._peak = max(self._peak, len(self._ids))
+            self._peak.grew_to(len(self._ids))
         return ident
 
     async def release(self, key: IdentityKey) -> None:
@@ -40,9 +41,8 @@ class MemoryIdentityBackend:
         if ident is None:
             return
         self._pool.release(ident)
-        if shrunk_far(len(self._ids), self._peak):
+        if self._peak.should_rebuild(len(self._ids)):
             self._ids = dict(self._ids)
-            self._peak = len(self._ids)
 
     def held(self) -> Mapping[IdentityKey, int]:
         return self._ids

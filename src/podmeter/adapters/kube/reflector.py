@@ -25,19 +25,20 @@ import random
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 import msgspec
 
 from podmeter.adapters.kube.backoff import Backoff
-from podmeter.adapters.kube.deltas import Delete, Delta, Replace, Upsert
 from podmeter.adapters.kube.resources import ResourceKind
 from podmeter.adapters.kube.transport import Answer, Transport, TransportError
+from podmeter.model.deltas import Delete, Delta, Replace, Upsert
 from podmeter.model.records import DecodeError
 
 log = logging.getLogger("podmeter.reflector")
 
-Sink = Callable[[Delta], Awaitable[None]]
+R = TypeVar("R")
+Sink = Callable[[Delta[R]], Awaitable[None]]
 
 
 class _Status(msgspec.Struct):
@@ -116,14 +117,14 @@ class ReflectorStats:
     failures: Counter[str] = field(default_factory=Counter)  # by cause
 
 
-class Reflector:
+class Reflector(Generic[R]):
     """Lists and watches one collection and sends deltas to ``sink``.
 
     Invariant: ``resource_version`` is None iff the next step is a (re)list; otherwise it is the RV of
     the last list, event or bookmark seen, which is always safe to resume a watch from.
     """
 
-    def __init__(self, kind: ResourceKind, transport: Transport, sink: Sink,
+    def __init__(self, kind: ResourceKind[R], transport: Transport, sink: Sink[R],
                  settings: ReflectorSettings | None = None) -> None:
         self.kind = kind
         self.transport = transport
@@ -152,7 +153,7 @@ class Reflector:
     async def _list(self) -> None:
         reason, self._relist_reason = self._relist_reason, "error"
         self.stats.relists[reason] += 1
-        items: list[object] = []
+        items: list[R] = []
         keep: set[str] = set()
         token = ""
         while True:
@@ -163,7 +164,7 @@ class Reflector:
             token = page.metadata.continue_
             if not token:
                 break
-        await self.sink(Replace(self.kind.name, items, frozenset(keep)))
+        await self.sink(Replace(self.kind.collection, items, frozenset(keep)))
         self.resource_version = rv
         self.synced.set()
         log.info("listed %s: %d objects at resourceVersion %s (%s)", self.kind.name, len(items), rv, reason)
@@ -175,7 +176,7 @@ class Reflector:
         answer = await self._request(params)
         return _list_decoder.decode(answer.body)
 
-    def _decode_into(self, raw: msgspec.Raw, items: list[object], keep: set[str]) -> None:
+    def _decode_into(self, raw: msgspec.Raw, items: list[R], keep: set[str]) -> None:
         try:
             items.append(self.kind.decode(bytes(raw)))
         except DecodeError as exc:
@@ -221,7 +222,7 @@ class Reflector:
         if rv:
             self.resource_version = rv
 
-    async def _on_line_fast(self, line: bytes, decode_event: Callable[[bytes], tuple[str, Any]]) -> bool:
+    async def _on_line_fast(self, line: bytes, decode_event: Callable[[bytes], tuple[str, R]]) -> bool:
         """One-pass decode of an ordinary event; False sends the line down the general path."""
         try:
             kind, item = decode_event(line)
@@ -231,9 +232,9 @@ class Reflector:
             return False
         self.stats.events[kind] += 1
         if kind == "DELETED":
-            await self.sink(Delete(self.kind.name, self.kind.key(item), item))
+            await self.sink(Delete(self.kind.collection, self.kind.key(item), item))
         else:
-            await self.sink(Upsert(self.kind.name, item))
+            await self.sink(Upsert(self.kind.collection, item))
         self.resource_version = self.kind.resource_version(item) or self.resource_version
         return True
 
@@ -244,12 +245,12 @@ class Reflector:
             self._report_invalid(exc)
             key = self._raw_key(raw)
             if kind == "DELETED" and key:  # a delete needs only the key: never lose one
-                await self.sink(Delete(self.kind.name, key))
+                await self.sink(Delete(self.kind.collection, key))
             return
         if kind == "DELETED":
-            await self.sink(Delete(self.kind.name, self.kind.key(item), item))
+            await self.sink(Delete(self.kind.collection, self.kind.key(item), item))
         else:
-            await self.sink(Upsert(self.kind.name, item))
+            await self.sink(Upsert(self.kind.collection, item))
 
     # --- errors ----------------------------------------------------------------------------------
 

@@ -1,44 +1,52 @@
-"""The kinds the agent and operator watch, and how each is decoded and keyed."""
+"""The kinds the agent and operator watch: where each lives on the API server and how it is decoded.
+
+Each :class:`ResourceKind` wraps one model :class:`~podmeter.model.deltas.Collection`, so the deltas a
+reflector produces are typed by the collection they belong to (next stage: ``podmeter.model.store``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any
+from typing import Generic, TypeVar
 
-from podmeter.model.configuration import decode_configuration
-from podmeter.model.records import decode_namespace, decode_pod, decode_pod_event
+from podmeter.model import deltas
+from podmeter.model.configuration import MetricsConfiguration, decode_configuration
+from podmeter.model.records import Namespace, Pod, decode_namespace, decode_pod, decode_pod_event
+
+R = TypeVar("R")
 
 
-@dataclass(frozen=True)
-class ResourceKind:
-    """A watched collection: ``name`` (metric label), its cluster-wide ``path``, and its record type.
+@dataclass(frozen=True, eq=False)
+class ResourceKind(Generic[R]):
+    """A watched collection on the wire: its cluster-wide ``path`` and how its records are decoded.
 
-    ``key`` identifies an object across its lifetime: the UID for pods (a pod recreated with the same
-    name is a different pod), the name for cluster-scoped kinds.
+    ``key_field`` ("uid" or "name") is read from the raw metadata when an object does not decode, so the
+    reflector can still name it in a delete or in ``Replace.keep``.
     """
 
-    name: str
+    collection: deltas.Collection[R]
     path: str
-    decode: Callable[[bytes], Any]
-    key: Callable[[Any], str]
-    key_field: str  # "uid" or "name": read from the raw metadata when the object does not decode
-    resource_version: Callable[[Any], str]
-    decode_event: Callable[[bytes], tuple[str, Any]] | None = None  # one-pass fast path for watch lines
+    decode: Callable[[bytes], R]
+    key_field: str
+    resource_version: Callable[[R], str]
+    decode_event: Callable[[bytes], tuple[str, R]] | None = None  # one-pass fast path for watch lines
+
+    @property
+    def name(self) -> str:
+        return self.collection.name
+
+    def key(self, item: R) -> str:
+        return self.collection.key(item)
 
 
-_uid = attrgetter("uid")
-_name = attrgetter("name")
 _rv = attrgetter("resource_version")
 
-PODS = ResourceKind("pods", "/api/v1/pods", decode_pod, _uid, "uid", _rv, decode_pod_event)
-NAMESPACES = ResourceKind("namespaces", "/api/v1/namespaces", decode_namespace, _name, "name", _rv)
-METRICS_CONFIGURATIONS = ResourceKind(
-    "metricsconfigurations",
-    "/apis/podmeter.io/v1alpha1/metricsconfigurations",
-    decode_configuration,
-    _name,
-    "name",
-    _rv,
+PODS: ResourceKind[Pod] = ResourceKind(deltas.PODS, "/api/v1/pods", decode_pod, "uid", _rv, decode_pod_event)
+NAMESPACES: ResourceKind[Namespace] = ResourceKind(
+    deltas.NAMESPACES, "/api/v1/namespaces", decode_namespace, "name", _rv
+)
+METRICS_CONFIGURATIONS: ResourceKind[MetricsConfiguration] = ResourceKind(
+    deltas.CONFIGURATIONS, "/apis/podmeter.io/v1alpha1/metricsconfigurations", decode_configuration, "name", _rv
 )

@@ -1,4 +1,6 @@
-"""Kubernetes ``Status`` failures, shaped field by field like the recordings in reference/wire/.
+"""Kubernetes ``Status`` failures, shaped field by field like a real kube-apiserver's answers.
+
+The recorded answers they are compared with are in tests/data/wire/.
 
 Every error the lab API server answers is an :class:`ApiError`; :meth:`ApiError.status` renders the body.
 The constructors mirror apimachinery's ``errors.New*`` helpers: same ``reason``, ``code``, ``details`` and

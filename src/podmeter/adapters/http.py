@@ -1,20 +1,24 @@
-"""HTTP endpoints of the agent and the operator: ``/metrics``, ``/healthz``, ``/readyz``, ``/debug/...``.
+"""The one HTTP app of the agent and the operator: ``/metrics``, ``/healthz``, ``/readyz``, ``/debug/...``.
 
-Debug endpoints answer only requests from loopback unless ``debug_remote`` is set: they list pod names
-and IPs, which a node's metrics port (often reachable cluster-wide for Prometheus) should not.
+One rule for every ``/debug/*`` path of both processes: it answers only requests from loopback unless
+``debug_remote`` is set, because debug views list pod names and IPs, which a node's metrics port (often
+reachable cluster-wide for Prometheus) should not.
 """
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-DebugViews = dict[str, Callable[[], Any]]
+# A debug view returns JSON-serialisable data, directly or from a coroutine (a backend read).
+DebugView = Callable[[], Any | Awaitable[Any]]
+DebugViews = dict[str, DebugView]
 
 
 def build_app(registry: CollectorRegistry, ready: Callable[[], bool], debug: DebugViews,
@@ -33,7 +37,7 @@ def build_app(registry: CollectorRegistry, ready: Callable[[], bool], debug: Deb
     async def readyz(_: web.Request) -> web.Response:
         if ready():
             return web.Response(text="ready\n")
-        return web.Response(status=503, text="not ready: waiting for the first lists and the datapath\n")
+        return web.Response(status=503, text="not ready: waiting for the first lists to be applied\n")
 
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
@@ -43,11 +47,14 @@ def build_app(registry: CollectorRegistry, ready: Callable[[], bool], debug: Deb
     return app
 
 
-def _debug_handler(view: Callable[[], Any], debug_remote: bool) -> Callable[[web.Request], Any]:
+def _debug_handler(view: DebugView, debug_remote: bool) -> Callable[[web.Request], Any]:
     async def handler(request: web.Request) -> web.Response:
         if not debug_remote and not _is_loopback(request.remote):
             return web.Response(status=403, text="debug endpoints answer on loopback only (--debug-remote)\n")
-        return web.Response(text=json.dumps(view(), indent=1, sort_keys=True) + "\n",
+        body = view()
+        if inspect.isawaitable(body):
+            body = await body
+        return web.Response(text=json.dumps(body, indent=1, sort_keys=True) + "\n",
                             content_type="application/json")
 
     return handler

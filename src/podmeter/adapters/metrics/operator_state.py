@@ -1,0 +1,64 @@
+"""The operator's metrics, computed at scrape time by a custom collector (no gauges kept in sync).
+
+Series names are documented in docs/operator.md. The operator hands the collector a function that takes an
+:class:`OperatorSnapshot` from its reconciler, backend, election and reflector as they are at the scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from podmeter.adapters.metrics.agent_state import watch_families
+from podmeter.adapters.metrics.families import by_one, counter, gauge
+
+
+@dataclass(frozen=True)
+class OperatorSnapshot:
+    """What the collector exports. Counters only grow; gauges are current values."""
+
+    identities: int = 0
+    pending: int = 0
+    exhausted: bool = False
+    leader: bool = False
+    configuration_valid: bool = True  # no MetricsConfiguration at all is valid (annotations only)
+    ready: bool = False
+    acquired: int = 0
+    released: int = 0
+    gc_released: int = 0
+    store_gc_removed: int = 0
+    errors: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (op, reason)
+    drift_repaired: Mapping[str, int] = field(default_factory=dict)  # kind
+    watch_events: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (resource, type)
+    relists: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (resource, reason)
+    decode_errors: Mapping[str, int] = field(default_factory=dict)  # resource
+    store_objects: Mapping[str, int] = field(default_factory=dict)  # resource
+
+
+class OperatorStateCollector(Collector):
+    def __init__(self, snapshot: Callable[[], OperatorSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        yield gauge("podmeter_identities", "Identities this operator holds.", s.identities)
+        yield gauge("podmeter_identity_pending", "Keys whose identity awaits a retry.", s.pending)
+        yield gauge("podmeter_identity_exhausted", "1 while the ID range is exhausted.", int(s.exhausted))
+        yield gauge("podmeter_leader", "1 while this operator leads.", int(s.leader))
+        yield gauge("podmeter_configuration_valid",
+                    "0 while the default MetricsConfiguration is invalid (1 when valid or absent).",
+                    int(s.configuration_valid))
+        yield gauge("podmeter_ready", "1 once the first pod list is applied.", int(s.ready))
+        yield counter("podmeter_identity_acquired", "Identities acquired (0->1).", value=s.acquired)
+        yield counter("podmeter_identity_released", "Identities released (1->0).", value=s.released)
+        yield counter("podmeter_identity_gc_released", "Identities released by the sweep: no live pod.",
+                      value=s.gc_released)
+        yield counter("podmeter_identity_store_gc_removed", "Unreferenced IDs removed from the store.",
+                      value=s.store_gc_removed)
+        yield counter("podmeter_identity_errors", "Identity operations that failed.", ("op", "reason"), s.errors)
+        yield counter("podmeter_drift_repaired", "Differences a periodic resync repaired.", ("kind",),
+                      by_one(s.drift_repaired))
+        yield from watch_families(s.watch_events, s.relists, s.decode_errors, s.store_objects)
