@@ -61,7 +61,7 @@ async def churn(pods: int, live: int) -> dict[str, float]:
     store: Store[Pod] = Store(PODS)
 
     def apply(delta: Delta[Pod]) -> None:
-        for change in store.apply(delta):
+        for change in store.changes(delta):
             rec.observe(*change)
 
     await warm_up(rec, store, live)
@@ -95,7 +95,7 @@ async def warm_up(rec: IdentityReconciler, store: Store[Pod], live: int) -> None
     pods = [job_pod(-1 - i) for i in range(live)]
     deltas: list[Delta[Pod]] = [*(Upsert(PODS, p) for p in pods), *(Delete(PODS, p.uid) for p in pods)]
     for delta in deltas:
-        for change in store.apply(delta):
+        for change in store.changes(delta):
             rec.observe(*change)
         await rec.flush()
     await rec.sweep(())

@@ -216,6 +216,32 @@ def test_failed_delete_is_retried() -> None:
     assert dp.entries == set()
 
 
+def test_a_failed_delete_is_not_retried_once_the_ip_is_wanted_again() -> None:
+    """Found by the property test: interest went and came back while a delete waited for its retry."""
+    w, dp = writer()
+    w.upsert_pod(make_pod("p", ips=("10.0.0.1",), observe=True))
+    settle(w)
+    dp.fail_next(DatapathError("EIO", "injected"))
+    w.configure(Interest(annotations=False))  # p is no longer observed: its IP must go
+    assert w.flush().ok is False and dp.entries == {"10.0.0.1"}
+    w.configure(None)  # annotations count again: p is observed again before the retry
+    settle(w)
+    assert dp.entries == {"10.0.0.1"} and w.installed == {"10.0.0.1"}
+
+
+def test_a_leaked_entry_that_vanished_before_its_retried_delete_is_not_restored() -> None:
+    """Found by the property test: a resync's delete failed, then the entry went by itself."""
+    w, dp = writer()
+    dp.fail_next(DatapathError("EIO", "injected"), times=2)
+    dp.entries.add("10.9.9.9")  # planted: nobody wants it
+    w.resync()
+    assert dp.entries == {"10.9.9.9"}  # the delete failed
+    dp.entries.discard("10.9.9.9")  # and the entry went anyway
+    w.resync()
+    settle(w)
+    assert dp.entries == set() and not w.installed and not w.pending
+
+
 def test_kernel_full_of_unknown_entries_stops_inserting_until_resync() -> None:
     w, dp = writer(capacity=2)
     dp.entries |= {"10.9.9.1", "10.9.9.2"}  # a predecessor's leftovers the writer does not know

@@ -73,7 +73,7 @@ def test_store_changes_replayed_on_the_old_state_give_the_new_state(steps: list[
     store: Store[Pod] = Store(PODS)
     for delta in steps:
         before = dict(store.objects)
-        changes = store.apply(delta)
+        changes = store.changes(delta)
         replayed = dict(before)
         for old, new in changes:
             assert old != new and (old is None or before[old.uid] == old)

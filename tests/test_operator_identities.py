@@ -300,19 +300,19 @@ async def test_operator_waits_for_etcd_at_start(tmp_path: Any) -> None:
 def test_pod_store_diffs_a_relist() -> None:
     store: Store[Pod] = Store(PODS)
     a, b, c = pod("a", labels={"app": "x"}), pod("b", labels={"app": "y"}), pod("c", labels={"app": "z"})
-    assert store.apply(Upsert(PODS, a)) == [(None, a)]
-    assert store.apply(Upsert(PODS, b)) == [(None, b)]
-    assert store.apply(Upsert(PODS, c)) == [(None, c)]
-    assert store.apply(Upsert(PODS, c)) == []  # a replayed ADDED of an identical object: no change
+    assert store.changes(Upsert(PODS, a)) == [(None, a)]
+    assert store.changes(Upsert(PODS, b)) == [(None, b)]
+    assert store.changes(Upsert(PODS, c)) == [(None, c)]
+    assert store.changes(Upsert(PODS, c)) == []  # a replayed ADDED of an identical object: no change
     b2 = pod("b", labels={"app": "y2"})
     d = pod("d", labels={"app": "w"})
     # After a gap: a vanished, b changed, c failed to decode (kept), d is new.
-    changes = store.apply(Replace(PODS, [b2, d], keep=frozenset({"c"})))
+    changes = store.changes(Replace(PODS, [b2, d], keep=frozenset({"c"})))
     assert changes == [(a, None), (b, b2), (None, d)]
     assert store.objects == {"b": b2, "c": c, "d": d}
-    assert store.apply(Delete(PODS, "d")) == [(d, None)]
-    assert store.apply(Delete(PODS, "unknown")) == []
-    assert store.apply(Replace(PODS, [b2, c])) == []  # nothing changed: no changes
+    assert store.changes(Delete(PODS, "d")) == [(d, None)]
+    assert store.changes(Delete(PODS, "unknown")) == []
+    assert store.changes(Replace(PODS, [b2, c])) == []  # nothing changed: no changes
 
 
 async def test_a_failing_source_stops_the_operator() -> None:

@@ -14,9 +14,11 @@ Next stage: :class:`podmeter.model.store.Store` applies a delta and returns the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Generic, TypeVar
+
+import msgspec
 
 from podmeter.model.configuration import MetricsConfiguration
 from podmeter.model.records import Namespace, Pod
@@ -42,26 +44,27 @@ NAMESPACES: Collection[Namespace] = Collection("namespaces", attrgetter("name"))
 CONFIGURATIONS: Collection[MetricsConfiguration] = Collection("metricsconfigurations", attrgetter("name"))
 
 
-@dataclass(frozen=True, slots=True)
-class Replace(Generic[R]):
+# Deltas are msgspec structs, not dataclasses: one is built per watch event, and a frozen struct is
+# built seven times faster than a frozen dataclass.
+
+
+class Replace(msgspec.Struct, Generic[R], frozen=True, gc=False):
     """A (re)list: the collection is exactly ``items``, except objects under ``keep`` that failed to decode
     (their last good state must stay, so they are neither replaced nor deleted)."""
 
     collection: Collection[R]
     items: Sequence[R]
-    keep: frozenset[str] = field(default_factory=frozenset)
+    keep: frozenset[str] = frozenset()
 
 
-@dataclass(frozen=True, slots=True)
-class Upsert(Generic[R]):
+class Upsert(msgspec.Struct, Generic[R], frozen=True, gc=False):
     """One object was added or changed."""
 
     collection: Collection[R]
     item: R
 
 
-@dataclass(frozen=True, slots=True)
-class Delete(Generic[R]):
+class Delete(msgspec.Struct, Generic[R], frozen=True, gc=False):
     """The object with ``key`` is gone (``last`` is its final state when it could be decoded)."""
 
     collection: Collection[R]

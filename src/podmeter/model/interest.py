@@ -18,14 +18,11 @@ from podmeter.model.configuration import Interest
 from podmeter.model.records import TERMINAL_PHASES, Namespace, Pod
 
 
-def eligible(pod: Pod, node_name: str | None) -> bool:
+def observed(pod: Pod, namespace: Namespace | None, interest: Interest, node_name: str | None) -> bool:
+    # eligible (see the module docstring)
     if pod.host_network or not pod.ips or pod.phase in TERMINAL_PHASES:
         return False
-    return node_name is None or pod.node_name == node_name
-
-
-def observed(pod: Pod, namespace: Namespace | None, interest: Interest, node_name: str | None) -> bool:
-    if not eligible(pod, node_name):
+    if node_name is not None and pod.node_name != node_name:
         return False
     ns = pod.namespace
     if ns in interest.exclude:

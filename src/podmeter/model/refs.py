@@ -11,7 +11,7 @@ writer; ``model.identity``: dirty keys for the identity reconciler).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, KeysView
 from typing import Generic, TypeVar
 
 from podmeter.model.compaction import PeakTracker
@@ -47,6 +47,10 @@ class Refs(Generic[K]):
 
     def __iter__(self) -> Iterator[K]:
         return iter(self._held)
+
+    def keys(self) -> KeysView[K]:
+        """The held keys, as a live view (set operations and ``in`` at C speed, for scans)."""
+        return self._held.keys()
 
     def holders(self, key: K) -> tuple[str, ...]:
         held = self._held.get(key)

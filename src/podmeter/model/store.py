@@ -1,8 +1,8 @@
 """A store of one collection, mirroring the API server: the level every derived state is computed from.
 
 client-go's ``tools/cache`` store, for slim records: a reflector's deltas go in (:meth:`Store.apply`), the
-changes they made come out, as ``(old, new)`` pairs (``None`` on the side where the object did not
-exist). The relist diff (:class:`~podmeter.model.deltas.Replace`) is written here once, for the agent's
+changes they made come out, as calls ``changed(old, new)`` (``None`` on the side where the object did not
+exist) or as a list of such pairs (:meth:`Store.changes`). The relist diff (:class:`~podmeter.model.deltas.Replace`) is written here once, for the agent's
 view and the operator's pod store alike.
 
 Next stage: the owner of the store derives its state from the changes (``model.view`` for the agent's
@@ -11,7 +11,7 @@ desired filter, ``runtime.operator`` for identity references).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 from podmeter.model.compaction import PeakTracker
@@ -21,6 +21,11 @@ R = TypeVar("R")
 
 # One change: the object before and after (None where it did not exist).
 Change = tuple[R | None, R | None]
+Changed = Callable[[R | None, R | None], None]
+
+
+def _ignore(old: object, new: object) -> None:
+    return None
 
 
 class Store(Generic[R]):
@@ -38,6 +43,7 @@ class Store(Generic[R]):
     def __init__(self, collection: Collection[R]) -> None:
         self.collection = collection
         self.objects: dict[str, R] = {}
+        self._key = collection.key
         self._peak = PeakTracker()
 
     def __len__(self) -> int:
@@ -49,38 +55,45 @@ class Store(Generic[R]):
     def get(self, key: str) -> R | None:
         return self.objects.get(key)
 
-    def apply(self, delta: Delta[R]) -> list[Change[R]]:
-        """Apply one delta of this store's collection; the changes it made, in order."""
-        if isinstance(delta, Upsert):
-            change = self.upsert(delta.item)
-            return [change] if change is not None else []
+    def apply(self, delta: Delta[R], changed: Changed[R] = _ignore) -> int:
+        """Apply one delta of this store's collection; ``changed(old, new)`` is called for each change it
+        made, in order (the hot path: no list of changes is built); returns how many there were."""
+        if isinstance(delta, Upsert):  # the hot path: every watch event
+            return self.upsert(delta.item, changed)
         if isinstance(delta, Delete):
-            gone = self.delete(delta.key)
-            return [gone] if gone is not None else []
-        return self.replace(delta)
+            return self.delete(delta.key, changed)
+        return self.replace(delta, changed)
 
-    def upsert(self, item: R) -> Change[R] | None:
-        key = self.collection.key(item)
-        old = self.objects.get(key)
+    def changes(self, delta: Delta[R]) -> list[Change[R]]:
+        """:meth:`apply`, returning the changes as ``(old, new)`` pairs."""
+        out: list[Change[R]] = []
+        self.apply(delta, lambda old, new: out.append((old, new)))
+        return out
+
+    def upsert(self, item: R, changed: Changed[R] = _ignore) -> int:
+        key = self._key(item)
+        objects = self.objects
+        old = objects.get(key)
         if old == item:
-            return None
-        self.objects[key] = item
-        self._peak.grew_to(len(self.objects))
-        return old, item
+            return 0
+        objects[key] = item
+        self._peak.peak = max(self._peak.peak, len(objects))
+        changed(old, item)
+        return 1
 
-    def delete(self, key: str) -> Change[R] | None:
+    def delete(self, key: str, changed: Changed[R] = _ignore) -> int:
         old = self.objects.pop(key, None)
         if old is None:
-            return None
+            return 0
         if self._peak.should_rebuild(len(self.objects)):
             self.objects = dict(self.objects)
-        return old, None
+        changed(old, None)
+        return 1
 
-    def replace(self, delta: Replace[R]) -> list[Change[R]]:
+    def replace(self, delta: Replace[R], changed: Changed[R] = _ignore) -> int:
         """A relist as a diff: deletes for what vanished (unless kept), then upserts for the listed."""
-        key = self.collection.key
+        key = self._key
         listed = {key(item): item for item in delta.items}
         vanished = [k for k in self.objects if k not in listed and k not in delta.keep]
-        changes = [change for k in vanished if (change := self.delete(k)) is not None]
-        changes.extend(change for item in listed.values() if (change := self.upsert(item)) is not None)
-        return changes
+        count = sum(self.delete(k, changed) for k in vanished)
+        return count + sum(self.upsert(item, changed) for item in listed.values())

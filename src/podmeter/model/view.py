@@ -16,8 +16,7 @@ Next stage: the writer (``runtime.writer``) pushes the desired filter's crossing
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from podmeter.model.configuration import DEFAULT_NAME, NO_CONFIGURATION, Interest, MetricsConfiguration
 from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Collection, Delta
@@ -26,24 +25,8 @@ from podmeter.model.interest import observed
 from podmeter.model.records import Namespace, Pod
 from podmeter.model.store import Store
 
-R = TypeVar("R")
-
 # A delta of any collection the view stores.
 ViewDelta = Delta[Pod] | Delta[Namespace] | Delta[MetricsConfiguration]
-
-
-@dataclass(frozen=True, slots=True)
-class _Route(Generic[R]):
-    """Where a collection's deltas go: its store, then the handler of each change it reports."""
-
-    store: Store[R]
-    changed: Callable[[R | None, R | None], None]
-
-    def apply(self, delta: Delta[R]) -> int:
-        changes = self.store.apply(delta)
-        for old, new in changes:
-            self.changed(old, new)
-        return len(changes)
 
 
 class NodeView:
@@ -66,15 +49,17 @@ class NodeView:
         self.configuration_store: Store[MetricsConfiguration] = Store(CONFIGURATIONS)
         self.interest: Interest = NO_CONFIGURATION
         self.desired = DesiredFilter(track_moves)
-        self._routes: dict[Collection[Any], _Route[Any]] = {
-            PODS: _Route(self.pod_store, self._pod_changed),
-            NAMESPACES: _Route(self.namespace_store, self._namespace_changed),
-            CONFIGURATIONS: _Route(self.configuration_store, self._configuration_changed),
+        # Each collection's store, with the handler of the changes it reports.
+        self._routes: dict[Collection[Any], tuple[Store[Any], Callable[[Any, Any], None]]] = {
+            PODS: (self.pod_store, self._pod_changed),
+            NAMESPACES: (self.namespace_store, self._namespace_changed),
+            CONFIGURATIONS: (self.configuration_store, self._configuration_changed),
         }
 
     def apply(self, delta: ViewDelta) -> int:
         """Apply one delta to its collection's store and the desired filter; how many objects changed."""
-        return self._routes[delta.collection].apply(delta)
+        store, changed = self._routes[delta.collection]
+        return store.apply(delta, changed)
 
     # --- what the stores hold (read-only views) ------------------------------------------------
 
@@ -94,7 +79,7 @@ class NodeView:
     # --- derived state ------------------------------------------------------------------------
 
     def is_observed(self, pod: Pod) -> bool:
-        return observed(pod, self.namespaces.get(pod.namespace), self.interest, self.node_name)
+        return observed(pod, self.namespace_store.objects.get(pod.namespace), self.interest, self.node_name)
 
     def recompute(self) -> dict[str, frozenset[str]]:
         """The desired filter computed from scratch: IP -> UIDs of the observed pods holding it."""
@@ -118,10 +103,15 @@ class NodeView:
     # --- how each change moves the desired filter ---------------------------------------------
 
     def _pod_changed(self, old: Pod | None, new: Pod | None) -> None:
-        held = old.ips if old is not None and self.is_observed(old) else ()
-        holds = new.ips if new is not None and self.is_observed(new) else ()
-        uid = new.uid if new is not None else old.uid if old is not None else ""
-        self.desired.move(uid, held, holds)
+        namespaces, interest, node = self.namespace_store.objects, self.interest, self.node_name
+        held: tuple[str, ...] = ()
+        holds: tuple[str, ...] = ()
+        if old is not None and observed(old, namespaces.get(old.namespace), interest, node):
+            held = old.ips
+        if new is not None and observed(new, namespaces.get(new.namespace), interest, node):
+            holds = new.ips
+        if held or holds:
+            self.desired.move(new.uid if new is not None else old.uid if old is not None else "", held, holds)
 
     def _namespace_changed(self, old: Namespace | None, new: Namespace | None) -> None:
         if old is not None and new is not None and old.observe == new.observe:

@@ -89,7 +89,7 @@ class ReflectorPodSource:
         try:
             while True:
                 delta = await self._deltas.get()
-                for change in self.store.apply(delta):
+                for change in self.store.changes(delta):
                     yield change
                 if isinstance(delta, Replace):
                     yield None

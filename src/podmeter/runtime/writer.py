@@ -98,9 +98,14 @@ class Writer:
         self.stats.resyncs += 1
         self._delete(self._sort_dirty())  # inserts wait until we know what is there (a restart adopts)
         actual = self.datapath.contents()
-        desired = self.desired
+        desired = self.desired.ips()
         leaked = tuple(sorted(ip for ip in actual if ip not in desired))
-        missing = tuple(sorted(ip for ip in self.installed if ip not in actual))
+        absent = [ip for ip in self.installed if ip not in actual]
+        missing = tuple(sorted(ip for ip in absent if ip in desired))
+        # Undesired entries whose delete failed and that are gone anyway: the goal is reached (their
+        # counters are still taken, so no orphan counter entry keeps counting).
+        self._forget([ip for ip in absent if ip not in desired])
+        self.retry_deletes = {ip: None for ip in self.retry_deletes if ip in actual}
         adopted = {ip for ip in actual if ip in desired and ip not in self.installed}
         self.installed = (self.installed - set(missing)) | adopted
         self.pending = dict.fromkeys(missing) | {ip: None for ip in self.pending if ip not in adopted}
@@ -116,10 +121,11 @@ class Writer:
 
     def _sort_dirty(self) -> list[str]:
         """Route each crossed IP: to delete if installed and undesired, to pending if desired and absent."""
-        to_delete = list(self.retry_deletes)
+        desired = self.desired.ips()
+        # A delete that failed is retried only if the IP is still undesired (it may be wanted again).
+        to_delete = [ip for ip in self.retry_deletes if ip not in desired]
         self.retry_deletes = {}
-        desired = self.desired
-        for ip in desired.take_dirty():
+        for ip in self.desired.take_dirty():
             if ip in desired:
                 if ip not in self.installed:
                     self.pending[ip] = None
