@@ -2,8 +2,9 @@
 
 client-go's ``tools/cache`` store, for slim records: a reflector's deltas go in (:meth:`Store.apply`), the
 changes they made come out, as calls ``changed(old, new)`` (``None`` on the side where the object did not
-exist) or as a list of such pairs (:meth:`Store.changes`). The relist diff (:class:`~podmeter.model.deltas.Replace`) is written here once, for the agent's
-view and the operator's pod store alike.
+exist) or as a list of such pairs (:meth:`Store.changes`). The relist diff
+(:class:`~podmeter.model.deltas.Replace`) is written here once, for the agent's view and the operator's
+pod store alike.
 
 Next stage: the owner of the store derives its state from the changes (``model.view`` for the agent's
 desired filter, ``runtime.operator`` for identity references).
