@@ -5,7 +5,7 @@ ARCH := $(shell uname -m)
 BPF_SRC := $(wildcard bpf/*.bpf.c)
 BPF_OBJ := $(patsubst bpf/%.bpf.c,src/podmeter/bpf/%.bpf.o,$(BPF_SRC))
 
-.PHONY: setup test lint lab demo bench bpf clean
+.PHONY: setup test test-fast lint lab demo bench bpf clean
 
 setup:
 	@scripts/setup.sh
@@ -23,6 +23,16 @@ lint: setup
 
 test: lint
 	$(VENV)/bin/pytest -q
+
+# The fast tier: model, property, decoder and reflector-rule tests, in seconds, without root. It starts no
+# process: with PODMETER_FAST_TESTS=1, tests/conftest.py makes every subprocess/fork fail the test.
+FAST_TESTS := tests/test_records.py tests/test_core_properties.py tests/test_core_prior_art.py \
+	tests/test_identity_model.py tests/test_traffic_ledger.py tests/test_operator_properties.py \
+	tests/test_apiserver_units.py tests/test_lab_scenario.py tests/test_reflector_rules.py
+FAST_DESELECT := tests/test_lab_scenario.py::test_podmeter_lab_refuses_a_bad_file_before_starting_anything
+
+test-fast: setup
+	PODMETER_FAST_TESTS=1 $(VENV)/bin/pytest -q --timeout=60 $(FAST_TESTS) $(addprefix --deselect ,$(FAST_DESELECT))
 
 lab: setup
 	$(VENV)/bin/podmeter lab

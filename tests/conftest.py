@@ -1,8 +1,51 @@
+import _posixsubprocess
+import asyncio
+import os
+import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Fixtures shared by many test files: the lab API server (in-process and as a subprocess), and the
 # kernel tests' pin directories and netns topologies.
 pytest_plugins = ["lab_server", "test_bpf_support"]
+
+
+class ProcessInFastTests(RuntimeError):
+    """A test of the fast tier (``make test-fast``) tried to start a process. Not an OSError, on purpose:
+    code that skips when a binary is missing (``except OSError``) must not swallow it."""
+
+
+@pytest.fixture(autouse=True)
+def _no_processes_in_fast_tests(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """With PODMETER_FAST_TESTS=1 (``make test-fast``), every way of starting a process raises
+    :class:`ProcessInFastTests`, and the test fails even if it caught that. Otherwise does nothing."""
+    if os.environ.get("PODMETER_FAST_TESTS") != "1":
+        yield
+        return
+    attempts: list[str] = []
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def spawn(*args: Any, **kwargs: Any) -> Any:
+            attempts.append(name)
+            raise ProcessInFastTests(f"{name}: the fast tier (PODMETER_FAST_TESTS=1) starts no process; "
+                                     "move this test out of make test-fast")
+        return spawn
+
+    # Popen covers subprocess.run/check_output, os.popen and asyncio's subprocesses (all go through it).
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse("subprocess.Popen"))
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse("_posixsubprocess.fork_exec"))  # multiprocessing
+    for name in ("create_subprocess_exec", "create_subprocess_shell"):
+        monkeypatch.setattr(asyncio, name, refuse(f"asyncio.{name}"))
+        monkeypatch.setattr(asyncio.subprocess, name, refuse(f"asyncio.{name}"))
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):  # os.spawn* use os.fork
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, refuse(f"os.{name}"))
+    yield
+    if attempts:
+        pytest.fail(f"started a process in the fast tier: {', '.join(attempts)}", pytrace=False)
