@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from factories import make_pod
 from podmeter.model.datapath import Direction, Traffic
-from podmeter.model.traffic import TrafficLedger, workload_of
+from podmeter.model.traffic import TrafficLedger
+from podmeter.model.workloads import workload_of
 
 IN, OUT = Direction.INGRESS, Direction.EGRESS
 
@@ -89,6 +90,14 @@ def test_workload_of_a_deployment_pod() -> None:
     assert workload_of(pod) == ("Deployment", "web")
     job = msgspec.structs.replace(pod, owner_kind="Job", owner_name="backup-1")
     assert workload_of(job) == ("Job", "backup-1")
+    cron_run = msgspec.structs.replace(pod, owner_kind="Job", owner_name="backup-29300160")
+    assert workload_of(cron_run) == ("CronJob", "backup")
+    for kind in ("StatefulSet", "DaemonSet"):
+        assert workload_of(msgspec.structs.replace(pod, owner_kind=kind, owner_name="db")) == (kind, "db")
+    orphan_rs = msgspec.structs.replace(pod, owner_kind="ReplicaSet", owner_name="other-abc")
+    assert workload_of(orphan_rs) == ("ReplicaSet", "other-abc")
+    bare = msgspec.structs.replace(pod, owner_kind="", owner_name="")
+    assert workload_of(bare) == ("Pod", "web-5d9f7-x")
 
 
 IPS = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]

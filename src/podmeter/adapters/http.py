@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import ipaddress
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -21,10 +21,15 @@ DebugView = Callable[[], Any | Awaitable[Any]]
 DebugViews = dict[str, DebugView]
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
 def build_app(registry: CollectorRegistry, ready: Callable[[], bool], debug: DebugViews,
-              debug_remote: bool = False, expositions: Sequence[Callable[[], bytes]] = ()) -> web.Application:
+              debug_remote: bool = False, expositions: Sequence[Callable[[], bytes]] = (),
+              *, debug_streams: Mapping[str, Handler] | None = None) -> web.Application:
     """``expositions`` render extra series in the text format themselves (the per-pod traffic: too many
-    samples to build prometheus_client objects for on every scrape)."""
+    samples to build prometheus_client objects for on every scrape). ``debug_streams`` are handlers of
+    their own under ``/debug/`` (the flow stream), behind the same access rule as the debug views."""
     app = web.Application()
 
     async def metrics(_: web.Request) -> web.Response:
@@ -43,14 +48,14 @@ def build_app(registry: CollectorRegistry, ready: Callable[[], bool], debug: Deb
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     for path, view in debug.items():
-        app.router.add_get(path, _debug_handler(view, debug_remote))
+        app.router.add_get(path, _guarded(_json_view(view), debug_remote))
+    for path, handler in (debug_streams or {}).items():
+        app.router.add_get(path, _guarded(handler, debug_remote))
     return app
 
 
-def _debug_handler(view: DebugView, debug_remote: bool) -> Callable[[web.Request], Any]:
-    async def handler(request: web.Request) -> web.Response:
-        if not debug_remote and not _is_loopback(request.remote):
-            return web.Response(status=403, text="debug endpoints answer on loopback only (--debug-remote)\n")
+def _json_view(view: DebugView) -> Handler:
+    async def handler(_: web.Request) -> web.StreamResponse:
         body = view()
         if inspect.isawaitable(body):
             body = await body
@@ -58,6 +63,17 @@ def _debug_handler(view: DebugView, debug_remote: bool) -> Callable[[web.Request
                             content_type="application/json")
 
     return handler
+
+
+def _guarded(handler: Handler, debug_remote: bool) -> Handler:
+    """The one access rule of ``/debug/*``: loopback clients only, unless ``debug_remote``."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        if not debug_remote and not _is_loopback(request.remote):
+            return web.Response(status=403, text="debug endpoints answer on loopback only (--debug-remote)\n")
+        return await handler(request)
+
+    return guarded
 
 
 def _is_loopback(remote: str | None) -> bool:

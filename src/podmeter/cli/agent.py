@@ -10,12 +10,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
+from podmeter.adapters.flow_http import flows_handler
 from podmeter.adapters.http import build_app, parse_listen, serve
 from podmeter.adapters.kube.connection import ConnectionConfigError, load_connection
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
+from podmeter.adapters.metrics.flow_traffic import render_workload_flows
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.runtime.agent import Agent, AgentSettings
-from podmeter.runtime.datapaths import open_datapath
+from podmeter.runtime.datapaths import OpenDatapath, open_datapath
 from podmeter.runtime.logs import setup_logging
 
 log = logging.getLogger("podmeter.agent")
@@ -44,6 +46,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--series-grace", type=_positive_float, default=30.0,
                    help="seconds a pod's traffic series stays after the pod stops being observed or is deleted, "
                         "so the last scrape sees its final value (default 30: two 15 s scrapes)")
+    p.add_argument("--flow-map-size", type=_positive, default=65536,
+                   help="max_entries of the kernel flow map: distinct flows between two drains (default 65536)")
+    p.add_argument("--flow-interval", type=_positive_float, default=5.0,
+                   help="seconds between two drains of the kernel flow map (default 5)")
+    p.add_argument("--flow-buffer", type=_positive, default=8192,
+                   help="recent flow records kept for `podmeter observe` (default 8192)")
+    p.add_argument("--flow-series-limit", type=_positive, default=2000,
+                   help="workload pairs with a flow series of their own; beyond, one overflow series "
+                        "(default 2000)")
     p.add_argument("--retina-compat", action="store_true",
                    help="also export per-pod traffic as networkobservability_adv_forward_bytes/_count")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
@@ -74,27 +85,31 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     try:
-        opened = open_datapath(args.datapath, args.bpffs, args.filter_map_size, tuple(args.interface))
+        opened = open_datapath(args.datapath, args.bpffs, args.filter_map_size, tuple(args.interface),
+                               flow_map_size=args.flow_map_size)
     except Exception as exc:  # setup errors carry an actionable message; refuse to run half-blind
         log.error("cannot open the %s datapath: %s", args.datapath, exc)
         return 1
     try:
-        return asyncio.run(_serve(args, connection, opened.datapath))
+        return asyncio.run(_serve(args, connection, opened))
     finally:
         opened.close()
 
 
-async def _serve(args: argparse.Namespace, connection: Any, datapath: Any) -> int:
+async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath) -> int:
     settings = AgentSettings(node_name=args.node_name, resync_interval=args.resync_interval,
-                             series_grace=args.series_grace)
-    agent = Agent(settings, connection, datapath)
+                             series_grace=args.series_grace, flow_interval=args.flow_interval,
+                             flow_buffer=args.flow_buffer, flow_series_limit=args.flow_series_limit)
+    datapath = opened.datapath
+    agent = Agent(settings, connection, datapath, opened.flows)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     registry.register(AgentStateCollector(agent.snapshot))
     traffic = PodTrafficExposition(agent.ledger, datapath.read_counters, args.retina_compat)
     app = build_app(registry, agent.ready.is_set, {"/debug/state": agent.debug_state}, args.debug_remote,
-                    [traffic.render])
+                    [traffic.render, lambda: render_workload_flows(agent.workload_flows)],
+                    debug_streams={"/debug/flows": flows_handler(agent.flow_feed)})
     runner, port = await serve(app, args.listen)
     log.info("agent for node %s: API server %s (%s), HTTP on port %d", args.node_name, connection.server,
              connection.source, port)

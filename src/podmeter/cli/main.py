@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 # Subcommand modules; each defines ``register(subparsers) -> None`` and sets ``func`` on its parser.
-COMMANDS = ("agent", "operator", "apiserver", "node", "lab", "inspect", "doctor", "demo")
+COMMANDS = ("agent", "operator", "observe", "apiserver", "node", "lab", "inspect", "doctor", "demo")
 # The lab's commands: they import podmeter.lab, which is only usable with the `lab` extra installed
 # (and is not in the image at all). The product's commands never import it (tests/test_packaging.py).
 LAB_COMMANDS = frozenset({"apiserver", "node", "lab"})

@@ -38,3 +38,9 @@ def holds_identity(pod: Pod) -> bool:
     """Whether a pod has an endpoint of its own, so an identity: not host-network, not finished. (Unlike
     the filter, a pod without an IP yet holds one: its identity is ready when the IP comes.)"""
     return not pod.host_network and pod.phase not in TERMINAL_PHASES
+
+
+def holds_address(pod: Pod) -> bool:
+    """Whether the pod's IPs name it (a flow end): it has IPs of its own (not host-network) and runs
+    (a finished pod's IP may already belong to another pod)."""
+    return bool(pod.ips) and not pod.host_network and pod.phase not in TERMINAL_PHASES

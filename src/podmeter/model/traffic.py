@@ -15,13 +15,13 @@ the writer task and reads :meth:`TrafficLedger.series_values` at scrape time, on
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from podmeter.model.compaction import PeakTracker
 from podmeter.model.datapath import Direction, Traffic
 from podmeter.model.records import Pod
+from podmeter.model.workloads import workload_of
 
 Counters = Mapping[tuple[str, Direction], Traffic]
 ZERO = Traffic()
@@ -157,14 +157,3 @@ def _since(now_value: Traffic, base: Traffic) -> Traffic:
     if now_value.packets < base.packets or now_value.bytes < base.bytes:
         return now_value
     return Traffic(now_value.packets - base.packets, now_value.bytes - base.bytes)
-
-
-def workload_of(pod: Pod) -> tuple[str, str]:
-    """The workload a pod belongs to: a ReplicaSet made by a Deployment is reported as the Deployment."""
-    kind, name = pod.owner_kind, pod.owner_name
-    if kind == "ReplicaSet":
-        labels = pod.label_dict()
-        suffix = "-" + labels.get("pod-template-hash", "\0")
-        if name.endswith(suffix):
-            return "Deployment", sys.intern(name[: -len(suffix)])
-    return kind, name

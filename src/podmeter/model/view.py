@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from podmeter.model.configuration import DEFAULT_NAME, NO_CONFIGURATION, Interest, MetricsConfiguration
-from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Collection, Delta
+from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Collection, Delete, Delta, Replace
 from podmeter.model.desired import DesiredFilter
-from podmeter.model.interest import observed
+from podmeter.model.interest import holds_address, observed
 from podmeter.model.records import Namespace, Pod
 from podmeter.model.store import Store
 
@@ -80,6 +80,24 @@ class NodeView:
 
     def is_observed(self, pod: Pod) -> bool:
         return observed(pod, self.namespace_store.objects.get(pod.namespace), self.interest, self.node_name)
+
+    def renames(self, delta: ViewDelta) -> bool:
+        """Whether ``delta`` would change who holds an address (a pod gets, loses or changes IPs, or
+        stops running): flows counted before it must be named with the view as it is now."""
+        if delta.collection is not PODS:
+            return False
+        if isinstance(delta, Replace):
+            return True
+        stored = self.pod_store.objects
+        if isinstance(delta, Delete):
+            old = stored.get(delta.key)
+            return old is not None and holds_address(old)
+        new = delta.item
+        if not isinstance(new, Pod):  # cannot be, for a delta of PODS (narrows the type)
+            return False
+        old = stored.get(new.uid)
+        before = old.ips if old is not None and holds_address(old) else ()
+        return before != (new.ips if holds_address(new) else ())
 
     def recompute(self) -> dict[str, frozenset[str]]:
         """The desired filter computed from scratch: IP -> UIDs of the observed pods holding it."""

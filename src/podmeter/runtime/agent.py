@@ -29,12 +29,16 @@ from podmeter.adapters.kube.connection import Connection
 from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
 from podmeter.adapters.kube.resources import METRICS_CONFIGURATIONS, NAMESPACES, PODS, ResourceKind
 from podmeter.adapters.kube.transport import Transport
-from podmeter.adapters.metrics.agent_state import AgentSnapshot
+from podmeter.adapters.metrics.agent_state import AgentSnapshot, FlowSnapshot
 from podmeter.model.configuration import MetricsConfiguration
 from podmeter.model.datapath import Datapath
 from podmeter.model.deltas import Collection, Replace
+from podmeter.model.flow_series import WorkloadFlows
+from podmeter.model.flows import FlowSource
 from podmeter.model.traffic import TrafficLedger
 from podmeter.model.view import NodeView, ViewDelta
+from podmeter.runtime.flow_drain import FlowDrainer
+from podmeter.runtime.flow_feed import FlowFeed
 from podmeter.runtime.ticks import Tick, every
 from podmeter.runtime.writer import Pushed, Writer
 
@@ -50,6 +54,10 @@ class AgentSettings:
     resync_interval: float = 60.0
     retry_interval: float = 1.0  # pause before retrying a flush the datapath refused
     series_grace: float = 30.0  # a pod's traffic series outlives its observation by this much (2 scrapes)
+    flow_interval: float = 5.0  # seconds between two drains of the datapath's flows
+    flow_buffer: int = 8192  # recent flow records kept for `podmeter observe`
+    flow_series_limit: int = 2000  # workload pairs with a series of their own (then: the overflow series)
+    flow_series_idle: float = 300.0  # a workload pair's series goes after this long without traffic
     reflector: Callable[[ResourceKind[Any]], ReflectorSettings] = field(
         default=lambda kind: ReflectorSettings()
     )
@@ -61,13 +69,18 @@ Item = ViewDelta | Tick
 class Agent:
     """The running agent. Invariant: only :meth:`_write_loop` mutates ``writer`` (and so the datapath)."""
 
-    def __init__(self, settings: AgentSettings, connection: Connection, datapath: Datapath) -> None:
+    def __init__(self, settings: AgentSettings, connection: Connection, datapath: Datapath,
+                 flows: FlowSource | None = None) -> None:
         self.settings = settings
         self.connection = connection
         self.datapath = datapath
         self.view = NodeView(settings.node_name, track_moves=True)
         self.writer = Writer(self.view.desired, datapath)
         self.ledger = TrafficLedger(settings.series_grace)
+        self.flow_feed = FlowFeed(settings.flow_buffer)
+        self.workload_flows = WorkloadFlows(settings.node_name, settings.flow_series_limit,
+                                            settings.flow_series_idle)
+        self.flows = FlowDrainer(flows, settings.node_name, self.flow_feed, self.workload_flows) if flows else None
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=10_000)
         self.synced: set[Collection[Any]] = set()
         self.ready = asyncio.Event()
@@ -92,6 +105,9 @@ class Agent:
             every(self.settings.resync_interval, self.queue, Tick.RESYNC), name="resync-timer"))
         self._tasks.append(asyncio.create_task(
             every(max(0.2, self.settings.series_grace / 4), self.queue, Tick.EXPIRE), name="expire-timer"))
+        if self.flows is not None:
+            self._tasks.append(asyncio.create_task(
+                every(self.settings.flow_interval, self.queue, Tick.DRAIN), name="flow-drain-timer"))
 
     async def stop(self) -> None:
         """Stop watching, push what is queued, leave the datapath's pinned state in place."""
@@ -119,6 +135,9 @@ class Agent:
         """Apply queued items, then push the result to the datapath. Only the writer task calls this
         (tests and benchmarks drive it directly, without reflectors)."""
         interest = self.view.interest
+        if self.flows is not None and self.ready.is_set() and any(
+                not isinstance(item, Tick) and self.view.renames(item) for item in items):
+            self.flows.drain(self.view.pods.values())  # named as the view is, before anyone changes hands
         for item in items:
             self._apply(item)
         if self.view.interest != interest:
@@ -138,6 +157,10 @@ class Agent:
             self._retry_scheduled = False
         elif item is Tick.EXPIRE:
             self.ledger.expire(time.monotonic())
+            self.workload_flows.expire(time.monotonic())
+        elif item is Tick.DRAIN:
+            if self.flows is not None and self.ready.is_set():
+                self.flows.drain(self.view.pods.values())
         elif not isinstance(item, Tick):
             self.view.apply(item)
             if isinstance(item, Replace):
@@ -205,6 +228,19 @@ class Agent:
             decode_errors=decode_errors,
             resyncs=stats.resyncs,
             ready=self.ready.is_set(),
+            flows=self._flow_snapshot(),
+        )
+
+    def _flow_snapshot(self) -> FlowSnapshot | None:
+        if self.flows is None:
+            return None
+        d, feed = self.flows.stats, self.flow_feed
+        return FlowSnapshot(
+            lost_packets=self.flows.source.flows_lost(), capacity=self.flows.source.flow_capacity,
+            drains=d.drains, drain_errors=d.errors, entries=d.entries, last_drain_entries=d.last_entries,
+            last_drain_seconds=d.last_seconds, series=len(self.workload_flows.pairs),
+            series_folded=self.workload_flows.folded, followers=feed.followers,
+            followers_cut_off=feed.slow_followers, buffer_dropped=feed.ring.dropped,
         )
 
     def debug_state(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.datapath import Datapath
+from podmeter.model.flows import FlowSource
 
 log = logging.getLogger("podmeter.datapath")
 
@@ -17,6 +18,7 @@ class OpenDatapath:
     """A datapath with whatever it needs closed at shutdown (attach manager, descriptors)."""
 
     datapath: Datapath
+    flows: FlowSource | None = None  # the same object when the datapath aggregates flows
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -28,15 +30,16 @@ class OpenDatapath:
 
 
 def open_datapath(kind: str, bpffs: str, filter_map_size: int, interfaces: tuple[str, ...] = (),
-                  patterns: tuple[str, ...] | None = None) -> OpenDatapath:
+                  patterns: tuple[str, ...] | None = None, *, flow_map_size: int = 65536) -> OpenDatapath:
     """Open the datapath; raises with an actionable message (the agent refuses to start half-blind)."""
     if kind == "memory":
-        return OpenDatapath(MemoryDatapath(filter_map_size))
+        memory = MemoryDatapath(filter_map_size, flow_capacity=flow_map_size)
+        return OpenDatapath(memory, memory)
     if kind != "ebpf":
         raise ValueError(f"--datapath must be ebpf or memory, not {kind!r}")
     from podmeter.adapters.datapath.ebpf import AttachManager, EbpfDatapath, InterfaceRule
 
-    datapath = EbpfDatapath.open(bpffs, filter_size=filter_map_size)
+    datapath = EbpfDatapath.open(bpffs, filter_size=filter_map_size, flow_size=flow_map_size)
     assert datapath.programs is not None, "EbpfDatapath.open loads the programs"
     rule = InterfaceRule(explicit=interfaces) if patterns is None else InterfaceRule(patterns, interfaces)
     manager = AttachManager(datapath.programs, rule=rule)
@@ -45,5 +48,6 @@ def open_datapath(kind: str, bpffs: str, filter_map_size: int, interfaces: tuple
     except BaseException:
         datapath.close()
         raise
-    log.info("eBPF datapath open: pins in %s, filter size %d", bpffs, datapath.capacity)
-    return OpenDatapath(datapath, [datapath.close, manager.stop])
+    log.info("eBPF datapath open: pins in %s, filter size %d, flow map size %d", bpffs, datapath.capacity,
+             flow_map_size)
+    return OpenDatapath(datapath, datapath, [datapath.close, manager.stop])

@@ -16,6 +16,7 @@ class Tick(enum.Enum):
     RESYNC = "resync"  # agent: compare the filter with what the kernel holds, repair drift
     RETRY = "retry"  # agent: try a flush the datapath refused again
     EXPIRE = "expire"  # agent: drop traffic series whose grace period is over
+    DRAIN = "drain"  # agent: drain the datapath's flows
     SWEEP = "sweep"  # operator: recompute identity references from the pod store
     SYNCED = "synced"  # operator: a (re)list was applied
     END = "end"  # operator: the pod source ended

@@ -11,17 +11,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from podmeter.model.datapath import BatchResult, DatapathError, Direction, FilterFull, Traffic
+from podmeter.model.flows import FlowCounts, FlowEntry, FlowKey
 
 
 class MemoryDatapath:
-    """Invariant: ``len(entries) <= capacity``; counters exist only for IPs that saw traffic."""
+    """Invariants: ``len(entries) <= capacity``; counters exist only for IPs that saw traffic; flow entries
+    exist only for flows with an observed end, at most ``flow_capacity`` of them between two drains."""
 
-    def __init__(self, capacity: int = 65536) -> None:
+    def __init__(self, capacity: int = 65536, flow_capacity: int = 65536) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self._capacity = capacity
+        self._flow_capacity = flow_capacity
         self.entries: set[str] = set()
         self.counters: dict[tuple[str, Direction], Traffic] = {}
+        self.flows: dict[FlowKey, FlowCounts] = {}
+        self.lost = 0
         self._faults: list[DatapathError] = []
         self.calls = 0  # batch operations performed, for tests that bound work
 
@@ -73,6 +78,35 @@ class MemoryDatapath:
         if ip in self.entries:
             key = (ip, direction)
             self.counters[key] = self.counters.get(key, Traffic()) + Traffic(packets, size)
+
+    # --- flows (podmeter.model.flows.FlowSource) ---
+
+    @property
+    def flow_capacity(self) -> int:
+        return self._flow_capacity
+
+    def record_flow(self, key: FlowKey, packets: int, size: int, now_ns: int, tcp_flags: int = 0) -> bool:
+        """Aggregate traffic as the kernel program would: only with an observed end, within capacity
+        (else the packets are counted as lost). True if recorded."""
+        if key.source not in self.entries and key.destination not in self.entries:
+            return False
+        old = self.flows.get(key)
+        if old is None:
+            if len(self.flows) >= self._flow_capacity:
+                self.lost += packets
+                return False
+            self.flows[key] = FlowCounts(packets, size, now_ns, now_ns, tcp_flags)
+        else:
+            self.flows[key] = FlowCounts(old.packets + packets, old.bytes + size, old.first_ns, now_ns,
+                                         old.tcp_flags | tcp_flags)
+        return True
+
+    def drain_flows(self) -> list[FlowEntry]:
+        drained, self.flows = list(self.flows.items()), {}
+        return drained
+
+    def flows_lost(self) -> int:
+        return self.lost
 
     def _insert_error(self, ip: str) -> DatapathError | None:
         if ip not in self.entries and len(self.entries) >= self._capacity:

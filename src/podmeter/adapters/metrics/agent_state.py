@@ -32,6 +32,25 @@ class AgentSnapshot:
     decode_errors: Mapping[str, int] = field(default_factory=dict)  # resource
     resyncs: int = 0
     ready: bool = False
+    flows: FlowSnapshot | None = None  # None: the datapath aggregates no flows
+
+
+@dataclass(frozen=True)
+class FlowSnapshot:
+    """The flow pipeline's numbers (docs/flows.md)."""
+
+    lost_packets: int = 0  # kernel: packets not aggregated, the flow map being full
+    capacity: int = 0
+    drains: int = 0
+    drain_errors: int = 0
+    entries: int = 0  # flow entries drained since the start
+    last_drain_entries: int = 0
+    last_drain_seconds: float = 0.0
+    series: int = 0
+    series_folded: int = 0  # records counted in the overflow series (the series limit was reached)
+    followers: int = 0
+    followers_cut_off: int = 0
+    buffer_dropped: int = 0  # records that fell out of the ring of recent flows
 
 
 class AgentStateCollector(Collector):
@@ -56,6 +75,28 @@ class AgentStateCollector(Collector):
                       by_one(s.drift_repaired))
         yield counter("podmeter_resyncs", "Periodic resyncs of the filter against the kernel.", value=s.resyncs)
         yield from watch_families(s.watch_events, s.relists, s.decode_errors, s.store_objects)
+        if s.flows is not None:
+            yield from flow_families(s.flows)
+
+
+def flow_families(f: FlowSnapshot) -> Iterator[Metric]:
+    yield counter("podmeter_flows_lost_packets", "Packets not aggregated because the kernel flow map was full.",
+                  value=f.lost_packets)
+    yield gauge("podmeter_flow_map_capacity", "max_entries of the kernel flow map.", f.capacity)
+    yield counter("podmeter_flow_drains", "Drains of the kernel flow map.", value=f.drains)
+    yield counter("podmeter_flow_drain_errors", "Drains of the kernel flow map that failed.", value=f.drain_errors)
+    yield counter("podmeter_flow_entries_drained", "Flow entries drained from the kernel.", value=f.entries)
+    yield gauge("podmeter_flow_last_drain_entries", "Entries the last drain took.", f.last_drain_entries)
+    yield gauge("podmeter_flow_last_drain_seconds", "How long the last drain took, naming included.",
+                f.last_drain_seconds)
+    yield gauge("podmeter_workload_flow_series", "Workload pairs with a series.", f.series)
+    yield counter("podmeter_workload_flow_series_folded", "Flow records counted in the overflow series.",
+                  value=f.series_folded)
+    yield gauge("podmeter_flow_followers", "Readers following the flows.", f.followers)
+    yield counter("podmeter_flow_followers_cut_off", "Followers cut off for falling behind.",
+                  value=f.followers_cut_off)
+    yield counter("podmeter_flow_buffer_dropped", "Flow records that fell out of the ring of recent flows.",
+                  value=f.buffer_dropped)
 
 
 def watch_families(events: Mapping[tuple[str, str], int], relists: Mapping[tuple[str, str], int],

@@ -1,0 +1,222 @@
+"""Flow records: drained kernel entries with both ends named, kept in a bounded ring, filtered for readers.
+
+:func:`name_flows` turns the entries of one drain into :class:`FlowRecord`\\ s with the address book of the
+moment their packets were counted (``model.endpoints``). A :class:`FlowRing` keeps the most recent
+records for ``podmeter observe`` (bounded: the oldest fall out, and how many did is counted), each with a
+sequence number so that a follower can ask for "everything after the last one I saw". A
+:class:`FlowFilter` says which records a reader wants.
+
+Next stage: ``model.flow_series`` adds the records up into per-workload-pair metrics; the agent streams
+them to readers (``adapters.flow_http``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from podmeter.model.endpoints import Endpoint, Names
+from podmeter.model.flows import ICMP, ICMPV6, FlowEntry, Observation, protocol_name, tcp_flag_names
+
+VERDICT_FORWARDED = "forwarded"
+_PORTLESS = frozenset({ICMP, ICMPV6})
+
+
+class FlowEnd(msgspec.Struct, frozen=True, gc=False):
+    """One end of a flow: its address and port, and the pod it was (None: ``world``)."""
+
+    ip: str
+    port: int
+    endpoint: Endpoint | None = None
+
+
+class FlowRecord(msgspec.Struct, frozen=True, gc=False):
+    """One drained flow entry, named. ``time`` and ``first`` are wall-clock seconds of the last and first
+    packet; for ICMP, ``source.port`` is the type and ``destination.port`` the code."""
+
+    time: float
+    first: float
+    node: str
+    source: FlowEnd
+    destination: FlowEnd
+    protocol: int
+    observation: Observation
+    packets: int
+    bytes: int
+    tcp_flags: int
+    verdict: str = VERDICT_FORWARDED
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as ``podmeter observe -o json`` prints it (a contract: see docs/flows.md)."""
+        portless = self.protocol in _PORTLESS
+        out: dict[str, Any] = {
+            "time": self.time,
+            "first": self.first,
+            "node": self.node,
+            "source": _end_json(self.source, portless),
+            "destination": _end_json(self.destination, portless),
+            "protocol": protocol_name(self.protocol),
+            "observation": self.observation.value,
+            "packets": self.packets,
+            "bytes": self.bytes,
+            "tcp_flags": tcp_flag_names(self.tcp_flags),
+            "verdict": self.verdict,
+        }
+        if portless:
+            out["icmp"] = {"type": self.source.port, "code": self.destination.port}
+        return out
+
+
+def _end_json(end: FlowEnd, portless: bool) -> dict[str, Any]:
+    e = end.endpoint
+    return {
+        "ip": end.ip,
+        "port": None if portless else end.port,
+        "namespace": e.namespace if e else None,
+        "pod": e.pod if e else None,
+        "workload": e.workload if e else None,
+        "workload_kind": e.workload_kind if e else None,
+        "node": e.node if e else None,
+        "identity": e.identity if e else None,
+        "world": e is None,
+    }
+
+
+def name_flows(entries: Iterable[FlowEntry], names: Names, node: str, wall_offset: float) -> list[FlowRecord]:
+    """Name both ends of each drained entry. ``wall_offset`` turns the kernel's monotonic nanoseconds into
+    wall-clock seconds (wall time minus monotonic time, taken at the drain). Endpoints are looked up once
+    per address per drain."""
+    seen: dict[str, Endpoint | None] = {}
+
+    def lookup(ip: str) -> Endpoint | None:
+        if ip in seen:
+            return seen[ip]
+        found = seen[ip] = names.endpoint(ip)
+        return found
+
+    out = []
+    for key, counts in entries:
+        out.append(FlowRecord(
+            time=counts.last_ns / 1e9 + wall_offset, first=counts.first_ns / 1e9 + wall_offset, node=node,
+            source=FlowEnd(key.source, key.source_port, lookup(key.source)),
+            destination=FlowEnd(key.destination, key.destination_port, lookup(key.destination)),
+            protocol=key.protocol, observation=key.observation, packets=counts.packets, bytes=counts.bytes,
+            tcp_flags=counts.tcp_flags,
+        ))
+    out.sort(key=lambda r: r.time)
+    return out
+
+
+# --- what a reader wants ----------------------------------------------------------------------------
+
+
+def _split_pod(text: str) -> tuple[str | None, str]:
+    """``ns/name`` -> (ns, name); ``name`` -> (None, name): any namespace."""
+    namespace, _, name = text.rpartition("/")
+    return (namespace or None, name) if _ else (None, text)
+
+
+def _end_matches(end: FlowEnd, pod: tuple[str | None, str]) -> bool:
+    e = end.endpoint
+    namespace, name = pod
+    return e is not None and e.pod == name and (namespace is None or e.namespace == namespace)
+
+
+def _workload_matches(end: FlowEnd, workload: tuple[str | None, str]) -> bool:
+    e = end.endpoint
+    namespace, name = workload
+    if e is None:
+        return name == "world" and namespace is None
+    return e.workload == name and (namespace is None or e.namespace == namespace)
+
+
+@dataclass(frozen=True)
+class FlowFilter:
+    """Which records a reader wants; every field set must match (AND), and a field names either end
+    unless it says ``from``/``to``. Pods and workloads are ``name`` (any namespace) or ``ns/name``;
+    ``world`` as a workload matches ends no pod holds. ``protocol`` is a name as records print it
+    (case-insensitive: ``tcp``, ``udp``, ``icmpv4``, ``icmpv6``; ``icmp`` means either ICMP)."""
+
+    namespace: str | None = None
+    pod: str | None = None
+    from_pod: str | None = None
+    to_pod: str | None = None
+    workload: str | None = None
+    protocol: str | None = None
+    port: int | None = None
+    since: float | None = None  # wall-clock seconds: records whose last packet is at or after this
+
+    def matches(self, record: FlowRecord) -> bool:
+        ends = (record.source, record.destination)
+        checks = (
+            self.since is None or record.time >= self.since,
+            self.namespace is None or any(e.endpoint is not None and e.endpoint.namespace == self.namespace
+                                          for e in ends),
+            self.pod is None or any(_end_matches(e, _split_pod(self.pod)) for e in ends),
+            self.from_pod is None or _end_matches(record.source, _split_pod(self.from_pod)),
+            self.to_pod is None or _end_matches(record.destination, _split_pod(self.to_pod)),
+            self.workload is None or any(_workload_matches(e, _split_pod(self.workload)) for e in ends),
+            self.protocol is None or _protocol_matches(record.protocol, self.protocol),
+            self.port is None or (record.protocol not in _PORTLESS and self.port in (e.port for e in ends)),
+        )
+        return all(checks)
+
+
+def _protocol_matches(protocol: int, wanted: str) -> bool:
+    name = protocol_name(protocol).lower()
+    wanted = wanted.lower()
+    return name == wanted or (wanted == "icmp" and protocol in _PORTLESS)
+
+
+# --- the ring of recent records ---------------------------------------------------------------------
+
+
+class FlowRing:
+    """The most recent ``capacity`` records, each with a sequence number (1, 2, ...).
+
+    Invariants: ``len(self) <= capacity``; sequence numbers are consecutive from ``first_seq`` to
+    ``last_seq``; ``dropped`` counts records that fell out (oldest first) to make room.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("the flow buffer holds at least one record")
+        self.capacity = capacity
+        self._records: deque[FlowRecord] = deque(maxlen=capacity)
+        self.last_seq = 0
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def first_seq(self) -> int:
+        return self.last_seq - len(self._records) + 1
+
+    def extend(self, records: Iterable[FlowRecord]) -> None:
+        for record in records:
+            if len(self._records) == self.capacity:
+                self.dropped += 1
+            self._records.append(record)
+            self.last_seq += 1
+
+    def after(self, seq: int) -> Iterator[tuple[int, FlowRecord]]:
+        """The records with a sequence number above ``seq`` still in the ring, oldest first."""
+        start = max(seq + 1, self.first_seq)
+        for offset in range(start - self.first_seq, len(self._records)):
+            yield self.first_seq + offset, self._records[offset]
+
+    def last(self, count: int, wanted: FlowFilter | None = None) -> list[FlowRecord]:
+        """The last ``count`` records that match ``wanted``, oldest first."""
+        found: list[FlowRecord] = []
+        for record in reversed(self._records):
+            if len(found) >= count:
+                break
+            if wanted is None or wanted.matches(record):
+                found.append(record)
+        found.reverse()
+        return found
