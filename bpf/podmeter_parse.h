@@ -5,6 +5,16 @@
  * VLAN tags (802.1Q / 802.1ad), and writes both as 16-byte addresses: IPv6 as is, IPv4 mapped as
  * ::ffff:a.b.c.d. Anything else (non-IP ethertypes, truncated headers, a version nibble that disagrees
  * with the ethertype, an IPv4 header length below 5 words) is "not parsed": the caller lets it pass.
+ *
+ * It also reads what a flow key needs from the transport header, in host byte order:
+ * - protocol: the IPv4 protocol field, or the IPv6 next header (an IPv6 extension header is not walked:
+ *   the flow then has protocol = that next header value, e.g. 0 hop-by-hop or 44 fragment, and ports 0);
+ * - TCP (6) and UDP (17): source and destination port; TCP also its flags byte (FIN = bit 0 ... CWR = bit 7);
+ * - ICMP (1) and ICMPv6 (58): the type in sport and the code in dport;
+ * - an IPv4 fragment other than the first (fragment offset != 0), any other protocol, or a transport
+ *   header cut short: ports 0 and flags 0.
+ * A transport header missing from the skb's linear part is read with bpf_skb_load_bytes. None of this
+ * decides whether a frame is parsed: the counters count exactly the frames they counted before.
  */
 #ifndef PODMETER_PARSE_H
 #define PODMETER_PARSE_H
@@ -14,19 +24,34 @@
 #include <linux/ip.h>
 #include <linux/ipv6.h>
 #include <linux/pkt_cls.h>
+#include <linux/tcp.h>
+#include <linux/udp.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
 #define PM_MAX_VLAN_TAGS 2
+
+#define PM_PROTO_ICMP 1
+#define PM_PROTO_TCP 6
+#define PM_PROTO_UDP 17
+#define PM_PROTO_ICMPV6 58
+#define PM_IP_OFFSET_MASK 0x1FFF /* fragment offset bits of iphdr.frag_off (host order) */
+#define PM_TCP_FLAGS_OFFSET 13	 /* the flags byte of a TCP header: CWR ECE URG ACK PSH RST SYN FIN */
 
 /* An address as podmeter keys it: 16 bytes, IPv4 mapped into IPv6. Four words so that copies are cheap. */
 struct pm_addr {
 	__u32 word[4];
 };
 
-struct pm_addrs {
+/* What the parser gives the programs. Ports (and ICMP type/code) in host byte order. */
+struct pm_packet {
 	struct pm_addr src;
 	struct pm_addr dst;
+	__u16 sport;	 /* TCP/UDP source port; ICMP/ICMPv6 type */
+	__u16 dport;	 /* TCP/UDP destination port; ICMP/ICMPv6 code */
+	__u8 protocol;	 /* IPv4 protocol / IPv6 next header */
+	__u8 tcp_flags;	 /* TCP only: the header's flags byte */
+	__u16 pad;
 };
 
 /* uapi has no VLAN header: this is the 4 bytes that follow the TPID. */
@@ -43,13 +68,57 @@ static __always_inline void pm_map_v4(struct pm_addr *out, __be32 v4)
 	out->word[3] = v4;
 }
 
+/* The first `need` bytes of the transport header: in the packet when the skb's linear part holds them,
+ * else copied into `copy`; NULL when the packet is shorter. `need` is a constant at every call site
+ * (the function is inlined), which is what lets the verifier check the direct reads. */
+static __always_inline __u8 *pm_l4_bytes(struct __sk_buff *skb, __u8 *l4, void *data_end, __u32 offset,
+					 __u8 *copy, __u32 need)
+{
+	if ((void *)(l4 + need) <= data_end)
+		return l4;
+	if (bpf_skb_load_bytes(skb, offset, copy, need) < 0)
+		return NULL;
+	return copy;
+}
+
+/* Ports and flags from a transport header at l4 (packet pointer), `offset` bytes into the frame.
+ * Leaves them 0 when the protocol has none or the header is cut short. */
+static __always_inline void pm_parse_l4(struct __sk_buff *skb, __u8 *l4, void *data_end, __u32 offset,
+					struct pm_packet *out)
+{
+	__u8 copy[sizeof(struct tcphdr)];
+	__u8 *hdr;
+
+	if (out->protocol == PM_PROTO_TCP) {
+		hdr = pm_l4_bytes(skb, l4, data_end, offset, copy, sizeof(struct tcphdr));
+		if (hdr) {
+			out->sport = bpf_ntohs(((struct tcphdr *)hdr)->source);
+			out->dport = bpf_ntohs(((struct tcphdr *)hdr)->dest);
+			out->tcp_flags = hdr[PM_TCP_FLAGS_OFFSET];
+		}
+	} else if (out->protocol == PM_PROTO_UDP) {
+		hdr = pm_l4_bytes(skb, l4, data_end, offset, copy, sizeof(struct udphdr));
+		if (hdr) {
+			out->sport = bpf_ntohs(((struct udphdr *)hdr)->source);
+			out->dport = bpf_ntohs(((struct udphdr *)hdr)->dest);
+		}
+	} else if (out->protocol == PM_PROTO_ICMP || out->protocol == PM_PROTO_ICMPV6) {
+		hdr = pm_l4_bytes(skb, l4, data_end, offset, copy, 2); /* type, code */
+		if (hdr) {
+			out->sport = hdr[0];
+			out->dport = hdr[1];
+		}
+	}
+}
+
 /* Returns 0 with *out filled, or -1 when the frame is not a well-formed IPv4/IPv6 packet. */
-static __always_inline int pm_parse(struct __sk_buff *skb, struct pm_addrs *out)
+static __always_inline int pm_parse(struct __sk_buff *skb, struct pm_packet *out)
 {
 	void *data = (void *)(long)skb->data;
 	void *data_end = (void *)(long)skb->data_end;
 	struct ethhdr *eth = data;
 	void *cursor;
+	__u32 offset = sizeof(*eth);
 	__be16 proto;
 
 	if ((void *)(eth + 1) > data_end)
@@ -67,10 +136,15 @@ static __always_inline int pm_parse(struct __sk_buff *skb, struct pm_addrs *out)
 			return -1;
 		proto = vlan->encapsulated_proto;
 		cursor = vlan + 1;
+		offset += sizeof(*vlan);
 	}
 
+	out->sport = 0;
+	out->dport = 0;
+	out->tcp_flags = 0;
 	if (proto == bpf_htons(ETH_P_IP)) {
 		struct iphdr *ip = cursor;
+		__u32 ihl;
 
 		if ((void *)(ip + 1) > data_end)
 			return -1;
@@ -78,6 +152,11 @@ static __always_inline int pm_parse(struct __sk_buff *skb, struct pm_addrs *out)
 			return -1;
 		pm_map_v4(&out->src, ip->saddr);
 		pm_map_v4(&out->dst, ip->daddr);
+		out->protocol = ip->protocol;
+		if (ip->frag_off & bpf_htons(PM_IP_OFFSET_MASK))
+			return 0; /* not the first fragment: no transport header */
+		ihl = ip->ihl * 4;
+		pm_parse_l4(skb, (__u8 *)cursor + ihl, data_end, offset + ihl, out);
 		return 0;
 	}
 	if (proto == bpf_htons(ETH_P_IPV6)) {
@@ -89,6 +168,8 @@ static __always_inline int pm_parse(struct __sk_buff *skb, struct pm_addrs *out)
 			return -1;
 		__builtin_memcpy(&out->src, &ip6->saddr, sizeof(out->src));
 		__builtin_memcpy(&out->dst, &ip6->daddr, sizeof(out->dst));
+		out->protocol = ip6->nexthdr;
+		pm_parse_l4(skb, (__u8 *)(ip6 + 1), data_end, offset + sizeof(*ip6), out);
 		return 0;
 	}
 	return -1;

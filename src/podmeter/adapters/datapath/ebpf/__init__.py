@@ -1,8 +1,9 @@
 """podmeter's kernel datapath: TC programs counting per-pod traffic, pinned maps, attach manager.
 
 Public API (see docs/datapath.md):
-* :class:`EbpfDatapath` — the ``Datapath`` over the pinned ``filter`` and ``counters`` maps;
-  ``EbpfDatapath.open(bpffs, filter_size)`` for the agent, ``EbpfDatapath.open_pinned(bpffs)`` for readers;
+* :class:`EbpfDatapath` — the ``Datapath`` over the pinned ``filter`` and ``counters`` maps, and the
+  ``FlowSource`` over ``flows`` and ``flows_lost``; ``EbpfDatapath.open(bpffs, filter_size, flow_size=...)``
+  for the agent, ``EbpfDatapath.open_pinned(bpffs)`` for readers;
 * :class:`AttachManager` — keeps the programs attached to the host side of every pod veth;
 * :class:`DatapathSetupError` and subclasses — why the datapath cannot run, with what to do.
 """
@@ -10,6 +11,7 @@ Public API (see docs/datapath.md):
 from podmeter.adapters.datapath.ebpf.attach import AttachManager, AttachMode, InterfaceRule
 from podmeter.adapters.datapath.ebpf.datapath import (
     DEFAULT_FILTER_SIZE,
+    DEFAULT_FLOW_SIZE,
     EbpfDatapath,
     Programs,
 )
@@ -30,6 +32,7 @@ from podmeter.adapters.datapath.ebpf.pins import DEFAULT_BPFFS
 __all__ = [
     "DEFAULT_BPFFS",
     "DEFAULT_FILTER_SIZE",
+    "DEFAULT_FLOW_SIZE",
     "AttachError",
     "AttachManager",
     "AttachMode",

@@ -41,7 +41,9 @@ BPF_TC_F_REPLACE = 1 << 0
 BPF_ANY = 0
 BPF_NOEXIST = 1
 # enum bpf_map_type values used here
+BPF_MAP_TYPE_HASH = 1
 BPF_MAP_TYPE_PERCPU_HASH = 5
+BPF_MAP_TYPE_PERCPU_ARRAY = 6
 BPF_MAP_TYPE_LPM_TRIE = 11
 
 
@@ -152,6 +154,11 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [
     ("bpf_map_delete_batch", c_int, [c_int, c_void_p, POINTER(c_uint32), POINTER(MapBatchOpts)]),
     (
         "bpf_map_lookup_batch",
+        c_int,
+        [c_int, c_void_p, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), POINTER(MapBatchOpts)],
+    ),
+    (
+        "bpf_map_lookup_and_delete_batch",
         c_int,
         [c_int, c_void_p, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), POINTER(MapBatchOpts)],
     ),

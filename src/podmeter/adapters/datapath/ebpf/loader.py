@@ -7,6 +7,8 @@ For each map the object declares, the loader finds one of three cases:
   created at the new size, every entry is copied across, then the pin is swapped atomically (the
   kernel refuses to load against a pin of another size, and losing the filter would be worse).
 A pin with another layout (type, key or value size, flags) is refused with :class:`PinMismatch`.
+Maps named ``transient`` (``flows``: entries that live until the next drain) are simpler: a pin of
+another size or layout is replaced by a new empty map, and the entries it held are lost (logged).
 
 After loading, the loader keeps duplicates of the program and map descriptors and closes the libbpf
 object, so their lifetimes are independent of libbpf's.
@@ -132,23 +134,30 @@ class Loaded:
             program.close()
 
 
-def load(path: Path, pins: PinDir | None, sizes: dict[str, int], programs: list[str]) -> Loaded:
+def load(
+    path: Path,
+    pins: PinDir | None,
+    sizes: dict[str, int],
+    programs: list[str],
+    transient: frozenset[str] = frozenset(),
+) -> Loaded:
     """Load the object at ``path`` with each map in ``sizes`` at that size, pinned in ``pins``.
 
-    With ``pins=None`` nothing is reused or pinned (benchmarks, the parse-only program).
+    With ``pins=None`` nothing is reused or pinned (benchmarks, the parse-only program). A pinned map
+    named in ``transient`` that does not match is replaced, not migrated or refused.
     """
     obj = BpfObject(path)
     old: dict[str, BpfMap] = {}
     try:
         try:
-            migrate = _plan(obj, pins, sizes, old)
+            migrate, replace = _plan(obj, pins, sizes, old, transient)
             obj.load()
             loaded = _take(obj, list(sizes), programs)
         finally:
             obj.close()
         if pins is not None:
             try:
-                _pin_new_maps(pins, loaded.maps, old, migrate)
+                _pin_new_maps(pins, loaded.maps, old, migrate, replace)
             except BaseException:
                 loaded.close()
                 raise
@@ -169,15 +178,25 @@ def _take(obj: BpfObject, maps: list[str], programs: list[str]) -> Loaded:
     return loaded
 
 
-def _plan(obj: BpfObject, pins: PinDir | None, sizes: dict[str, int], old: dict[str, BpfMap]) -> set[str]:
-    """Size every map, reuse matching pins; fill ``old`` with the pins found; return maps to migrate."""
+def _plan(
+    obj: BpfObject, pins: PinDir | None, sizes: dict[str, int], old: dict[str, BpfMap], transient: frozenset[str]
+) -> tuple[set[str], set[str]]:
+    """Size every map, reuse matching pins; fill ``old`` with the pins found; return the maps to migrate
+    and the (transient) maps to replace."""
     migrate: set[str] = set()
+    replace: set[str] = set()
     for name, entries in sizes.items():
         obj.set_max_entries(name, entries)
         if pins is None or not pins.has(name):
             continue
         pinned = old[name] = pins.open(name)
         wanted = obj.map_shape(name)
+        if name in transient:
+            if pinned.shape.compatible(wanted) and pinned.shape.max_entries == entries:
+                obj.reuse(name, pinned)
+            else:
+                replace.add(name)
+            continue
         if not pinned.shape.compatible(wanted):
             raise PinMismatch(
                 f"pinned map {pins.pin_path(name)} has layout {pinned.shape} but this podmeter needs "
@@ -188,12 +207,23 @@ def _plan(obj: BpfObject, pins: PinDir | None, sizes: dict[str, int], old: dict[
             obj.reuse(name, pinned)
         else:
             migrate.add(name)
-    return migrate
+    return migrate, replace
 
 
-def _pin_new_maps(pins: PinDir, maps: dict[str, BpfMap], old: dict[str, BpfMap], migrate: set[str]) -> None:
+def _pin_new_maps(
+    pins: PinDir, maps: dict[str, BpfMap], old: dict[str, BpfMap], migrate: set[str], replace: set[str]
+) -> None:
     for name, bpf_map in maps.items():
-        if name in migrate:
+        if name in replace:
+            log.warning(
+                "pinned map %s (%s) replaced by a new one (%s): its %d undrained entries are lost",
+                name,
+                _describe(old[name].shape),
+                _describe(bpf_map.shape),
+                _count_entries(old[name]),
+            )
+            pins.install(bpf_map, name)
+        elif name in migrate:
             copied, dropped = copy_entries(old[name], bpf_map)
             log.warning(
                 "map %s resized from %d to %d entries: %d entries migrated, %d did not fit",
@@ -206,6 +236,20 @@ def _pin_new_maps(pins: PinDir, maps: dict[str, BpfMap], old: dict[str, BpfMap],
             pins.install(bpf_map, name)
         elif name not in old:
             pins.install(bpf_map, name)
+
+
+def _describe(shape: MapShape) -> str:
+    return (
+        f"type {shape.type}, key {shape.key_size} B, value {shape.value_size} B, flags {shape.map_flags:#x}, "
+        f"{shape.max_entries} entries"
+    )
+
+
+def _count_entries(bpf_map: BpfMap) -> int:
+    try:
+        return len(bpf_map.collect_keys())
+    except BpfCallError:  # counting is only for the log line
+        return -1
 
 
 def copy_entries(source: BpfMap, target: BpfMap) -> tuple[int, int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from podmeter.adapters.datapath.ebpf.libbpf import (
@@ -24,7 +24,10 @@ from podmeter.adapters.datapath.ebpf.libbpf import (
 )
 
 _BATCH_CHUNK = 4096  # elements per BPF_MAP_LOOKUP_BATCH call
-_ENOTSUPP = 524  # what the bpf() syscall returns for a batch operation the map type lacks
+TAKE_CHUNK = 8192  # elements per BPF_MAP_LOOKUP_AND_DELETE_BATCH call (640 KiB of 40-byte keys and values)
+ENOTSUPP = 524  # what the bpf() syscall returns for a batch operation the map type lacks
+# Errors of a batch call that mean "this kernel or map type has no such batch operation".
+BATCH_UNSUPPORTED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, ENOTSUPP})
 
 # Map types whose values are per-CPU arrays (hash, array, LRU hash, cgroup storage).
 _PER_CPU_TYPES = frozenset({BPF_MAP_TYPE_PERCPU_HASH, 6, 10, 21})
@@ -155,7 +158,7 @@ class BpfMap:
         try:
             return self._lookup_batches()
         except BpfCallError as error:
-            if error.errno not in (errno.EINVAL, errno.EOPNOTSUPP, _ENOTSUPP):
+            if error.errno not in BATCH_UNSUPPORTED:
                 raise
         return self.collect_items_one_by_one()
 
@@ -167,6 +170,56 @@ class BpfMap:
             if value is not None:
                 out.append((key, value))
         return out
+
+    def take_batches(self, chunk: int = TAKE_CHUNK) -> Iterator[tuple[memoryview, memoryview, int]]:
+        """Read and delete every entry with BPF_MAP_LOOKUP_AND_DELETE_BATCH, a chunk at a time.
+
+        Yields ``(keys, values, count)``: the packed key and value arrays of one chunk and how many
+        entries they hold. The buffers are reused for the next chunk: decode them before asking for it.
+        Each entry is read and deleted at once (under its hash bucket's lock), so an entry is yielded at
+        most once, and one created meanwhile is in this pass or left for the next. Entries the kernel
+        reports are yielded before any error is raised: a BpfCallError after some chunks leaves the rest
+        in the map; one in :data:`BATCH_UNSUPPORTED` raised before any chunk means the kernel lacks the
+        operation for this map (see :meth:`take_each`).
+        """
+        chunk = max(1, min(self.shape.max_entries, chunk))
+        token = max(self.shape.key_size, 8)  # hash maps use a bucket index
+        position, following = ctypes.create_string_buffer(token), ctypes.create_string_buffer(token)
+        opts = MapBatchOpts(ctypes.sizeof(MapBatchOpts), 0, 0)
+        keys, values = self._batch_buffers(chunk)
+        start = None  # NULL: from the beginning
+        while True:
+            count = ctypes.c_uint32(chunk)
+            ret = self._lib.lib.bpf_map_lookup_and_delete_batch(
+                self.fd, start, following, keys, values, ctypes.byref(count), ctypes.byref(opts)
+            )
+            if ret == -errno.ENOSPC and count.value == 0:  # one bucket holds more than a chunk: nothing taken
+                chunk *= 2
+                keys, values = self._batch_buffers(chunk)
+                continue
+            if count.value:
+                yield memoryview(keys), memoryview(values), min(count.value, chunk)
+            if ret == -errno.ENOENT:  # the end; the last chunk's count was valid
+                return
+            self._lib.check("bpf_map_lookup_and_delete_batch", ret)
+            ctypes.memmove(position, following, token)
+            start = position
+
+    def take_each(self) -> list[tuple[bytes, bytes]]:
+        """:meth:`take_batches` one key at a time: keys collected first (so no key is seen twice), then
+        each read and deleted at once; a key gone meanwhile is skipped."""
+        out = []
+        for key in self.collect_keys():
+            value = self.take(key)
+            if value is not None:
+                out.append((key, value))
+        return out
+
+    def _batch_buffers(self, chunk: int) -> tuple[ctypes.Array[ctypes.c_char], ctypes.Array[ctypes.c_char]]:
+        return (
+            ctypes.create_string_buffer(chunk * self.shape.key_size),
+            ctypes.create_string_buffer(chunk * self.value_bytes),
+        )
 
     def _lookup_batches(self) -> list[tuple[bytes, bytes]]:
         chunk = max(1, min(self.shape.max_entries, _BATCH_CHUNK))
@@ -214,7 +267,7 @@ class BpfMap:
         ret = self._lib.lib.bpf_map_update_batch(
             self.fd, self._keys(keys), b"".join(values), ctypes.byref(count), ctypes.byref(opts)
         )
-        if ret == -_ENOTSUPP:  # a kernel without batch writes for this map type
+        if ret == -ENOTSUPP:  # a kernel without batch writes for this map type
             return self.update_each(keys, values, flags)
         return self._outcome("bpf_map_update_batch", ret, count.value, len(keys))
 
@@ -236,7 +289,7 @@ class BpfMap:
         ret = self._lib.lib.bpf_map_delete_batch(
             self.fd, self._keys(keys), ctypes.byref(count), ctypes.byref(opts)
         )
-        if ret == -_ENOTSUPP:
+        if ret == -ENOTSUPP:
             return self.delete_each(keys)
         return self._outcome("bpf_map_delete_batch", ret, count.value, len(keys))
 

@@ -26,7 +26,8 @@ CAP_SYS_ADMIN = 21
 CAP_BPF = 39
 
 OBJECT_NAME = "podmeter.bpf.o"
-BARE_OBJECT_NAME = "podmeter_bare.bpf.o"
+BARE_OBJECT_NAME = "podmeter_bare.bpf.o"  # parse only: the benchmarks' baseline
+NOFLOWS_OBJECT_NAME = "podmeter_noflows.bpf.o"  # counting without flows: the flows benchmark's reference
 
 
 def kernel_version(release: str | None = None) -> tuple[int, int]:
