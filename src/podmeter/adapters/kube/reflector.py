@@ -13,8 +13,9 @@ Rules it follows (``reference`` is the Kubernetes wire behaviour the lab API ser
 * 429: wait Retry-After; connection errors and 5xx: back off (:class:`Backoff`); other errors: back off
   and relist;
 * an inactivity deadline: a stream silent for longer than its timeout plus a grace is dead: re-watch;
-* every line is decoded with msgspec straight into a slim record; a bad object is reported as
-  :class:`Invalid` and skipped, its last good state stays with the writer.
+* a watch that ends at once without a line is a failure (back off), not a reason to re-watch at once;
+* every line is decoded with msgspec straight into a slim record; a bad object is counted and skipped
+  (its key goes in ``Replace.keep`` on a list), its last good state stays with the writer.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -92,6 +94,13 @@ class StreamStalled(Exception):
     """A watch stream sent nothing within its inactivity deadline."""
 
 
+class WatchEndedEarly(Exception):
+    """A watch ended at once without a single line: re-watching at once would spin (client-go backs off)."""
+
+
+EARLY_END = 1.0  # seconds: a watch that ends sooner than this without any line is a failure
+
+
 @dataclass
 class ReflectorSettings:
     """Tunables; the defaults are production values (tests shrink the timeouts)."""
@@ -145,8 +154,11 @@ class Reflector(Generic[R]):
                 await self.watch_once()
             except ApiError as exc:
                 await self._after_api_error(exc)
-            except (TransportError, StreamStalled, OSError) as exc:
+            except (TransportError, StreamStalled, WatchEndedEarly, OSError) as exc:
                 await self._after_failure(type(exc).__name__, str(exc) or type(exc).__name__, None)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # a 200 that is no list (a proxy's page)
+                self.resource_version = None
+                await self._after_failure("bad_list", f"the list answer is not a list: {exc}", None)
 
     # --- list ------------------------------------------------------------------------------------
 
@@ -196,13 +208,19 @@ class Reflector(Generic[R]):
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(timeout),
         }
-        deadline = self.settings.inactivity_deadline or timeout + self.settings.inactivity_grace
+        deadline = self.settings.inactivity_deadline
+        if deadline is None:
+            deadline = timeout + self.settings.inactivity_grace
+        started, lines = time.monotonic(), 0
         async with self.transport.stream(self.kind.path, params) as stream:
             self.stats.requests += 1
             if stream.answer.status != 200:
                 raise _api_error(stream.answer)
             async for line in _lines(stream.chunks(), deadline):
+                lines += 1
                 await self._on_line(line)
+        if not lines and time.monotonic() - started < EARLY_END:
+            raise WatchEndedEarly(f"the watch from resourceVersion {self.resource_version} ended at once")
 
     async def _on_line(self, line: bytes) -> None:
         if self.kind.decode_event is not None and await self._on_line_fast(line, self.kind.decode_event):
