@@ -98,13 +98,16 @@ def test_the_offline_validator_rejects_broken_objects(where: str, mutation: Any)
 
 AGENT_GRANTS: set[Grant] = {
     ("cluster", group, resource, verb, "*")
-    for group, resource in (("", "pods"), ("", "namespaces"), ("podmeter.io", "metricsconfigurations"))
+    for group, resource in (("", "pods"), ("", "namespaces"), ("podmeter.io", "metricsconfigurations"),
+                            ("podmeter.io", "podslices"))
     for verb in ("get", "list", "watch")
 }
 OPERATOR_GRANTS: set[Grant] = {
     *(("cluster", "", "pods", verb, "*") for verb in ("get", "list", "watch")),
     *(("cluster", "podmeter.io", "metricsconfigurations", verb, "*") for verb in ("get", "list", "watch")),
     ("cluster", "podmeter.io", "metricsconfigurations/status", "patch", "default"),
+    *(("cluster", "podmeter.io", "podslices", verb, "*")
+      for verb in ("get", "list", "watch", "create", "update", "delete")),
     ("podmeter", "coordination.k8s.io", "leases", "create", "*"),
     ("podmeter", "coordination.k8s.io", "leases", "get", "podmeter-operator"),
     ("podmeter", "coordination.k8s.io", "leases", "update", "podmeter-operator"),

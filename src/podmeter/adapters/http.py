@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 # A debug view returns JSON-serialisable data, directly or from a coroutine (a backend read).
 DebugView = Callable[[], Any | Awaitable[Any]]
-DebugViews = dict[str, DebugView]
+DebugViews = Mapping[str, DebugView]
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -107,7 +107,8 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
     PlatformCollector(registry=registry)
     registry.register(AgentStateCollector(agent.snapshot))
     traffic = PodTrafficExposition(agent.ledger, datapath.read_counters, args.retina_compat)
-    app = build_app(registry, agent.ready.is_set, {"/debug/state": agent.debug_state}, args.debug_remote,
+    debug = {"/debug/state": agent.debug_state, "/debug/endpoints": agent.debug_endpoints}
+    app = build_app(registry, agent.ready.is_set, debug, args.debug_remote,
                     [traffic.render, lambda: render_workload_flows(agent.workload_flows)],
                     debug_streams={"/debug/flows": flows_handler(agent.flow_feed)})
     runner, port = await serve(app, args.listen)

@@ -21,8 +21,10 @@ from podmeter.adapters.identity.etcd import EtcdIdentityBackend
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
 from podmeter.adapters.kube.connection import Connection, ConnectionConfigError, load_connection
 from podmeter.adapters.kube.lease import KubeLeaseStore
+from podmeter.adapters.kube.slices import KubeSliceApi
 from podmeter.adapters.kube.status import KubeConfigApi
 from podmeter.model.identity import LabelFilter
+from podmeter.runtime.endpoint_publisher import EndpointPublisher
 from podmeter.runtime.leadership import LeaderElector
 from podmeter.runtime.logs import setup_logging
 from podmeter.runtime.operator import Operator, OperatorSettings, ReflectorPodSource
@@ -55,6 +57,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sweep-period", type=float, default=30.0)
     p.add_argument("--gc-period", type=float, default=30.0)
     p.add_argument("--config-period", type=float, default=5.0)
+    p.add_argument("--publish-endpoints", action=argparse.BooleanOptionalAction, default=True,
+                   help="publish the cluster's endpoints as PodSlices for the agents (leader only)")
+    p.add_argument("--publish-period", type=float, default=1.0,
+                   help="seconds between two syncs of the PodSlices at most (changes are coalesced)")
+    p.add_argument("--publish-max-writes", type=int, default=100,
+                   help="PodSlice writes per sync at most (the rest waits for the next sync)")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.set_defaults(func=_run)
@@ -104,9 +112,13 @@ def build(args: argparse.Namespace) -> tuple[Operator, Any]:
         retry_period=args.retry_period,
     )
     settings = OperatorSettings(sweep_period=args.sweep_period, gc_period=args.gc_period,
-                                config_period=args.config_period, debug_anywhere=args.debug_anywhere)
+                                config_period=args.config_period, debug_anywhere=args.debug_anywhere,
+                                publish_period=args.publish_period)
+    publisher = (EndpointPublisher(KubeSliceApi(client), interval=args.publish_period,
+                                   max_writes=args.publish_max_writes) if args.publish_endpoints else None)
     operator = Operator(ReflectorPodSource(connection), make_backend(args), label_filter=label_filter(args),
-                        elector=elector, config=KubeConfigApi(client), settings=settings)
+                        elector=elector, config=KubeConfigApi(client), settings=settings,
+                        publisher=publisher, connection=connection)
     return operator, client
 
 

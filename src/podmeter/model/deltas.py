@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 import msgspec
 
 from podmeter.model.configuration import MetricsConfiguration
+from podmeter.model.endpoint_slices import PodSlice, SliceDigest
 from podmeter.model.records import Namespace, Pod
 
 R = TypeVar("R")
@@ -42,6 +43,8 @@ class Collection(Generic[R]):
 PODS: Collection[Pod] = Collection("pods", attrgetter("uid"))
 NAMESPACES: Collection[Namespace] = Collection("namespaces", attrgetter("name"))
 CONFIGURATIONS: Collection[MetricsConfiguration] = Collection("metricsconfigurations", attrgetter("name"))
+POD_SLICES: Collection[PodSlice] = Collection("podslices", attrgetter("name"))  # the agent's view of them
+SLICE_DIGESTS: Collection[SliceDigest] = Collection("podslices", attrgetter("name"))  # the operator's
 
 
 # Deltas are msgspec structs, not dataclasses: one is built per watch event, and a frozen struct is

@@ -57,11 +57,14 @@ class AddressBook:
     IP was given to most recently.
     """
 
-    def __init__(self, pods: Iterable[Pod]) -> None:
+    def __init__(self, pods: Iterable[Pod], published: Names | None = None) -> None:
+        """``published``: the cluster's endpoints, to give the node's pods their identities."""
         self._by_ip: dict[str, Endpoint] = {}
         for pod in pods:
             if holds_address(pod):
                 endpoint = pod_endpoint(pod)
+                if published is not None:
+                    endpoint = _with_identity(endpoint, published.endpoint(pod.ips[0]))
                 for ip in pod.ips:
                     self._by_ip[ip] = endpoint
 
@@ -73,6 +76,13 @@ class AddressBook:
 
     def is_local(self, ip: str) -> bool:
         return ip in self._by_ip
+
+
+def _with_identity(endpoint: Endpoint, published: Endpoint | None) -> Endpoint:
+    if published is None or published.identity is None or (published.namespace, published.pod) != (
+            endpoint.namespace, endpoint.pod):
+        return endpoint
+    return msgspec.structs.replace(endpoint, identity=published.identity)
 
 
 class ChainedNames:

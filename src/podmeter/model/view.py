@@ -19,14 +19,15 @@ from collections.abc import Callable
 from typing import Any
 
 from podmeter.model.configuration import DEFAULT_NAME, NO_CONFIGURATION, Interest, MetricsConfiguration
-from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Collection, Delete, Delta, Replace
+from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, POD_SLICES, PODS, Collection, Delete, Delta, Replace
 from podmeter.model.desired import DesiredFilter
+from podmeter.model.endpoint_slices import ClusterEndpoints, PodSlice
 from podmeter.model.interest import holds_address, observed
 from podmeter.model.records import Namespace, Pod
 from podmeter.model.store import Store
 
 # A delta of any collection the view stores.
-ViewDelta = Delta[Pod] | Delta[Namespace] | Delta[MetricsConfiguration]
+ViewDelta = Delta[Pod] | Delta[Namespace] | Delta[MetricsConfiguration] | Delta[PodSlice]
 
 
 class NodeView:
@@ -49,11 +50,15 @@ class NodeView:
         self.configuration_store: Store[MetricsConfiguration] = Store(CONFIGURATIONS)
         self.interest: Interest = NO_CONFIGURATION
         self.desired = DesiredFilter(track_moves)
+        # The cluster's pods as the operator publishes them (names of the far ends of flows).
+        self.slice_store: Store[PodSlice] = Store(POD_SLICES)
+        self.cluster = ClusterEndpoints()
         # Each collection's store, with the handler of the changes it reports.
         self._routes: dict[Collection[Any], tuple[Store[Any], Callable[[Any, Any], None]]] = {
             PODS: (self.pod_store, self._pod_changed),
             NAMESPACES: (self.namespace_store, self._namespace_changed),
             CONFIGURATIONS: (self.configuration_store, self._configuration_changed),
+            POD_SLICES: (self.slice_store, self.cluster.changed),
         }
 
     def apply(self, delta: ViewDelta) -> int:
@@ -84,6 +89,8 @@ class NodeView:
     def renames(self, delta: ViewDelta) -> bool:
         """Whether ``delta`` would change who holds an address (a pod gets, loses or changes IPs, or
         stops running): flows counted before it must be named with the view as it is now."""
+        if delta.collection is POD_SLICES:
+            return self._renames_slices(delta)
         if delta.collection is not PODS:
             return False
         if isinstance(delta, Replace):
@@ -98,6 +105,15 @@ class NodeView:
         old = stored.get(new.uid)
         before = old.ips if old is not None and holds_address(old) else ()
         return before != (new.ips if holds_address(new) else ())
+
+    def _renames_slices(self, delta: ViewDelta) -> bool:
+        if isinstance(delta, Replace):
+            return True
+        stored = self.slice_store.objects
+        if isinstance(delta, Delete):
+            return delta.key in stored
+        new = delta.item
+        return isinstance(new, PodSlice) and self.cluster.renames(stored.get(new.name), new)
 
     def recompute(self) -> dict[str, frozenset[str]]:
         """The desired filter computed from scratch: IP -> UIDs of the observed pods holding it."""

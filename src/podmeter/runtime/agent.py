@@ -27,7 +27,7 @@ from typing import Any
 
 from podmeter.adapters.kube.connection import Connection
 from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
-from podmeter.adapters.kube.resources import METRICS_CONFIGURATIONS, NAMESPACES, PODS, ResourceKind
+from podmeter.adapters.kube.resources import METRICS_CONFIGURATIONS, NAMESPACES, POD_SLICES, PODS, ResourceKind
 from podmeter.adapters.kube.transport import Transport
 from podmeter.adapters.metrics.agent_state import AgentSnapshot, FlowSnapshot
 from podmeter.model.configuration import MetricsConfiguration
@@ -45,6 +45,10 @@ from podmeter.runtime.writer import Pushed, Writer
 log = logging.getLogger("podmeter.agent")
 
 KINDS: tuple[ResourceKind[Any], ...] = (PODS, NAMESPACES, METRICS_CONFIGURATIONS)
+# Watched too, but readiness does not wait for them: without the operator's slices (the CRD not installed,
+# no operator yet) far ends of flows are `world`, a degraded mode, not a reason to stay unready.
+OPTIONAL_KINDS: tuple[ResourceKind[Any], ...] = (POD_SLICES,)
+REQUIRED = frozenset(kind.collection for kind in KINDS)
 MAX_BATCH = 512  # deltas applied between two flushes at most (bounds the latency of a flush)
 
 
@@ -80,7 +84,8 @@ class Agent:
         self.flow_feed = FlowFeed(settings.flow_buffer)
         self.workload_flows = WorkloadFlows(settings.node_name, settings.flow_series_limit,
                                             settings.flow_series_idle)
-        self.flows = FlowDrainer(flows, settings.node_name, self.flow_feed, self.workload_flows) if flows else None
+        self.flows = (FlowDrainer(flows, settings.node_name, self.flow_feed, self.workload_flows, [self.view.cluster])
+                      if flows else None)
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=10_000)
         self.synced: set[Collection[Any]] = set()
         self.ready = asyncio.Event()
@@ -94,7 +99,7 @@ class Agent:
 
     async def start(self) -> None:
         self._transport = self.connection.transport()
-        for kind in KINDS:
+        for kind in (*KINDS, *OPTIONAL_KINDS):
             settings = self.settings.reflector(kind)
             if kind is PODS:
                 settings.field_selector = f"spec.nodeName={self.settings.node_name}"
@@ -168,7 +173,7 @@ class Agent:
 
     def _push(self) -> None:
         if not self.ready.is_set():
-            if len(self.synced) < len(KINDS):
+            if not self.synced >= REQUIRED:
                 return
             self._resync()  # the first push: adopt or clean what a predecessor pinned
             self.ready.set()
@@ -224,7 +229,8 @@ class Agent:
             watch_events=events,
             relists=relists,
             store_objects={"pods": len(view.pods), "namespaces": len(view.namespaces),
-                           "metricsconfigurations": len(view.configuration_store)},
+                           "metricsconfigurations": len(view.configuration_store),
+                           "podslices": len(view.slice_store), "cluster_endpoints": len(view.cluster)},
             decode_errors=decode_errors,
             resyncs=stats.resyncs,
             ready=self.ready.is_set(),
@@ -269,6 +275,16 @@ class Agent:
                                          "failures": dict(r.stats.failures), "requests": r.stats.requests,
                                          "decode_errors": r.stats.decode_errors}
                            for r in self._reflectors},
+        }
+
+    def debug_endpoints(self) -> dict[str, Any]:
+        """The cluster-wide endpoint cache, IP -> endpoint (the lab's I7 check compares it with the pods)."""
+        return {
+            "node": self.settings.node_name,
+            "slices": {name: s.resource_version for name, s in sorted(self.view.slice_store.objects.items())},
+            "endpoints": {ip: {"namespace": e.namespace, "pod": e.pod, "workload": e.workload,
+                               "workload_kind": e.workload_kind, "node": e.node, "identity": e.identity}
+                          for ip, e in sorted(self.view.cluster.items())},
         }
 
 

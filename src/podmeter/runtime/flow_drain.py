@@ -61,7 +61,8 @@ class FlowDrainer:
             return 0
         self.stats.drains += 1
         if entries:
-            names = ChainedNames(AddressBook(pods), *self.others)
+            published = self.others[0] if self.others else None
+            names = ChainedNames(AddressBook(pods, published), *self.others)
             wall_offset = time.time() - time.monotonic()  # the kernel stamps CLOCK_MONOTONIC nanoseconds
             records = name_flows(entries, names, self.node, wall_offset)
             self.feed.publish(records)

@@ -46,6 +46,7 @@ from podmeter.model.identity import BadIdentityKey, IdentityExhausted, IdentityK
 from podmeter.model.interest import holds_identity
 from podmeter.model.records import Pod
 from podmeter.model.store import Change, Store
+from podmeter.runtime.endpoint_publisher import EndpointPublisher
 from podmeter.runtime.leadership import LeaderElector
 from podmeter.runtime.ticks import Tick, every
 
@@ -311,6 +312,7 @@ class OperatorSettings:
     gc_period: float = 30.0  # backend GC (leader only); etcd removes after two rounds
     config_period: float = 5.0  # MetricsConfiguration status (leader only)
     retry_period: float = 2.0  # identity operations that failed are tried again
+    publish_period: float = 1.0  # endpoint slices (leader only): at most one sync this often
     debug_anywhere: bool = False  # answer /debug/* on non-loopback addresses too
 
 
@@ -331,7 +333,11 @@ class Operator:
         elector: LeaderElector | None = None,
         config: ConfigApi | None = None,
         settings: OperatorSettings | None = None,
+        publisher: EndpointPublisher | None = None,
+        connection: Connection | None = None,
     ) -> None:
+        """``publisher`` (with the ``connection`` its reflector reads slices through): publish the
+        cluster's endpoints (leader only)."""
         self.source, self.backend = source, backend
         self.reconciler = IdentityReconciler(backend, label_filter or LabelFilter())
         self.elector = elector
@@ -340,6 +346,7 @@ class Operator:
         self.ready = asyncio.Event()
         self.last_sweep: float | None = None
         self.store_gc_removed = 0
+        self.publisher, self.connection = publisher, connection
         self.registry = CollectorRegistry()
         self.registry.register(OperatorStateCollector(self.snapshot))
 
@@ -353,6 +360,8 @@ class Operator:
         tasks.append(asyncio.create_task(self._housekeeping(), name="operator-housekeeping"))
         if self.elector is not None:
             tasks.append(asyncio.create_task(self.elector.run(), name="operator-election"))
+        if self.publisher is not None and self.connection is not None:
+            tasks.append(asyncio.create_task(self.publisher.watch(self.connection), name="operator-slices"))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
@@ -427,17 +436,29 @@ class Operator:
     async def _housekeeping(self) -> None:
         """Periodic work: retries (every operator); store GC and configuration status (the leader)."""
         s = self.settings
-        due = {"retry": 0.0, "gc": 0.0, "config": 0.0}
+        due = {"retry": 0.0, "gc": 0.0, "config": 0.0, "publish": 0.0}
         jobs = {"retry": (s.retry_period, False, self.reconciler.retry),
                 "gc": (s.gc_period, True, self._gc),
-                "config": (s.config_period, True, self._config)}
+                "config": (s.config_period, True, self._config),
+                "publish": (s.publish_period, True, self._publish)}
         while True:
             for name, (period, leader_only, job) in jobs.items():
                 now = time.monotonic()
                 if now >= due[name] and (self.is_leader or not leader_only):
                     await job()
                     due[name] = now + period
-            await asyncio.sleep(min(s.retry_period, s.gc_period, s.config_period, 1.0))
+            await asyncio.sleep(min(s.retry_period, s.gc_period, s.config_period, s.publish_period, 1.0))
+
+    async def _publish(self) -> None:
+        """Publish the endpoints, once the store and the identities are complete (an operator that
+        published before its first list would delete every slice)."""
+        if self.publisher is not None and self.ready.is_set() and self.reconciler.idle:
+            await self.publisher.sync(self.source.pods(), self.identity_of)
+
+    def identity_of(self, pod: Pod) -> tuple[int, IdentityKey] | None:
+        key = self.reconciler.refs.key_of(pod.uid)
+        ident = self.backend.held().get(key) if key is not None else None
+        return None if ident is None or key is None else (ident, key)
 
     async def _gc(self) -> None:
         try:
@@ -476,7 +497,15 @@ class Operator:
             gc_released=stats.gc_released, store_gc_removed=self.store_gc_removed, errors=dict(stats.errors),
             drift_repaired=dict(stats.repaired), watch_events=events, relists=relists,
             decode_errors=decode_errors, store_objects={"pods": len(rec.refs)},
+            **self._publish_figures(),
         )
+
+    def _publish_figures(self) -> dict[str, Any]:
+        if self.publisher is None:
+            return {}
+        p = self.publisher.stats
+        return {"published_endpoints": p.endpoints, "published_slices": p.slices, "slice_writes": dict(p.writes),
+                "slice_conflicts": p.conflicts, "slice_errors": p.errors, "slice_writes_pending": p.pending}
 
     def http_app(self) -> web.Application:
         return build_app(self.registry, self.ready.is_set, {"/debug/identities": self.debug_identities},

@@ -13,6 +13,7 @@ from typing import Generic, TypeVar
 
 from podmeter.model import deltas
 from podmeter.model.configuration import MetricsConfiguration, decode_configuration
+from podmeter.model.endpoint_slices import PodSlice, SliceDigest, decode_slice, decode_slice_digest
 from podmeter.model.records import Namespace, Pod, decode_namespace, decode_pod, decode_pod_event
 
 R = TypeVar("R")
@@ -49,4 +50,10 @@ NAMESPACES: ResourceKind[Namespace] = ResourceKind(
 )
 METRICS_CONFIGURATIONS: ResourceKind[MetricsConfiguration] = ResourceKind(
     deltas.CONFIGURATIONS, "/apis/podmeter.io/v1alpha1/metricsconfigurations", decode_configuration, "name", _rv
+)
+_SLICES_PATH = "/apis/podmeter.io/v1alpha1/podslices"
+# The agent reads slices into an endpoint cache; the publishing operator only needs each one's digest.
+POD_SLICES: ResourceKind[PodSlice] = ResourceKind(deltas.POD_SLICES, _SLICES_PATH, decode_slice, "name", _rv)
+SLICE_DIGESTS: ResourceKind[SliceDigest] = ResourceKind(
+    deltas.SLICE_DIGESTS, _SLICES_PATH, decode_slice_digest, "name", _rv
 )

@@ -36,6 +36,12 @@ class OperatorSnapshot:
     relists: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (resource, reason)
     decode_errors: Mapping[str, int] = field(default_factory=dict)  # resource
     store_objects: Mapping[str, int] = field(default_factory=dict)  # resource
+    published_endpoints: int = 0
+    published_slices: int = 0
+    slice_writes: Mapping[str, int] = field(default_factory=dict)  # op: create | replace | delete
+    slice_conflicts: int = 0
+    slice_errors: int = 0
+    slice_writes_pending: int = 0
 
 
 class OperatorStateCollector(Collector):
@@ -62,3 +68,12 @@ class OperatorStateCollector(Collector):
         yield counter("podmeter_drift_repaired", "Differences a periodic resync repaired.", ("kind",),
                       by_one(s.drift_repaired))
         yield from watch_families(s.watch_events, s.relists, s.decode_errors, s.store_objects)
+        yield gauge("podmeter_published_endpoints", "Endpoints in the desired PodSlices (the leader's).",
+                    s.published_endpoints)
+        yield gauge("podmeter_published_slices", "PodSlices desired (the leader's).", s.published_slices)
+        yield counter("podmeter_slice_writes", "PodSlice writes.", ("op",), by_one(s.slice_writes))
+        yield counter("podmeter_slice_conflicts", "PodSlice writes that met a newer version.",
+                      value=s.slice_conflicts)
+        yield counter("podmeter_slice_errors", "PodSlice writes that failed.", value=s.slice_errors)
+        yield gauge("podmeter_slice_writes_pending", "PodSlice writes left to the next sync (rate limit).",
+                    s.slice_writes_pending)

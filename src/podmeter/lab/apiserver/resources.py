@@ -358,7 +358,23 @@ METRICSCONFIGURATIONS = ResourceType(
     validate=_mc_checks,
 )
 
-ALL: tuple[ResourceType, ...] = (NAMESPACES, PODS, LEASES, METRICSCONFIGURATIONS)
+PODSLICES = ResourceType(
+    group="podmeter.io",
+    version="v1alpha1",
+    plural="podslices",
+    singular="podslice",
+    kind="PodSlice",
+    namespaced=False,
+    verbs=_VERBS,
+    field_keys=("metadata.name",),
+    fields=lambda o: _meta_fields(o, False),
+    schema={**_top(None, None), "spec": None},
+    short_names=("pmslice",),  # as in deploy/base/crd-podslices.yaml
+    has_status=False,
+    keeps_generation=True,
+)
+
+ALL: tuple[ResourceType, ...] = (NAMESPACES, PODS, LEASES, METRICSCONFIGURATIONS, PODSLICES)
 BY_KEY = {r.key: r for r in ALL}
 
 

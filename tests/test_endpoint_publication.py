@@ -1,0 +1,232 @@
+"""Cluster-wide endpoints: the operator's PodSlices and the agents' endpoint cache (invariant I7).
+
+Model: the desired slices are a deterministic function of pods and identities (each published pod once,
+a pod's change touches one slice, bounded slices); the agent's cache is the union of the stored slices
+whatever order their changes come in (Hypothesis). Over real HTTP against the lab API server, with the
+real ``podmeter operator`` processes: publication equals the desired set after churn, IP reuse, a lost
+watch and a SIGKILLed leader; an agent started after the fact converges to the API server's pods.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent_harness import AgentHarness, Cluster
+from etcd_server import EtcdServer, etcd
+from factories import make_pod
+from lab_server import LabServer, lab_apiserver
+from podmeter.model.deltas import POD_SLICES, Delete, Upsert
+from podmeter.model.endpoint_slices import (
+    MOST,
+    ClusterEndpoints,
+    PodSlice,
+    bucket_of,
+    decode_slice,
+    desired_slices,
+    slice_count,
+)
+from podmeter.model.identity import IdentityKey, LabelFilter, key_of_flat
+from podmeter.model.records import Pod, decode_pod
+from podmeter.model.store import Store
+from test_operator_process import OperatorProcess, operators
+from waiting import wait_for
+
+__all__ = ["etcd", "lab_apiserver", "operators"]
+
+SLICES = "/apis/podmeter.io/v1alpha1/podslices"
+
+
+def identities_by_app(pods: list[Pod]) -> Callable[[Pod], tuple[int, IdentityKey] | None]:
+    ids: dict[IdentityKey, int] = {}
+
+    def identity_of(pod: Pod) -> tuple[int, IdentityKey] | None:
+        key = key_of_flat(pod.namespace, pod.labels, LabelFilter())
+        return ids.setdefault(key, 256 + len(ids)), key
+
+    return identity_of
+
+
+# --- the model -------------------------------------------------------------------------------------
+
+
+def test_each_published_pod_is_in_exactly_one_slice_and_a_change_touches_one_slice() -> None:
+    pods = [make_pod(f"p{i}", "shop", ips=(f"10.1.{i // 250}.{i % 250}",), labels={"app": f"a{i % 7}"})
+            for i in range(1000)]
+    pods.append(make_pod("no-ip", "shop"))
+    pods.append(make_pod("done", "shop", ips=("10.9.9.9",), phase="Succeeded"))
+    identity_of = identities_by_app(pods)
+    slices = desired_slices(pods, identity_of, current=0)
+    uids = [e["uid"] for spec in slices.values() for e in spec["endpoints"]]
+    assert sorted(uids) == sorted(p.uid for p in pods[:1000])  # once each; no IP-less or finished pod
+    assert len(slices) == slice_count(1000, 0) and all(len(s["endpoints"]) <= 2 * MOST for s in slices.values())
+    for spec in slices.values():  # the labels of every identity a slice uses travel with it
+        assert {str(e["identity"]) for e in spec["endpoints"]} == set(spec["identities"])
+    assert desired_slices(reversed(pods), identity_of, current=len(slices)) == slices  # deterministic
+    moved = msgspec.structs.replace(pods[3], ips=("10.2.0.3",))
+    after = desired_slices([moved, *pods[:3], *pods[4:]], identity_of, current=len(slices))
+    assert [name for name in slices if slices[name] != after[name]] == [
+        f"pods-{len(slices)}-{bucket_of(pods[3].uid, len(slices))}"]
+
+
+def test_the_slice_count_has_hysteresis() -> None:
+    assert slice_count(0, 0) == 1 and slice_count(150, 1) == 1 and slice_count(201, 1) == 2
+    assert slice_count(60, 2) == 2  # 30 a slice: not yet worth halving
+    assert slice_count(40, 2) == 1
+    assert slice_count(100_000, 0) == 512
+
+
+def _slice(name: str, version: int, pods: dict[str, str]) -> PodSlice:
+    """A slice listing ``pods`` (ip -> pod name)."""
+    spec = {"endpoints": [{"uid": f"u-{pod}", "namespace": "shop", "name": pod, "ips": [ip], "identity": 300}
+                          for ip, pod in sorted(pods.items())]}
+    return decode_slice({"metadata": {"name": name, "resourceVersion": str(version)}, "spec": spec})
+
+
+slice_steps = st.lists(st.tuples(
+    st.sampled_from(["s1", "s2", "s3"]), st.booleans(),
+    st.dictionaries(st.sampled_from(["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]),
+                    st.sampled_from(["a", "b", "c"]), max_size=3)), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(slice_steps)
+def test_the_cache_is_the_union_of_the_stored_slices(steps: list[tuple[str, bool, dict[str, str]]]) -> None:
+    cache = ClusterEndpoints()
+    store: Store[PodSlice] = Store(POD_SLICES)
+    for version, (name, delete, pods) in enumerate(steps):
+        delta = Delete(POD_SLICES, name) if delete else Upsert(POD_SLICES, _slice(name, version, pods))
+        store.apply(delta, cache.changed)
+        listed: dict[str, set[str]] = {}
+        for stored in store.objects.values():
+            for ip, endpoint in stored.endpoints:
+                listed.setdefault(ip, set()).add(endpoint.pod)
+        cached = dict(cache.items())
+        assert set(cached) == set(listed)  # nothing stale, nothing missing
+        assert all(cached[ip].pod in names for ip, names in listed.items())
+
+
+# --- the operator publishes, over real HTTP ----------------------------------------------------------
+
+
+def api_pods(server: LabServer) -> list[Pod]:
+    _, _, body = server.request("GET", "/api/v1/pods")
+    return [decode_pod(p) for p in body["items"]]
+
+
+def published(server: LabServer) -> dict[str, tuple[str, str, tuple[str, ...], int]]:
+    """uid -> (namespace, name, ips, identity) over every slice the API server holds."""
+    _, _, body = server.request("GET", SLICES)
+    out: dict[str, tuple[str, str, tuple[str, ...], int]] = {}
+    for item in body["items"]:
+        for e in item["spec"]["endpoints"]:
+            assert e["uid"] not in out, f"{e['uid']} published twice"
+            out[e["uid"]] = (e["namespace"], e["name"], tuple(e["ips"]), e["identity"])
+    return out
+
+
+def expected(server: LabServer, op: OperatorProcess) -> dict[str, tuple[str, str, tuple[str, ...], int]]:
+    ids = {(d["namespace"], tuple(sorted(d["labels"].items()))): d["id"] for d in op.debug()["identities"]}
+    out = {}
+    for pod in api_pods(server):
+        key = key_of_flat(pod.namespace, pod.labels, LabelFilter())
+        ident = ids.get((key.namespace, tuple(sorted(key.label_dict().items()))))
+        if pod.ips and not pod.host_network and pod.phase not in ("Succeeded", "Failed") and ident:
+            out[pod.uid] = (pod.namespace, pod.name, pod.ips, ident)
+    return out
+
+
+def converged(server: LabServer, op: OperatorProcess) -> Callable[[], bool]:
+    return lambda: bool(published(server)) and published(server) == expected(server, op)
+
+
+def test_publication_follows_churn_ip_reuse_and_a_lost_watch(
+        lab_apiserver: LabServer, operators: Callable[..., OperatorProcess]) -> None:
+    cluster = Cluster(lab_apiserver)
+    cluster.namespace("shop")
+    for i in range(30):
+        cluster.pod("shop", f"web-{i}", f"10.4.0.{i + 1}", node=f"node-{i % 3}")
+    op = operators("op-a", "--publish-period", "0.2")
+    wait_for(converged(lab_apiserver, op), timeout=20, what="30 pods published",
+             describe=lambda: (published(lab_apiserver), op.log.read_text()[-2000:]))
+    writes_before = op.metric('podmeter_slice_writes_total{op="create"}')
+    for i in range(10):  # churn, and IP reuse: web-i's IP goes to job-i
+        cluster.delete_pod("shop", f"web-{i}")
+        cluster.pod("shop", f"job-{i}", f"10.4.0.{i + 1}", node="node-0")
+    wait_for(converged(lab_apiserver, op), timeout=20, what="churn and IP reuse published")
+    assert all(name.startswith("job-") for _, name, ips, _ in published(lab_apiserver).values()
+               if ips[0] in {f"10.4.0.{i + 1}" for i in range(10)})
+    lab_apiserver.admin.stall()  # the operator's watch goes silent: it misses what follows
+    for i in range(10, 15):
+        cluster.delete_pod("shop", f"web-{i}")
+    lab_apiserver.admin.close_watches()
+    wait_for(converged(lab_apiserver, op), timeout=30, what="a lost watch repaired by the relist")
+    assert op.metric('podmeter_slice_writes_total{op="create"}') >= writes_before
+
+
+def test_a_new_leader_takes_over_the_slices_after_a_sigkill(
+        lab_apiserver: LabServer, etcd: EtcdServer, operators: Callable[..., OperatorProcess]) -> None:
+    cluster = Cluster(lab_apiserver)
+    cluster.namespace("shop")
+    for i in range(12):
+        cluster.pod("shop", f"web-{i}", f"10.5.0.{i + 1}")
+    backend = ["--identity-backend", "etcd", "--etcd-endpoints", etcd.endpoint, "--publish-period", "0.2"]
+    a = operators("op-a", *backend)
+    wait_for(lambda: a.metric("podmeter_leader") == 1, what="op-a leads")
+    b = operators("op-b", *backend)
+    wait_for(converged(lab_apiserver, a), timeout=20, what="published by op-a")
+    a.stop(signal.SIGKILL)
+    for i in range(6):  # while nobody leads: deletes and a reused IP
+        cluster.delete_pod("shop", f"web-{i}")
+    cluster.pod("shop", "late", "10.5.0.1")
+    wait_for(lambda: b.metric("podmeter_leader") == 1, timeout=15, what="op-b leads")
+    wait_for(converged(lab_apiserver, b), timeout=20, what="op-b repaired what op-a left",
+             describe=lambda: (published(lab_apiserver), expected(lab_apiserver, b)))
+    assert b.metric("podmeter_slice_conflicts_total") == 0
+
+
+def test_an_agent_started_after_the_fact_names_every_pod_of_the_cluster(
+        lab_apiserver: LabServer, operators: Callable[..., OperatorProcess]) -> None:
+    cluster = Cluster(lab_apiserver)
+    cluster.namespace("shop")
+    for i in range(20):
+        cluster.pod("shop", f"web-{i}", f"10.6.0.{i + 1}", node=f"node-{i % 4}")
+    op = operators("op-a", "--publish-period", "0.2")
+    wait_for(converged(lab_apiserver, op), timeout=20, what="published")
+    with AgentHarness(lab_apiserver, node="node-0") as harness:
+
+        def cache() -> dict[str, Any]:
+            return {ip: (e["namespace"], e["pod"], e["node"]) for ip, e in
+                    harness.on_loop(harness.agent.debug_endpoints)["endpoints"].items()}
+
+        want = {f"10.6.0.{i + 1}": ("shop", f"web-{i}", f"node-{i % 4}") for i in range(20)}
+        wait_for(lambda: cache() == want, timeout=20, what="the agent's cache equals the cluster's pods")
+        cluster.delete_pod("shop", "web-5")
+        cluster.pod("shop", "reused", "10.6.0.6", node="node-2")  # web-5's IP, now another pod's
+        want["10.6.0.6"] = ("shop", "reused", "node-2")
+        wait_for(lambda: cache() == want, timeout=20, what="nothing stale after deletion and IP reuse",
+                 describe=cache)
+
+
+def test_slices_are_bounded_and_stale_ones_go_when_the_cluster_shrinks(
+        lab_apiserver: LabServer, operators: Callable[..., OperatorProcess]) -> None:
+    cluster = Cluster(lab_apiserver)
+    cluster.namespace("batch")
+    for i in range(2 * MOST + 10):  # more than one slice holds: the operator spreads them over more
+        cluster.pod("batch", f"job-{i}", f"10.7.{i // 250}.{i % 250 + 1}")
+    op = operators("op-a", "--publish-period", "0.2")
+    wait_for(converged(lab_apiserver, op), timeout=30, what="410 pods published")
+    _, _, body = lab_apiserver.request("GET", SLICES)
+    assert len(body["items"]) == slice_count(2 * MOST + 10, 0) > 1
+    assert all(len(item["spec"]["endpoints"]) <= 2 * MOST for item in body["items"])
+    for i in range(2 * MOST - 10):
+        cluster.delete_pod("batch", f"job-{i}")
+    wait_for(converged(lab_apiserver, op), timeout=30, what="the shrunk set published")
+    _, _, body = lab_apiserver.request("GET", SLICES)
+    assert [item["metadata"]["name"] for item in body["items"]] == ["pods-1-0"]  # the stale slices went
+    assert op.metric('podmeter_slice_writes_total{op="delete"}') >= 1
