@@ -28,7 +28,7 @@ from pathlib import Path
 from podmeter.adapters.datapath.ebpf import layout, preflight
 from podmeter.adapters.datapath.ebpf.libbpf import BPF_ANY, BpfCallError, libbpf
 from podmeter.adapters.datapath.ebpf.loader import Loaded, Program, load
-from podmeter.adapters.datapath.ebpf.maps import BATCH_UNSUPPORTED, BatchOutcome, BpfMap
+from podmeter.adapters.datapath.ebpf.maps import BATCH_UNSUPPORTED, TAKE_CHUNK, BatchOutcome, BpfMap
 from podmeter.adapters.datapath.ebpf.pins import DEFAULT_BPFFS, PinDir
 from podmeter.model.datapath import BatchResult, DatapathError, Direction, FilterFull, Traffic
 from podmeter.model.flows import FlowEntry
@@ -274,8 +274,8 @@ class EbpfDatapath:
     def flow_capacity(self) -> int:
         return 0 if self.flows_map is None else self.flows_map.shape.max_entries
 
-    def drain_flows(self) -> list[FlowEntry]:
-        """Read and delete every flow entry (BPF_MAP_LOOKUP_AND_DELETE_BATCH, chunks of 8,192).
+    def drain_flows(self, chunk: int = TAKE_CHUNK) -> list[FlowEntry]:
+        """Read and delete every flow entry (BPF_MAP_LOOKUP_AND_DELETE_BATCH, ``chunk`` entries a call).
 
         Each entry is read and deleted at once, so it is returned by exactly one drain. On a kernel
         without the batch operation for hash maps (ENOTSUPP / EINVAL / EOPNOTSUPP), keys are collected
@@ -288,7 +288,7 @@ class EbpfDatapath:
         texts = layout.AddressTexts()
         with _gc_paused():
             try:
-                for keys, values, count in self.flows_map.take_batches():
+                for keys, values, count in self.flows_map.take_batches(chunk):
                     entries.extend(_decode(keys, values, count, texts))
             except BpfCallError as error:
                 if error.errno not in BATCH_UNSUPPORTED:

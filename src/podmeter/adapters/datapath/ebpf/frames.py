@@ -14,7 +14,12 @@ ETH_P_IPV6 = 0x86DD
 ETH_P_ARP = 0x0806
 ETH_P_8021Q = 0x8100
 ETH_P_8021AD = 0x88A8
+IPPROTO_ICMP = 1
+IPPROTO_TCP = 6
 IPPROTO_UDP = 17
+IPPROTO_ICMPV6 = 58
+IP_MF = 0x2000  # more fragments (in the 16-bit flags + fragment offset field)
+TCP_FIN, TCP_SYN, TCP_RST, TCP_PSH, TCP_ACK = 0x01, 0x02, 0x04, 0x08, 0x10
 DST_MAC = bytes.fromhex("02000000000b")
 SRC_MAC = bytes.fromhex("02000000000a")
 
@@ -34,16 +39,37 @@ def udp(payload: bytes, sport: int = 40000, dport: int = 7) -> bytes:
     return struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
 
 
-def ipv4(src: str, dst: str, payload: bytes, *, version: int = 4, ihl: int = 5) -> bytes:
+def tcp(payload: bytes = b"", sport: int = 40000, dport: int = 80, flags: int = TCP_ACK) -> bytes:
+    """A TCP segment with a 20-byte header (no options)."""
+    return struct.pack("!HHIIBBHHH", sport, dport, 1, 0, 5 << 4, flags, 65535, 0, 0) + payload
+
+
+def icmp(icmp_type: int, code: int = 0, payload: bytes = b"") -> bytes:
+    """An ICMP or ICMPv6 message: type, code, checksum (zero), identifier and sequence 1."""
+    return struct.pack("!BBHHH", icmp_type, code, 0, 1, 1) + payload
+
+
+def ipv4(
+    src: str,
+    dst: str,
+    payload: bytes,
+    *,
+    version: int = 4,
+    ihl: int = 5,
+    protocol: int = IPPROTO_UDP,
+    frag: int = 0,
+) -> bytes:
+    """An IPv4 packet; ``frag`` is the flags + fragment offset field (e.g. ``IP_MF | 0`` for a first
+    fragment, ``185`` for one starting at byte 1480)."""
     header = struct.pack(
         "!BBHHHBBH4s4s",
         (version << 4) | ihl,
         0,
         20 + len(payload),
         0,
-        0,
+        frag,
         64,
-        IPPROTO_UDP,
+        protocol,
         0,
         ipaddress.IPv4Address(src).packed,
         ipaddress.IPv4Address(dst).packed,
@@ -51,12 +77,12 @@ def ipv4(src: str, dst: str, payload: bytes, *, version: int = 4, ihl: int = 5) 
     return header + payload
 
 
-def ipv6(src: str, dst: str, payload: bytes, *, version: int = 6) -> bytes:
+def ipv6(src: str, dst: str, payload: bytes, *, version: int = 6, next_header: int = IPPROTO_UDP) -> bytes:
     header = struct.pack(
         "!IHBB16s16s",
         version << 28,
         len(payload),
-        IPPROTO_UDP,
+        next_header,
         64,
         ipaddress.IPv6Address(src).packed,
         ipaddress.IPv6Address(dst).packed,
@@ -70,3 +96,20 @@ def udp_frame(src: str, dst: str, size: int = 64, vlans: Sequence[int] = ()) -> 
     if ipaddress.ip_address(src).version == 4:
         return ethernet(ETH_P_IP, ipv4(src, dst, payload), vlans)
     return ethernet(ETH_P_IPV6, ipv6(src, dst, payload), vlans)
+
+
+def ip_frame(src: str, dst: str, protocol: int, payload: bytes, vlans: Sequence[int] = ()) -> bytes:
+    """An IPv4 or IPv6 frame (by the family of ``src``) carrying ``payload`` as ``protocol``."""
+    if ipaddress.ip_address(src).version == 4:
+        return ethernet(ETH_P_IP, ipv4(src, dst, payload, protocol=protocol), vlans)
+    return ethernet(ETH_P_IPV6, ipv6(src, dst, payload, next_header=protocol), vlans)
+
+
+def tcp_frame(src: str, dst: str, sport: int, dport: int, *, flags: int, size: int = 0) -> bytes:
+    return ip_frame(src, dst, IPPROTO_TCP, tcp(b"t" * size, sport, dport, flags))
+
+
+def icmp_frame(src: str, dst: str, icmp_type: int, code: int = 0, size: int = 56) -> bytes:
+    """ICMP for IPv4 sources, ICMPv6 for IPv6 ones."""
+    v4 = ipaddress.ip_address(src).version == 4
+    return ip_frame(src, dst, IPPROTO_ICMP if v4 else IPPROTO_ICMPV6, icmp(icmp_type, code, b"i" * size))

@@ -107,8 +107,8 @@ def sum_per_cpu(raw: bytes) -> Traffic:
 
 
 class AddressTexts(dict[bytes, str]):
-    """16-byte address -> canonical text, computed once per address. Callers make one per batch of
-    decoding (flows share their ends), so it lives no longer than the entries it decodes."""
+    """16-byte address -> canonical text, computed once per address (flows share their ends). Callers
+    make one per drain, so it lives no longer than the entries it decodes."""
 
     def __missing__(self, raw: bytes) -> str:
         text = self[raw] = address_text(raw)
@@ -134,19 +134,21 @@ def decode_flows(
     keys: bytes | memoryview, values: bytes | memoryview, count: int, texts: AddressTexts | None = None
 ) -> list[FlowEntry]:
     """The first ``count`` entries of a batch: ``keys`` and ``values`` are the kernel's packed arrays
-    (``count * 40`` bytes each, or more). One ``iter_unpack`` per array, address texts cached: about
-    0.3 s per million entries. Raises ValueError on an observation code the program never writes."""
+    (``count * 40`` bytes each, or more). One ``iter_unpack`` per array, address texts cached, the
+    tuples built by C calls: about 0.6 s per million entries. Raises ValueError on an observation code
+    the program never writes."""
     texts = AddressTexts() if texts is None else texts
     key_rows = FLOW_KEY.iter_unpack(memoryview(keys)[: count * FLOW_KEY.size])
     counts = map(_new_flow_counts, FLOW_VALUE.iter_unpack(memoryview(values)[: count * FLOW_VALUE.size]))
     observations = _OBSERVATIONS
     try:
-        return [
-            (_new_flow_key((texts[src], texts[dst], sport, dport, protocol, observations[code])), value)
-            for (src, dst, sport, dport, protocol, code), value in zip(key_rows, counts, strict=True)
+        flow_keys = [
+            _new_flow_key((texts[source], texts[destination], sport, dport, protocol, observations[code]))
+            for source, destination, sport, dport, protocol, code in key_rows
         ]
     except IndexError:
         raise ValueError("flow key with an unknown observation code") from None
+    return list(zip(flow_keys, counts, strict=True))
 
 
 def decode_flow_key(raw: bytes) -> FlowKey:

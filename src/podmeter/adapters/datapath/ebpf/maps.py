@@ -177,10 +177,9 @@ class BpfMap:
         Yields ``(keys, values, count)``: the packed key and value arrays of one chunk and how many
         entries they hold. The buffers are reused for the next chunk: decode them before asking for it.
         Each entry is read and deleted at once (under its hash bucket's lock), so an entry is yielded at
-        most once, and one created meanwhile is in this pass or left for the next. Entries the kernel
-        reports are yielded before any error is raised: a BpfCallError after some chunks leaves the rest
-        in the map; one in :data:`BATCH_UNSUPPORTED` raised before any chunk means the kernel lacks the
-        operation for this map (see :meth:`take_each`).
+        most once, and one created meanwhile is in this pass or left for the next. A BpfCallError after
+        some chunks leaves the rest in the map; one in :data:`BATCH_UNSUPPORTED` on the first call means
+        the kernel lacks the operation for this map (see :meth:`take_each`).
         """
         chunk = max(1, min(self.shape.max_entries, chunk))
         token = max(self.shape.key_size, 8)  # hash maps use a bucket index
@@ -197,11 +196,13 @@ class BpfMap:
                 chunk *= 2
                 keys, values = self._batch_buffers(chunk)
                 continue
+            # The count is the kernel's only on success or ENOENT (the end, with the last chunk); an error
+            # found before any work (EINVAL, ENOTSUPP) leaves the count we passed in.
+            self._lib.check("bpf_map_lookup_and_delete_batch", 0 if ret == -errno.ENOENT else ret)
             if count.value:
                 yield memoryview(keys), memoryview(values), min(count.value, chunk)
-            if ret == -errno.ENOENT:  # the end; the last chunk's count was valid
+            if ret == -errno.ENOENT:
                 return
-            self._lib.check("bpf_map_lookup_and_delete_batch", ret)
             ctypes.memmove(position, following, token)
             start = position
 

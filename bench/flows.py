@@ -1,0 +1,344 @@
+"""Flows benchmark: per-packet cost of in-kernel flow aggregation, and the cost of draining the flows map.
+
+Run (root): ``.venv/bin/python -m bench.flows [--repeat 1000000] [--runs 7]``
+
+Per packet (BPF_PROG_TEST_RUN, the same 106-byte IPv4/UDP frame from an observed source, ``--repeat``
+repetitions per run, medians of ``--runs`` interleaved runs):
+* ``ns_per_packet_flows``: ``pm_from_pod`` of ``podmeter.bpf.o`` (counting + flow aggregation), the
+  counter entry and the flow entry present (the steady-state hit);
+* ``ns_per_packet``: ``pm_from_pod`` of ``podmeter_noflows.bpf.o`` (the same source without flows);
+* ``ns_per_packet_bare``: ``pm_parse_only`` (the same parser, no map access).
+``ns_per_packet_flows_unobserved`` (information): the flows program on a frame between two unobserved
+IPs (the counter miss, then both ends looked up in the filter, no flow).
+
+Drain: ``flow_drain_ms_100k`` is :func:`drain_100k` (``EbpfDatapath.drain_flows()``) on a map holding
+100,000 entries (written by a batch update: 200 pod IPs, 5,000 peers half IPv4 half IPv6, distinct
+ports), median of ``--runs``: the kernel's batched lookup-and-delete, the decoding, and the one
+young-generation collection of the decoded entries (the drain holds the collector until it returns).
+``drain_kernel_ms_100k`` (information) is the batched lookup-and-delete alone, without decoding.
+``drain_cost_ratio_10m_vs_100k_packets``: the drain after 10,000,000 packets over 1,000 flows divided by
+the drain after 100,000 packets over the same 1,000 flows (target <= 1.1: the cost follows flows, not
+packets). The 100,000-packet case also runs 9,900,000 packets between unobserved IPs (no flow), so that
+both drains follow the same kernel work. ``flows_lost_when_full`` (information): packets counted in
+``flows_lost`` when 1,000 flows of 10 packets each meet a 64-entry map (exactly 936 x 10 expected; the
+per-pod counters stay exact).
+
+Maps are created unpinned: the benchmark leaves nothing behind. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from podmeter.adapters.datapath.ebpf import frames, layout
+from podmeter.adapters.datapath.ebpf.datapath import COUNTERS_MAP, FILTER_MAP, FROM_POD, EbpfDatapath, map_sizes
+from podmeter.adapters.datapath.ebpf.loader import Loaded, Program, load
+from podmeter.adapters.datapath.ebpf.preflight import BARE_OBJECT_NAME, NOFLOWS_OBJECT_NAME, OBJECT_NAME, object_path
+from podmeter.model.datapath import Direction
+from podmeter.model.flows import UDP, FlowCounts, FlowEntry, FlowKey, Observation
+
+PARSE_ONLY = "pm_parse_only"
+POD = "10.244.1.7"
+PEER = "192.0.2.1"
+DRAIN_ENTRIES = 100_000
+RATIO_FLOWS = 1_000
+FULL_MAP, FULL_FLOWS, FULL_PACKETS = 64, 1_000, 10
+REPO = Path(__file__).resolve().parent.parent
+UNOBSERVED_FRAME = frames.udp_frame("10.255.255.254", PEER)
+
+
+@dataclass(frozen=True)
+class Figures:
+    ns_per_packet_flows: float
+    ns_per_packet: float
+    ns_per_packet_bare: float
+    ns_per_packet_flows_unobserved: float
+    flow_drain_ms_100k: float
+    drain_kernel_ms_100k: float
+    drain_ms_100k_packets: float
+    drain_ms_10m_packets: float
+    flows_lost_when_full: int
+    counters_exact_when_full: bool
+
+    @property
+    def flows_overhead_ns(self) -> float:
+        return self.ns_per_packet_flows - self.ns_per_packet
+
+    @property
+    def drain_cost_ratio(self) -> float:
+        return self.drain_ms_10m_packets / self.drain_ms_100k_packets
+
+
+@dataclass
+class Unpinned:
+    """Object ``name`` loaded with fresh maps pinned nowhere (nothing to clean up): its datapath and
+    its ``pm_from_pod``."""
+
+    loaded: Loaded
+    datapath: EbpfDatapath
+
+    @classmethod
+    def load(cls, flow_size: int, filter_size: int = 256, name: str = OBJECT_NAME) -> Unpinned:
+        sizes = map_sizes(filter_size, flow_size)
+        if name == NOFLOWS_OBJECT_NAME:
+            sizes = {map_name: sizes[map_name] for map_name in (FILTER_MAP, COUNTERS_MAP)}
+        loaded = load(object_path(name), None, sizes, [FROM_POD])
+        return cls(loaded, EbpfDatapath.from_loaded(loaded))
+
+    @property
+    def program(self) -> Program:
+        return self.loaded.programs[FROM_POD]
+
+    def close(self) -> None:
+        self.loaded.close()
+
+
+# --- per packet ----------------------------------------------------------------------------------------------
+
+
+def per_packet(repeat: int, runs: int) -> dict[str, float]:
+    """Median ns per packet: flows hit, counting hit (no flows), parse only, flows program unobserved."""
+    with_flows = Unpinned.load(1024)
+    counting = Unpinned.load(1024, name=NOFLOWS_OBJECT_NAME)
+    bare = load(object_path(BARE_OBJECT_NAME), None, {}, [PARSE_ONLY])
+    try:
+        for loaded in (with_flows, counting):
+            assert loaded.datapath.insert([POD]).error is None
+        hit = frames.udp_frame(POD, PEER)
+        unobserved = UNOBSERVED_FRAME
+        programs = {
+            "flows": (with_flows.program, hit),
+            "counting": (counting.program, hit),
+            "bare": (bare.programs[PARSE_ONLY], hit),
+            "flows_unobserved": (with_flows.program, unobserved),
+        }
+        for program, frame in programs.values():
+            program.test_run(frame)  # creates the counter and flow entries: the runs measure the steady state
+        samples: dict[str, list[int]] = {name: [] for name in programs}
+        for _ in range(runs):
+            for name, (program, frame) in programs.items():
+                samples[name].append(program.test_run(frame, repeat).duration_ns)
+        assert len(with_flows.datapath.read_flows()) == 1 and with_flows.datapath.flows_lost() == 0
+        assert counting.datapath.flows_map is None
+        return {name: float(statistics.median(values)) for name, values in samples.items()}
+    finally:
+        with_flows.close()
+        counting.close()
+        bare.close()
+
+
+# --- drain -----------------------------------------------------------------------------------------------------
+
+
+def drain_100k(datapath: EbpfDatapath) -> list[FlowEntry]:
+    """The step ``flow_drain_ms_100k`` times: drain a flows map holding 100,000 entries."""
+    return datapath.drain_flows()
+
+
+def flow_keys(count: int) -> list[FlowKey]:
+    """``count`` distinct flows: 200 pod IPs, 5,000 peers (half IPv4, half IPv6), both observations."""
+    pods = [f"10.244.{n // 250}.{n % 250 + 1}" for n in range(200)]
+    peers = [f"172.16.{n // 250}.{n % 250 + 1}" if n % 2 else f"fd00:be::{n:x}" for n in range(5000)]
+    out = []
+    for n in range(count):
+        pod, peer, port = pods[n % 200], peers[n % 5000], 32768 + n // 5000
+        if n % 2:
+            out.append(FlowKey(pod, peer, port, 443, UDP, Observation.FROM_POD))
+        else:
+            out.append(FlowKey(peer, pod, 443, port, UDP, Observation.TO_POD))
+    return out
+
+
+def fill(datapath: EbpfDatapath, keys: list[bytes], values: list[bytes]) -> None:
+    assert datapath.flows_map is not None
+    outcome = datapath.flows_map.update_batch(keys, values)
+    assert outcome.error is None and outcome.applied == len(keys), outcome
+
+
+def drain_figures(runs: int) -> tuple[float, float, float]:
+    """Median ms of (drain_100k, the kernel's batched take alone)."""
+    keys = [layout.flow_key(key) for key in flow_keys(DRAIN_ENTRIES)]
+    now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    values = [layout.flow_value(FlowCounts(1 + n % 7, 100 * (1 + n % 7), now, now + n, 0)) for n in range(len(keys))]
+    maps = Unpinned.load(DRAIN_ENTRIES)
+    datapath = maps.datapath
+    drains, kernels = [], []
+    try:
+        for _ in range(runs):
+            fill(datapath, keys, values)
+            gc.collect()
+            start = time.perf_counter()
+            entries = drain_100k(datapath)
+            drains.append(time.perf_counter() - start)
+            assert len(entries) == DRAIN_ENTRIES, len(entries)
+            del entries
+            fill(datapath, keys, values)
+            assert datapath.flows_map is not None
+            start = time.perf_counter()
+            taken = sum(count for _, _, count in datapath.flows_map.take_batches())
+            kernels.append(time.perf_counter() - start)
+            assert taken == DRAIN_ENTRIES, taken
+    finally:
+        maps.close()
+    return 1000 * statistics.median(drains), 1000 * statistics.median(kernels)
+
+
+def drain_after(maps: Unpinned, flows: list[bytes], packets_per_flow: int, work_per_flow: int) -> float:
+    """Seconds to drain after ``packets_per_flow`` packets on each of ``flows``. Each flow's packets are
+    followed by ``work_per_flow - packets_per_flow`` packets between two unobserved IPs (no flow, no
+    counter), so that both cases run the same kernel work before the drain (a drain right after 0.5 s
+    of BPF_PROG_TEST_RUN finds colder caches than one after 5 ms) and differ only in what was counted."""
+    for frame in flows:
+        maps.program.test_run(frame, packets_per_flow)
+        if work_per_flow > packets_per_flow:
+            maps.program.test_run(UNOBSERVED_FRAME, work_per_flow - packets_per_flow)
+    gc.collect()
+    start = time.perf_counter()
+    entries = maps.datapath.drain_flows()
+    elapsed = time.perf_counter() - start
+    assert len(entries) == len(flows) and all(c.packets == packets_per_flow for _, c in entries)
+    return elapsed
+
+
+def drain_ratio(runs: int) -> tuple[float, float]:
+    """Median ms of the drain after 100,000 and after 10,000,000 packets over the same 1,000 flows."""
+    maps = Unpinned.load(4 * RATIO_FLOWS)
+    flows = [frames.ethernet(frames.ETH_P_IP, frames.ipv4(POD, PEER, frames.udp(b"r" * 64, 20000 + n, 53)))
+             for n in range(RATIO_FLOWS)]
+    few, many = [], []
+    try:
+        assert maps.datapath.insert([POD]).error is None
+        for _ in range(runs):
+            few.append(drain_after(maps, flows, 100_000 // RATIO_FLOWS, 10_000_000 // RATIO_FLOWS))
+            many.append(drain_after(maps, flows, 10_000_000 // RATIO_FLOWS, 10_000_000 // RATIO_FLOWS))
+        assert maps.datapath.read_counters()[(POD, Direction.EGRESS)].packets == runs * 10_100_000
+    finally:
+        maps.close()
+    return 1000 * statistics.median(few), 1000 * statistics.median(many)
+
+
+def lost_when_full() -> tuple[int, bool]:
+    """(packets counted in flows_lost, were the counters exact) for 1,000 flows meeting a 64-entry map."""
+    maps = Unpinned.load(FULL_MAP)
+    datapath, program = maps.datapath, maps.program
+    try:
+        assert datapath.insert([POD]).error is None
+        frame_bytes = 0
+        for n in range(FULL_FLOWS):
+            frame = frames.ethernet(frames.ETH_P_IP, frames.ipv4(POD, PEER, frames.udp(b"f", 10000 + n, 53)))
+            program.test_run(frame, FULL_PACKETS)
+            frame_bytes += FULL_PACKETS * len(frame)
+        lost = datapath.flows_lost()
+        counters = datapath.read_counters()
+        exact = sum(t.packets for t in counters.values()) == FULL_FLOWS * FULL_PACKETS and sum(
+            t.bytes for t in counters.values()) == frame_bytes
+        assert lost == (FULL_FLOWS - FULL_MAP) * FULL_PACKETS, lost
+        return lost, exact
+    finally:
+        maps.close()
+
+
+# --- running ---------------------------------------------------------------------------------------------------
+
+
+def stale_objects() -> list[str]:
+    """Objects older than their sources, in a source checkout. `make bpf` does not know that
+    podmeter_noflows.bpf.c includes podmeter.bpf.c, so that one is checked here."""
+    sources = REPO / "bpf"
+    if not sources.is_dir():
+        return []
+    headers = list(sources.glob("*.h"))
+    needs = {
+        OBJECT_NAME: [sources / "podmeter.bpf.c", *headers],
+        NOFLOWS_OBJECT_NAME: [sources / "podmeter_noflows.bpf.c", sources / "podmeter.bpf.c", *headers],
+        BARE_OBJECT_NAME: [sources / "podmeter_bare.bpf.c", *headers],
+    }
+    stale = []
+    for name, inputs in needs.items():
+        built = object_path(name).stat().st_mtime
+        if any(path.exists() and path.stat().st_mtime > built for path in inputs):
+            stale.append(name)
+    return stale
+
+
+def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> Figures:
+    progress("per packet")
+    packet = per_packet(args.repeat, args.runs)
+    progress("drain of 100,000 entries")
+    drain_ms, kernel_ms = drain_figures(args.runs)
+    progress("drain after 100,000 and 10,000,000 packets")
+    few_ms, many_ms = drain_ratio(args.runs)
+    lost, exact = lost_when_full()
+    return Figures(packet["flows"], packet["counting"], packet["bare"], packet["flows_unobserved"], drain_ms,
+                   kernel_ms, few_ms, many_ms, lost, exact)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--repeat", type=int, default=1_000_000, help="BPF_PROG_TEST_RUN repetitions per run")
+    parser.add_argument("--runs", type=int, default=7, help="runs per figure (the median is reported)")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("bench.flows needs root (BPF_PROG_TEST_RUN, map creation)", file=sys.stderr)
+        return 2
+    stale = stale_objects()
+    if stale:
+        print(f"bench.flows: {', '.join(stale)} older than its sources: `touch bpf/*.bpf.c && make bpf`",
+              file=sys.stderr)
+        return 2
+    figures = measure(args, lambda step: print(f"  ... {step}", file=sys.stderr, flush=True))
+    print_table(figures, args)
+    print(json.dumps(summary(figures, args)))
+    return 0
+
+
+def print_table(fig: Figures, args: argparse.Namespace) -> None:
+    print(f"flows benchmark: {args.runs} runs, medians")
+    rows = [
+        ("ns/packet, counting + flows, hit", f"{fig.ns_per_packet_flows:.0f}", f"repeat {args.repeat:,}"),
+        ("ns/packet, counting (no flows)", f"{fig.ns_per_packet:.0f}", "same frame"),
+        ("ns/packet, parse only", f"{fig.ns_per_packet_bare:.0f}", "same frame"),
+        ("ns/packet, flows added", f"{fig.flows_overhead_ns:.0f}", "flows - counting"),
+        ("ns/packet, flows, both ends unobserved", f"{fig.ns_per_packet_flows_unobserved:.0f}", "no flow made"),
+        ("drain of 100,000 flows, ms", f"{fig.flow_drain_ms_100k:.1f}", "drain_100k(): batched take + decode"),
+        ("  of which the kernel's take, ms", f"{fig.drain_kernel_ms_100k:.1f}", "no decoding"),
+        ("drain after 100,000 packets, ms", f"{fig.drain_ms_100k_packets:.2f}", f"{RATIO_FLOWS:,} flows"),
+        ("drain after 10,000,000 packets, ms", f"{fig.drain_ms_10m_packets:.2f}", f"{RATIO_FLOWS:,} flows"),
+        ("drain cost ratio (target <= 1.1)", f"{fig.drain_cost_ratio:.2f}", "10M / 100k packets"),
+        ("packets lost, map full", f"{fig.flows_lost_when_full:,}",
+         f"{FULL_FLOWS:,} flows x {FULL_PACKETS}, {FULL_MAP} entries; counters exact: {fig.counters_exact_when_full}"),
+    ]
+    for name, value, note in rows:
+        print(f"  {name:<40} {value:>10}   {note}")
+
+
+def summary(fig: Figures, args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "ns_per_packet_flows": round(fig.ns_per_packet_flows, 1),
+        "ns_per_packet": round(fig.ns_per_packet, 1),
+        "ns_per_packet_bare": round(fig.ns_per_packet_bare, 1),
+        "flows_overhead_ns": round(fig.flows_overhead_ns, 1),
+        "ns_per_packet_flows_unobserved": round(fig.ns_per_packet_flows_unobserved, 1),
+        "flow_drain_ms_100k": round(fig.flow_drain_ms_100k, 1),
+        "drain_kernel_ms_100k": round(fig.drain_kernel_ms_100k, 1),
+        "drain_ms_100k_packets": round(fig.drain_ms_100k_packets, 3),
+        "drain_ms_10m_packets": round(fig.drain_ms_10m_packets, 3),
+        "drain_cost_ratio_10m_vs_100k_packets": round(fig.drain_cost_ratio, 3),
+        "flows_lost_when_full": fig.flows_lost_when_full,
+        "counters_exact_when_full": fig.counters_exact_when_full,
+        "repeat": args.repeat,
+        "runs": args.runs,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
