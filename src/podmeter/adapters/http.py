@@ -84,7 +84,7 @@ def _is_loopback(remote: str | None) -> bool:
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:9965`` for IPv6) -> (host, port); ValueError with a clear message."""
+    """``HOST:PORT`` (``[::1]:9978`` for IPv6) -> (host, port); ValueError with a clear message."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"--listen {value!r}: expected HOST:PORT")

@@ -38,7 +38,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--interface", action="append", default=[],
                    help="also attach to this interface (repeatable); veths named pm*, veth*, lxc*, cali* "
                         "are found by themselves")
-    p.add_argument("--listen", default="127.0.0.1:9965", help="HTTP address for /metrics, /healthz, /readyz")
+    p.add_argument("--listen", default="127.0.0.1:9978", help="HTTP address for /metrics, /healthz, /readyz")
     p.add_argument("--debug-remote", action="store_true",
                    help="let /debug/state answer non-loopback clients too (default: loopback only)")
     p.add_argument("--resync-interval", type=_positive_float, default=60.0,

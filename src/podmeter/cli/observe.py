@@ -23,7 +23,7 @@ from typing import Any
 
 from podmeter.adapters.http import parse_listen
 
-DEFAULT_SERVER = "127.0.0.1:9965"  # the agent's default --listen
+DEFAULT_SERVER = "127.0.0.1:9978"  # the agent's default --listen
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 

@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
                         "besides the defaults")
     p.add_argument("--include-labels", default="",
                    help="comma-separated label keys to take out of the default exclusions")
-    p.add_argument("--listen", default="127.0.0.1:9966", help="HOST:PORT for /metrics, /healthz, /debug")
+    p.add_argument("--listen", default="127.0.0.1:9979", help="HOST:PORT for /metrics, /healthz, /debug")
     p.add_argument("--debug-anywhere", action="store_true", help="answer /debug/* on every address")
     p.add_argument("--lease-namespace", default="kube-system")
     p.add_argument("--lease-name", default="podmeter-operator")
