@@ -178,8 +178,21 @@ def decode_slice_digest(data: bytes | dict[str, Any]) -> SliceDigest:
     return SliceDigest(wire.metadata.name, wire.metadata.resourceVersion, spec_digest(wire.spec))
 
 
-def decode_slice(data: bytes | dict[str, Any]) -> PodSlice:
-    """A ``PodSlice`` object -> :class:`PodSlice`; :class:`DecodeError` names what is wrong."""
+_IDENTITY_INTERN_MAX = 1 << 16
+_identities: dict[int, int] = {}
+
+
+def _shared(identity: int | None) -> int | None:
+    """One int object per identity number, as strings are interned (a cache holds 100,000s of them);
+    bounded, so a hostile slice cannot grow it."""
+    if identity is None or len(_identities) >= _IDENTITY_INTERN_MAX:
+        return identity
+    return _identities.setdefault(identity, identity)
+
+
+def decode_slice(data: bytes | dict[str, Any], labels: bool = False) -> PodSlice:
+    """A ``PodSlice`` object -> :class:`PodSlice`; :class:`DecodeError` names what is wrong. The identities'
+    labels are kept only if asked (``labels``): an agent names flows with IDs and does not need them."""
     try:
         wire = msgspec.convert(data, _WireSlice) if isinstance(data, dict) else _decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -190,20 +203,20 @@ def decode_slice(data: bytes | dict[str, Any]) -> PodSlice:
     endpoints: list[tuple[str, Endpoint]] = []
     for e in wire.spec.endpoints:
         endpoint = Endpoint(_intern(e.namespace), e.name, _intern(e.workloadKind), _intern(e.workload),
-                            _intern(e.node), "", e.identity)
+                            _intern(e.node), "", _shared(e.identity), name)
         endpoints.extend((ip, endpoint) for ip in e.ips)
-    labels: list[tuple[int, tuple[str, ...]]] = []
-    for ident, identity in wire.spec.identities.items():
+    labels_of: list[tuple[int, tuple[str, ...]]] = []
+    for ident, identity in wire.spec.identities.items() if labels else ():
         if ident.isdigit():
-            labels.append((int(ident), tuple(x for k in sorted(identity.labels) for x in (k, identity.labels[k]))))
-    return PodSlice(name, wire.metadata.resourceVersion, tuple(endpoints), tuple(labels))
+            labels_of.append((int(ident), tuple(x for k in sorted(identity.labels) for x in (k, identity.labels[k]))))
+    return PodSlice(name, wire.metadata.resourceVersion, tuple(endpoints), tuple(labels_of))
 
 
 class ClusterEndpoints:
     """IP -> endpoint for every pod the stored slices publish (the agent's cluster-wide cache).
 
-    Invariants: ``_by_ip[ip]`` is the endpoint of ``ip`` in the slice ``_owner[ip]``, and that slice is
-    stored and lists ``ip``; an IP listed by two slices (a pod moved between slices, seen mid-way) belongs
+    Invariants: ``_by_ip[ip]`` is the endpoint of ``ip`` in the slice named by its ``slice`` field, and that
+    slice is stored and lists ``ip``; an IP listed by two slices (a pod moved between slices, seen mid-way) belongs
     to the slice stored last, and goes back to the other when that one goes. So the cache is exactly the
     union of the stored slices, whatever order their changes came in.
     """
@@ -211,7 +224,6 @@ class ClusterEndpoints:
     def __init__(self) -> None:
         self.slices: dict[str, PodSlice] = {}
         self._by_ip: dict[str, Endpoint] = {}
-        self._owner: dict[str, str] = {}
         self._peak = PeakTracker()
 
     def __len__(self) -> int:
@@ -241,16 +253,18 @@ class ClusterEndpoints:
             self.slices.pop(name, None)
         else:
             self.slices[name] = new
+        by_ip = self._by_ip
         for ip, _ in old.endpoints if old is not None else ():
-            if self._owner.get(ip) == name:
-                self._forget(ip)
+            current = by_ip.get(ip)
+            if current is not None and current.slice == name:
+                del by_ip[ip]
         for ip, endpoint in new.endpoints if new is not None else ():
-            self._by_ip[ip], self._owner[ip] = endpoint, name
+            by_ip[ip] = endpoint
         if old is not None and (new is None or old.endpoints != new.endpoints):
             self._refill_from_others(old, name)
         self._peak.grew_to(len(self._by_ip))
         if self._peak.should_rebuild(len(self._by_ip)):
-            self._by_ip, self._owner, self.slices = dict(self._by_ip), dict(self._owner), dict(self.slices)
+            self._by_ip, self.slices = dict(self._by_ip), dict(self.slices)
 
     def renames(self, old: PodSlice | None, new: PodSlice | None) -> bool:
         """Whether replacing ``old`` by ``new`` would change the endpoint of any IP."""
@@ -258,13 +272,9 @@ class ClusterEndpoints:
         after = dict(new.endpoints) if new is not None else {}
         return before != after
 
-    def _forget(self, ip: str) -> None:
-        self._by_ip.pop(ip, None)
-        self._owner.pop(ip, None)
-
     def _refill_from_others(self, gone: PodSlice, name: str) -> None:
         """IPs ``gone`` listed that another stored slice also lists go to that slice."""
-        orphans = {ip for ip, _ in gone.endpoints if ip not in self._owner}
+        orphans = {ip for ip, _ in gone.endpoints if ip not in self._by_ip}
         if not orphans:
             return
         for other in self.slices.values():
@@ -272,7 +282,7 @@ class ClusterEndpoints:
                 continue
             for ip, endpoint in other.endpoints:
                 if ip in orphans:
-                    self._by_ip[ip], self._owner[ip] = endpoint, other.name
+                    self._by_ip[ip] = endpoint
 
 
 def expected_endpoints(pods: Iterable[Pod], identities: Mapping[str, int]) -> dict[str, tuple[str, str, int]]:

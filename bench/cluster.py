@@ -1,0 +1,288 @@
+"""Cluster-wide endpoints benchmark: propagation to every agent, API writes, cache memory, publication.
+
+Run: ``.venv/bin/python -m bench.cluster [--seconds 30] [--rate 20] [--pods 100000]``
+
+* ``endpoint_propagation_p99_ms``: a real lab API server and a real ``podmeter operator`` process, and
+  three agents (in this process, each on its own event loop and thread, memory datapath, nodes ``node-0``
+  to ``node-2``); ``--rate`` pod lifecycles per second for ``--seconds`` (a pod is created, gets its IP
+  through the status subresource, lives ~3 s, is deleted). Per pod: from the answer to the status write
+  that gave it its IP to the moment the last of the three agents' caches names it (each cache's change
+  handler stamps the arrival). Target <= 1,000.
+* ``api_writes_per_pod_lifecycle``: PodSlice writes the operator made during that churn (its
+  ``podmeter_slice_writes_total``) divided by the lifecycles. Target <= 1.
+* ``agent_endpoint_bytes_per_entry``: tracemalloc of an agent's slice store and endpoint cache holding
+  ``--pods`` pods (100,000) decoded from the JSON slices the publisher makes. Target <= 200.
+* ``operator_publish_100k_pods_s``: the publisher computing and writing the slices of ``--pods`` pods from
+  nothing, against an in-memory slice API (the model, the diff and the write loop; HTTP excluded: the lab
+  API server's write rate is measured by bench.apiserver).
+Prints a table; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from bench.measure import json_line, table, traced_bytes
+from podmeter.adapters.datapath.memory import MemoryDatapath
+from podmeter.adapters.kube.connection import load_connection
+from podmeter.adapters.kube.reflector import ReflectorSettings
+from podmeter.lab.apiserver.client import AdminClient
+from podmeter.model.deltas import POD_SLICES, Replace, Upsert
+from podmeter.model.endpoint_slices import ClusterEndpoints, PodSlice, decode_slice
+from podmeter.model.identity import IdentityKey, LabelFilter, key_of_flat
+from podmeter.model.records import Pod
+from podmeter.model.store import Store
+from podmeter.runtime.agent import Agent, AgentSettings
+from podmeter.runtime.endpoint_publisher import EndpointPublisher
+
+TOKEN = "bench-token"
+
+
+def pods(count: int) -> list[Pod]:
+    return [Pod(uid=f"{i:08x}-2222-4000-8000-{i:012x}", namespace=f"ns-{i % 50}", name=f"web-{i}",
+                node_name=f"node-{i % 100}", ips=(f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}",),
+                host_network=False, phase="Running", deleting=False, observe=False,
+                labels=("app", f"app-{i % 500}"), resource_version="1", owner_kind="ReplicaSet",
+                owner_name=f"app-{i % 500}-5d9f7") for i in range(count)]
+
+
+def identity_of_factory() -> Any:
+    ids: dict[IdentityKey, int] = {}
+    label_filter = LabelFilter()
+
+    def identity_of(pod: Pod) -> tuple[int, IdentityKey]:
+        key = key_of_flat(pod.namespace, pod.labels, label_filter)
+        return ids.setdefault(key, 256 + len(ids)), key
+
+    return identity_of
+
+
+class MemorySliceApi:
+    def __init__(self) -> None:
+        self.specs: dict[str, dict[str, Any]] = {}
+        self.version = 0
+
+    async def create(self, name: str, spec: dict[str, Any]) -> str:
+        self.specs[name] = spec
+        self.version += 1
+        return str(self.version)
+
+    async def replace(self, name: str, resource_version: str, spec: dict[str, Any]) -> str:
+        return await self.create(name, spec)
+
+    async def delete(self, name: str) -> None:
+        self.specs.pop(name, None)
+
+
+def publish_from_nothing(count: int) -> tuple[float, MemorySliceApi]:
+    api = MemorySliceApi()
+    publisher = EndpointPublisher(api, max_writes=1_000_000)
+    publisher.apply(Replace(publisher.actual.collection, []))
+    population, identity_of = pods(count), identity_of_factory()
+    start = time.perf_counter()
+    asyncio.run(publisher.sync(population, identity_of))
+    return time.perf_counter() - start, api
+
+
+def cache_bytes_per_entry(api: MemorySliceApi, count: int) -> float:
+    encoded = [msgspec.json.encode({"metadata": {"name": name, "resourceVersion": "1"}, "spec": spec})
+               for name, spec in api.specs.items()]
+
+    def build() -> tuple[Store[PodSlice], ClusterEndpoints]:
+        store: Store[PodSlice] = Store(POD_SLICES)
+        cache = ClusterEndpoints()
+        for data in encoded:
+            store.apply(Upsert(POD_SLICES, decode_slice(data)), cache.changed)
+        return store, cache
+
+    (_, cache), used = traced_bytes(build)
+    assert len(cache) == count
+    return used / count
+
+
+# --- propagation through a real API server and operator ------------------------------------------------
+
+
+def start_apiserver(workdir: Path) -> tuple[subprocess.Popen[bytes], Path, str]:
+    kubeconfig = workdir / "kubeconfig"
+    proc = subprocess.Popen([sys.executable, "-m", "podmeter", "apiserver", "--listen", "127.0.0.1:0",
+                             "--kubeconfig-out", str(kubeconfig), "--token", TOKEN],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if kubeconfig.exists():
+            url: str = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+            try:
+                AdminClient(url, TOKEN).stats()
+                return proc, kubeconfig, url
+            except OSError:
+                pass
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("the lab API server did not start")
+
+
+def start_operator(kubeconfig: Path, port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    log = (workdir / "operator.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "podmeter", "operator", "--kubeconfig", str(kubeconfig),
+                             "--listen", f"127.0.0.1:{port}", "--lease-namespace", "default",
+                             "--publish-period", "0.2", "--sweep-period", "30"], stdout=log, stderr=log)
+    wait(lambda: http(f"http://127.0.0.1:{port}/readyz") == "ready\n", "operator ready")
+    return proc
+
+
+class Api:
+    """Plain requests to the lab API server, with the bench's token."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> None:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": content_type})
+        with urllib.request.urlopen(req, timeout=10) as response:
+            response.read()
+
+
+def http(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return str(response.read().decode())
+    except OSError:
+        return ""
+
+
+def wait(predicate: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out: {what}")
+
+
+class StampedAgent:
+    """An agent on its own loop whose endpoint cache stamps when each IP first arrives."""
+
+    def __init__(self, kubeconfig: Path, node: str) -> None:
+        settings = AgentSettings(node_name=node, reflector=lambda _: ReflectorSettings(watch_timeout=(60.0, 90.0)))
+        self.agent = Agent(settings, load_connection(str(kubeconfig)), MemoryDatapath())
+        self.arrived: dict[str, float] = {}
+        cache = self.agent.view.cluster
+        original = cache.changed
+
+        def stamped(old: PodSlice | None, new: PodSlice | None) -> None:
+            now = time.monotonic()
+            for ip, _ in new.endpoints if new is not None else ():
+                self.arrived.setdefault(ip, now)
+            original(old, new)
+
+        self.agent.view._routes[POD_SLICES] = (self.agent.view.slice_store, stamped)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.agent.start(), self.loop).result(30)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.agent.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def operator_writes(port: int) -> float:
+    total = 0.0
+    for line in http(f"http://127.0.0.1:{port}/metrics").splitlines():
+        if line.startswith("podmeter_slice_writes_total"):
+            total += float(line.split()[-1])
+    return total
+
+
+def propagation(seconds: float, rate: float) -> tuple[list[float], float, int]:
+    workdir = Path(tempfile.mkdtemp(prefix="podmeter-bench-cluster-"))
+    server, kubeconfig, url = start_apiserver(workdir)
+    admin = Api(url)
+    port = 9979 + 100
+    operator = agents = None
+    try:
+        admin.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                     "metadata": {"name": "churn"}})
+        operator = start_operator(kubeconfig, port, workdir)
+        agents = [StampedAgent(kubeconfig, f"node-{n}") for n in range(3)]
+        writes_before = operator_writes(port)
+        written: dict[str, float] = {}
+        live: list[tuple[float, str]] = []
+        start, i = time.monotonic(), 0
+        while time.monotonic() - start < seconds:
+            ip = f"10.9.{i // 250 % 250}.{i % 250 + 1}"
+            name = f"p-{i}"
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": f"a{i % 5}"}},
+                   "spec": {"nodeName": f"node-{i % 3}", "containers": [{"name": "c", "image": "x"}]}}
+            admin.request("POST", "/api/v1/namespaces/churn/pods", pod)
+            admin.request("PATCH", f"/api/v1/namespaces/churn/pods/{name}/status",
+                          {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}},
+                          "application/merge-patch+json")
+            written[ip] = time.monotonic()
+            live.append((time.monotonic(), name))
+            while live and time.monotonic() - live[0][0] > 3.0:
+                admin.request("DELETE", f"/api/v1/namespaces/churn/pods/{live.pop(0)[1]}")
+            i += 1
+            time.sleep(max(0.0, start + i / rate - time.monotonic()))
+        time.sleep(3.0)  # let the last ones arrive
+        lifecycles = i
+        latencies = [(max(a.arrived[ip] for a in agents) - at) * 1000 for ip, at in written.items()
+                     if all(ip in a.arrived for a in agents)]
+        writes = operator_writes(port) - writes_before
+        return latencies, writes, lifecycles
+    finally:
+        for agent in agents or []:
+            agent.stop()
+        for proc in (operator, server):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--rate", type=float, default=20.0, help="pod lifecycles per second")
+    parser.add_argument("--pods", type=int, default=100_000)
+    args = parser.parse_args()
+    print(f"publishing {args.pods:,} pods from nothing (in-memory slice API) ...")
+    seconds, api = publish_from_nothing(args.pods)
+    per_entry = cache_bytes_per_entry(api, args.pods)
+    print(f"churn: {args.rate:g} lifecycles/s for {args.seconds:g} s, 3 agents, 1 operator ...")
+    latencies, writes, lifecycles = propagation(args.seconds, args.rate)
+    p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) >= 2 else float("nan")
+    figures = {
+        "endpoint_propagation_p99_ms": round(p99, 1),
+        "endpoint_propagation_p50_ms": round(statistics.median(latencies), 1) if latencies else None,
+        "api_writes_per_pod_lifecycle": round(writes / max(1, lifecycles), 3),
+        "agent_endpoint_bytes_per_entry": round(per_entry),
+        "operator_publish_100k_pods_s": round(seconds, 2),
+        "lifecycles": lifecycles,
+        "pods_published": args.pods,
+    }
+    table([("endpoint_propagation_p99_ms", p99, 1000.0, "target <= 1,000"),
+           ("api_writes_per_pod_lifecycle", figures["api_writes_per_pod_lifecycle"], 1.0, "target <= 1"),
+           ("agent_endpoint_bytes_per_entry", per_entry, 200.0, "target <= 200"),
+           ("operator_publish_100k_pods_s", seconds, None, "in-memory slice API")])
+    json_line(figures)
+
+
+if __name__ == "__main__":
+    main()
