@@ -13,8 +13,11 @@
  * - ICMP (1) and ICMPv6 (58): the type in sport and the code in dport;
  * - an IPv4 fragment other than the first (fragment offset != 0), any other protocol, or a transport
  *   header cut short: ports 0 and flags 0.
- * A transport header missing from the skb's linear part is read with bpf_skb_load_bytes. None of this
- * decides whether a frame is parsed: the counters count exactly the frames they counted before.
+ * The transport header is read in place when it is at a constant offset in the skb's linear part (IPv6,
+ * IPv4 without options), else with bpf_skb_load_bytes: the verifier refuses a variable offset added to
+ * a packet pointer to a loader without CAP_PERFMON (Spectre v1 rules), and the agent runs with CAP_BPF
+ * and CAP_NET_ADMIN only. None of this decides whether a frame is parsed: the counters count exactly
+ * the frames they counted before.
  */
 #ifndef PODMETER_PARSE_H
 #define PODMETER_PARSE_H
@@ -68,42 +71,43 @@ static __always_inline void pm_map_v4(struct pm_addr *out, __be32 v4)
 	out->word[3] = v4;
 }
 
-/* The first `need` bytes of the transport header: in the packet when the skb's linear part holds them,
- * else copied into `copy`; NULL when the packet is shorter. `need` is a constant at every call site
- * (the function is inlined), which is what lets the verifier check the direct reads. */
+/* The first `need` bytes of the transport header: in the packet when `direct` and the skb's linear part
+ * holds them, else copied into `copy`; NULL when the packet is shorter. `need` and `direct` are constants
+ * at every call site (the functions are inlined), and `l4` is then at a constant offset from skb->data:
+ * what lets the verifier check the direct reads. */
 static __always_inline __u8 *pm_l4_bytes(struct __sk_buff *skb, __u8 *l4, void *data_end, __u32 offset,
-					 __u8 *copy, __u32 need)
+					 __u8 *copy, __u32 need, const int direct)
 {
-	if ((void *)(l4 + need) <= data_end)
+	if (direct && (void *)(l4 + need) <= data_end)
 		return l4;
 	if (bpf_skb_load_bytes(skb, offset, copy, need) < 0)
 		return NULL;
 	return copy;
 }
 
-/* Ports and flags from a transport header at l4 (packet pointer), `offset` bytes into the frame.
- * Leaves them 0 when the protocol has none or the header is cut short. */
+/* Ports and flags from the transport header `offset` bytes into the frame (at packet pointer l4 when
+ * `direct`). Leaves them 0 when the protocol has none or the header is cut short. */
 static __always_inline void pm_parse_l4(struct __sk_buff *skb, __u8 *l4, void *data_end, __u32 offset,
-					struct pm_packet *out)
+					struct pm_packet *out, const int direct)
 {
 	__u8 copy[sizeof(struct tcphdr)];
 	__u8 *hdr;
 
 	if (out->protocol == PM_PROTO_TCP) {
-		hdr = pm_l4_bytes(skb, l4, data_end, offset, copy, sizeof(struct tcphdr));
+		hdr = pm_l4_bytes(skb, l4, data_end, offset, copy, sizeof(struct tcphdr), direct);
 		if (hdr) {
 			out->sport = bpf_ntohs(((struct tcphdr *)hdr)->source);
 			out->dport = bpf_ntohs(((struct tcphdr *)hdr)->dest);
 			out->tcp_flags = hdr[PM_TCP_FLAGS_OFFSET];
 		}
 	} else if (out->protocol == PM_PROTO_UDP) {
-		hdr = pm_l4_bytes(skb, l4, data_end, offset, copy, sizeof(struct udphdr));
+		hdr = pm_l4_bytes(skb, l4, data_end, offset, copy, sizeof(struct udphdr), direct);
 		if (hdr) {
 			out->sport = bpf_ntohs(((struct udphdr *)hdr)->source);
 			out->dport = bpf_ntohs(((struct udphdr *)hdr)->dest);
 		}
 	} else if (out->protocol == PM_PROTO_ICMP || out->protocol == PM_PROTO_ICMPV6) {
-		hdr = pm_l4_bytes(skb, l4, data_end, offset, copy, 2); /* type, code */
+		hdr = pm_l4_bytes(skb, l4, data_end, offset, copy, 2, direct); /* type, code */
 		if (hdr) {
 			out->sport = hdr[0];
 			out->dport = hdr[1];
@@ -144,7 +148,6 @@ static __always_inline int pm_parse(struct __sk_buff *skb, struct pm_packet *out
 	out->tcp_flags = 0;
 	if (proto == bpf_htons(ETH_P_IP)) {
 		struct iphdr *ip = cursor;
-		__u32 ihl;
 
 		if ((void *)(ip + 1) > data_end)
 			return -1;
@@ -155,8 +158,10 @@ static __always_inline int pm_parse(struct __sk_buff *skb, struct pm_packet *out
 		out->protocol = ip->protocol;
 		if (ip->frag_off & bpf_htons(PM_IP_OFFSET_MASK))
 			return 0; /* not the first fragment: no transport header */
-		ihl = ip->ihl * 4;
-		pm_parse_l4(skb, (__u8 *)cursor + ihl, data_end, offset + ihl, out);
+		if (ip->ihl == 5) /* no options: the transport header is at a constant offset */
+			pm_parse_l4(skb, (__u8 *)(ip + 1), data_end, offset + sizeof(*ip), out, 1);
+		else
+			pm_parse_l4(skb, 0, data_end, offset + ip->ihl * 4, out, 0);
 		return 0;
 	}
 	if (proto == bpf_htons(ETH_P_IPV6)) {
@@ -169,7 +174,7 @@ static __always_inline int pm_parse(struct __sk_buff *skb, struct pm_packet *out
 		__builtin_memcpy(&out->src, &ip6->saddr, sizeof(out->src));
 		__builtin_memcpy(&out->dst, &ip6->daddr, sizeof(out->dst));
 		out->protocol = ip6->nexthdr;
-		pm_parse_l4(skb, (__u8 *)(ip6 + 1), data_end, offset + sizeof(*ip6), out);
+		pm_parse_l4(skb, (__u8 *)(ip6 + 1), data_end, offset + sizeof(*ip6), out, 1);
 		return 0;
 	}
 	return -1;

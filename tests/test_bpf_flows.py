@@ -13,6 +13,7 @@ import gc
 import ipaddress
 import json
 import logging
+import shutil
 import socket
 import struct
 import subprocess
@@ -568,6 +569,44 @@ def test_inspect_flows_without_a_flows_pin_says_so(datapath: EbpfDatapath, pin_d
     result = inspect("flows", "--bpffs", str(pin_dir))
     assert result.returncode == 1
     assert "no flows map pinned" in result.stderr
+
+
+# --- the agent's capabilities ----------------------------------------------------------------------------
+
+CAPABILITY_CHECK = """
+import json
+from podmeter.adapters.datapath.ebpf import frames as f
+from podmeter.adapters.datapath.ebpf.datapath import EbpfDatapath, map_sizes
+from podmeter.adapters.datapath.ebpf.loader import load
+from podmeter.adapters.datapath.ebpf.preflight import BARE_OBJECT_NAME, NOFLOWS_OBJECT_NAME, object_path
+load(object_path(BARE_OBJECT_NAME), None, {}, ["pm_parse_only"]).close()
+load(object_path(NOFLOWS_OBJECT_NAME), None, {"filter": 8, "counters": 16}, ["pm_from_pod", "pm_to_pod"]).close()
+loaded = load(object_path(), None, map_sizes(8, 64), ["pm_from_pod", "pm_to_pod"])
+datapath = EbpfDatapath.from_loaded(loaded)
+datapath.insert(["10.42.0.5", "fd00:42::5"])
+program = loaded.programs["pm_from_pod"]
+program.test_run(f.tcp_frame("10.42.0.5", "192.0.2.1", 1000, 80, flags=f.TCP_SYN))
+program.test_run(f.ethernet(f.ETH_P_IP, f.ipv4("10.42.0.5", "192.0.2.1", bytes(4) + f.udp(b"o", 2000, 53), ihl=6)))
+program.test_run(f.icmp_frame("fd00:42::5", "2001:db8::1", 128))
+rows = [list(key[:5]) + [counts.packets, counts.tcp_flags] for key, counts in datapath.drain_flows()]
+print(json.dumps(sorted(rows)))
+"""
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_the_objects_load_and_aggregate_with_the_agents_capabilities_only() -> None:
+    """CAP_BPF and CAP_NET_ADMIN, as the DaemonSet grants: no CAP_PERFMON, so the verifier applies its
+    Spectre v1 rules (no variable offset added to a packet pointer, which the parser must not need)."""
+    caps = "-all,+bpf,+net_admin"
+    result = subprocess.run(["setpriv", "--reuid=0", f"--inh-caps={caps}", f"--ambient-caps={caps}",
+                             f"--bounding-set={caps}", sys.executable, "-c", CAPABILITY_CHECK],
+                            capture_output=True, text=True, check=False, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == sorted([
+        ["10.42.0.5", "192.0.2.1", 1000, 80, TCP, 1, SYN],
+        ["10.42.0.5", "192.0.2.1", 2000, 53, UDP, 1, 0],  # IPv4 options: the transport header copied
+        ["fd00:42::5", "2001:db8::1", 128, 0, ICMPV6, 1, 0],
+    ])
 
 
 # --- real pods ---------------------------------------------------------------------------------------------

@@ -176,6 +176,8 @@ _PRINT_FN = ctypes.CFUNCTYPE(c_int, c_int, c_char_p, c_void_p)
 _LEVELS = {0: logging.WARNING, 1: logging.DEBUG, 2: logging.NOTSET}
 # Warnings libbpf prints for outcomes podmeter expects and handles (an existing clsact qdisc).
 _BENIGN = ("Exclusivity flag on, cannot modify",)
+_VA_LIST_BYTES = 24  # x86-64 va_list: {u32 gp_offset; u32 fp_offset; void *overflow_arg_area, *reg_save_area}
+_KEEP_CHARS = 4000  # of a longer message (a verifier log), the end is kept: that is where the verdict is
 
 
 class Libbpf:
@@ -223,9 +225,16 @@ class Libbpf:
         vsnprintf.argtypes = [c_char_p, c_size_t, c_char_p, c_void_p]
 
         def printer(level: int, fmt: bytes, args: int) -> int:
+            saved = ctypes.string_at(args, _VA_LIST_BYTES)
             buffer = ctypes.create_string_buffer(2048)
-            vsnprintf(buffer, len(buffer), fmt, args)
+            needed = vsnprintf(buffer, len(buffer), fmt, args)
+            if needed >= len(buffer):  # format it again, whole: restoring the struct is what va_copy does
+                ctypes.memmove(args, saved, _VA_LIST_BYTES)
+                buffer = ctypes.create_string_buffer(needed + 1)
+                vsnprintf(buffer, len(buffer), fmt, args)
             text = buffer.value.decode(errors="replace").rstrip()
+            if len(text) > _KEEP_CHARS:
+                text = f"[... {len(text) - _KEEP_CHARS} characters ...]\n" + text[-_KEEP_CHARS:]
             if level == 0 and any(benign in text for benign in _BENIGN):
                 level = 1
             if level == 0:
