@@ -14,6 +14,7 @@ import logging
 import random
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ class Hooks:
     def hold(self) -> None: ...
     def release(self) -> None: ...
     def traffic(self, step: sc.Traffic, pods: list[tuple[str, str]], rng: random.Random) -> None: ...
+    def reuse_during_flow(self, step: sc.ReuseDuringFlow, pods: list[tuple[str, str]],
+                          rng: random.Random) -> None: ...
 
 
 class Driver:
@@ -67,6 +70,7 @@ class Driver:
         self.rng = random.Random(scenario.seed)
         self.stats = DriverStats()
         self.pods: dict[str, list[str]] = {ns.name: [] for ns in scenario.namespaces}  # long-running
+        self.workloads: dict[str, str] = {}  # "ns/name" -> "Kind ns/workload" of pods not their own workload
         self.include: list[str] = []
         self.threads: list[threading.Thread] = []
         self._serial = 0
@@ -111,21 +115,33 @@ class Driver:
             thread.start()
         elif isinstance(step, sc.Traffic):
             self.hooks.traffic(step, self._live(step.namespace), self.rng)
+        elif isinstance(step, sc.ReuseDuringFlow):
+            self.hooks.reuse_during_flow(step, self._live(step.namespace), self.rng)
         else:
             handlers[type(step)](step)
 
     # --- pods -------------------------------------------------------------------------------------
 
     def new_pod(self, namespace: str, prefix: str, observe: bool, *, labels: dict[str, str] | None = None,
-                run_seconds: float | None = None, host_network: bool = False) -> str:
+                run_seconds: float | None = None, host_network: bool = False, deployment: bool = False) -> str:
         with self._lock:
             self._serial += 1
             name = f"{prefix}-{self._serial}"
         annotations = {OBSERVE_ANNOTATION: "true" if observe else "false"}
         if run_seconds is not None:
             annotations[RUN_SECONDS_ANNOTATION] = f"{run_seconds:g}"
-        body = {"metadata": {"name": name, "labels": {"app": prefix, **(labels or {})},
-                             "annotations": annotations},
+        metadata: dict[str, Any] = {"name": name, "labels": {"app": prefix, **(labels or {})},
+                                    "annotations": annotations}
+        if deployment:
+            # What the Deployment controller makes: a ReplicaSet <deployment>-<hash> as the controller, and
+            # the hash as a label (the operator's label filter drops it: the identity stays app=<prefix>).
+            template_hash = f"{zlib.crc32(f'{namespace}/{prefix}'.encode()):08x}"
+            metadata["labels"]["pod-template-hash"] = template_hash
+            metadata["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                                            "name": f"{prefix}-{template_hash}", "uid": f"rs-{template_hash}",
+                                            "controller": True, "blockOwnerDeletion": True}]
+            self.workloads[f"{namespace}/{name}"] = f"Deployment {namespace}/{prefix}"
+        body = {"metadata": metadata,
                 "spec": {"nodeName": self.node_name, "hostNetwork": host_network,
                          "containers": [{"name": "main", "image": PAUSE_IMAGE}]}}
         self.client.create(pod_path(namespace), body)
@@ -144,6 +160,11 @@ class Driver:
         if ip and (answer.get("status") or {}).get("phase") == "Running" and not self.holding:
             self.stats.delete_times[ip] = time.monotonic()
 
+    def workload_of(self, pod: str) -> str:
+        """What the agent must call the workload of ``pod`` (``ns/name``): ``Kind ns/name``."""
+        namespace, _, name = pod.partition("/")
+        return self.workloads.get(pod, f"Pod {namespace}/{name}")
+
     def _live(self, namespace: str) -> list[tuple[str, str]]:
         return [(namespace, name) for name in self.pods[namespace]]
 
@@ -157,7 +178,8 @@ class Driver:
 
     def _create_pods(self, step: sc.CreatePods) -> None:
         for _ in range(step.count):
-            name = self.new_pod(step.namespace, step.prefix, step.observe, host_network=step.host_network)
+            name = self.new_pod(step.namespace, step.prefix, step.observe, host_network=step.host_network,
+                                deployment=step.deployment)
             with self._lock:
                 self.pods[step.namespace].append(name)
 

@@ -36,7 +36,24 @@ from podmeter.lab import scenario as sc
 from podmeter.lab.apiserver.client import AdminClient
 from podmeter.lab.checks import Checker, Observation, Truth, metric_sum, parse_metrics, read_truth
 from podmeter.lab.driver import Driver, Hooks
-from podmeter.lab.kube import KubeClient, pod_path
+from podmeter.lab.flowcheck import (
+    FROM_POD,
+    TO_POD,
+    WINDOW_SLACK,
+    Expectation,
+    FlowClient,
+    Holder,
+    PodEnd,
+    Record,
+    aggregate,
+    check_flow,
+    check_series,
+    misnamed,
+    of_key,
+    series_bytes,
+    series_values,
+)
+from podmeter.lab.kube import KubeClient, KubeError, pod_path
 from podmeter.lab.netns import Sandbox, in_namespace, is_root, node_namespace
 from podmeter.lab.processes import (
     FAULTY_AGENT,
@@ -49,13 +66,15 @@ from podmeter.lab.processes import (
     wait_for_file,
     wait_ready,
 )
-from podmeter.lab.traffic import UDP_OVERHEAD, Endpoint, send_tcp, send_udp
+from podmeter.lab.traffic import UDP_OVERHEAD, Endpoint, UdpSink, send_datagrams, send_tcp, send_udp
 from podmeter.model.datapath import Direction
 from podmeter.model.identity import IdentityKey, LabelFilter
 
 log = logging.getLogger("podmeter.lab")
 NODE_NAME = "lab-node"
 BPFFS = Path("/sys/fs/bpf")
+REUSE_PORT = 5202  # the reuse-during-flow step's destination port (traffic steps use traffic.PORT)
+POD_WAIT = 15.0  # seconds a lab pod of a reuse step may take to run, or the agent to learn of it
 
 
 @dataclass
@@ -93,6 +112,7 @@ class LabResult:
     passed: bool = False
     failures: list[dict[str, Any]] = field(default_factory=list)
     traffic: list[dict[str, Any]] = field(default_factory=list)
+    flows: list[dict[str, Any]] = field(default_factory=list)  # the checked exchanges' flows (flowcheck.aggregate)
     memory: dict[str, Any] = field(default_factory=dict)
     samples: list[Sample] = field(default_factory=list)
     counts: dict[str, Any] = field(default_factory=dict)
@@ -133,6 +153,10 @@ class LabRun(Hooks):
                                metrics_grace=scenario.agent.series_grace + scenario.sample_interval)
         self.agent_port = free_port()
         self.operator_port = free_port()
+        self.flow_client = FlowClient(f"http://127.0.0.1:{self.agent_port}")
+        self.flow_records: list[Record] = []  # every record a flow check read (the report's matrix, top flows)
+        self.held: dict[str, set[str]] = {}  # ip -> "ns/name" of every pod the lab saw hold it (I8)
+        self.started_wall = time.time()
         self.client: KubeClient | None = None
         self.admin: AdminClient | None = None
         self.driver: Driver | None = None
@@ -192,7 +216,7 @@ class LabRun(Hooks):
         assert self.driver is not None
         sampler = threading.Thread(target=self._sample_loop, name="lab-sampler", daemon=True)
         probe = threading.Thread(target=self._latency_probe, name="lab-latency", daemon=True)
-        self.started = time.monotonic()
+        self.started, self.started_wall = time.monotonic(), time.time()
         sampler.start()
         if self.datapath == "ebpf":
             probe.start()
@@ -260,7 +284,9 @@ class LabRun(Hooks):
                 "--filter-map-size", str(self.scenario.node.filter_map_size),
                 "--listen", f"127.0.0.1:{self.agent_port}",
                 "--resync-interval", str(self.scenario.agent.resync_interval),
-                "--series-grace", str(self.scenario.agent.series_grace)]
+                "--series-grace", str(self.scenario.agent.series_grace),
+                "--flow-interval", str(self.scenario.agent.flow_interval),
+                "--flow-buffer", str(self.scenario.agent.flow_buffer)]
         if self.scenario.agent.fault is not None:
             return [*FAULTY_AGENT, self.scenario.agent.fault, *args]
         return [*PODMETER, *args]
@@ -320,6 +346,9 @@ class LabRun(Hooks):
     def _sample_once(self) -> None:
         assert self.client is not None
         truth = read_truth(self.client, NODE_NAME, self._label_filter)
+        for pod in truth.node_pods.values():
+            for ip in pod.ips:
+                self.held.setdefault(ip, set()).add(pod.key)
         agent_proc = self.processes["agent"]
         agent_up = agent_proc.alive() and not self._agent_restarting
         agent = parse_metrics(http_text(f"http://127.0.0.1:{self.agent_port}/metrics")) if agent_up else {}
@@ -430,20 +459,31 @@ class LabRun(Hooks):
         with EbpfDatapath.open_pinned(self.bpffs) as datapath:
             return {k: (v.packets, v.bytes) for k, v in datapath.read_counters().items()}
 
-    def _pod_metrics(self) -> dict[tuple[str, str], float]:
-        samples = parse_metrics(http_text(f"http://127.0.0.1:{self.agent_port}/metrics"))
+    def _agent_metrics(self) -> Any:
+        return parse_metrics(http_text(f"http://127.0.0.1:{self.agent_port}/metrics"))
+
+    @staticmethod
+    def _pod_bytes(samples: Any) -> dict[tuple[str, str], float]:
         return {(f"{lab.get('namespace')}/{lab.get('pod')}", lab.get("direction", "")): value
                 for lab, value in samples.get("podmeter_pod_bytes_total", [])}
 
+    def _end(self, endpoint: Endpoint, port: int) -> PodEnd:
+        assert self.driver is not None
+        self.held.setdefault(endpoint.ip, set()).add(endpoint.pod)
+        return PodEnd(endpoint.pod, endpoint.ip, port, self.driver.workload_of(endpoint.pod))
+
     def _one_exchange(self, step: sc.Traffic, src: Endpoint, dst: Endpoint) -> dict[str, Any]:
         self.checker.traffic_pods.update((src.pod, dst.pod))
-        before, metrics_before = self._counters(), self._pod_metrics()
+        since = time.time()
+        before, metrics_before = self._counters(), self._agent_metrics()
         if step.protocol == "udp":
-            delivered = send_udp(src, dst, step.packets, step.size, step.rate)
+            sent = send_udp(src, dst, step.packets, step.size, step.rate)
         else:
-            delivered = send_tcp(src, dst, step.packets, step.size, step.rate)
+            sent = send_tcp(src, dst, step.packets, step.size, step.rate)
+        sent_at, drains = time.time(), self.flow_client.drains()
         time.sleep(1.0)  # the agent's metrics are read at scrape time; give in-flight packets a moment
-        after, metrics_after = self._counters(), self._pod_metrics()
+        after = self._counters()
+        pods_before, pods_after = self._pod_bytes(metrics_before), self._pod_bytes(self._agent_metrics())
 
         def delta(ip: str, direction: Direction) -> tuple[int, int]:
             b, a = before.get((ip, direction), (0, 0)), after.get((ip, direction), (0, 0))
@@ -452,21 +492,230 @@ class LabRun(Hooks):
         out, into = delta(src.ip, Direction.EGRESS), delta(dst.ip, Direction.INGRESS)
         back_out, back_in = delta(dst.ip, Direction.EGRESS), delta(src.ip, Direction.INGRESS)
         record: dict[str, Any] = {"protocol": step.protocol, "src": src.pod, "dst": dst.pod, "src_ip": src.ip,
-                                  "dst_ip": dst.ip, "delivered": delivered, "src_egress": out, "dst_ingress": into}
+                                  "dst_ip": dst.ip, "ports": [sent.source_port, sent.destination_port],
+                                  "delivered": sent.delivered, "src_egress": out, "dst_ingress": into}
         if step.protocol == "udp":
             want = (step.packets, step.packets * (step.size + UDP_OVERHEAD))
-            ok = delivered == step.packets and out == want and into == want and back_out == back_in == (0, 0)
+            ok = sent.delivered == step.packets and out == want and into == want and back_out == back_in == (0, 0)
             record["expected"] = want
+            forward = {FROM_POD: want, TO_POD: want}  # the exact truth (the counters must say the same, above)
+            flags: frozenset[str] = frozenset()
         else:
             payload = step.packets * step.size
-            ok = delivered == payload and out == into and out[1] >= payload and back_out == back_in
-        metric_out = metrics_after.get((src.pod, "egress"), 0) - metrics_before.get((src.pod, "egress"), 0)
-        metric_in = metrics_after.get((dst.pod, "ingress"), 0) - metrics_before.get((dst.pod, "ingress"), 0)
-        if metrics_after:
+            ok = sent.delivered == payload and out == into and out[1] >= payload and back_out == back_in
+            forward = {FROM_POD: out, TO_POD: into}
+            flags = frozenset({"SYN", "FIN"})  # opened and closed within the exchange, both ways
+        metric_out = pods_after.get((src.pod, "egress"), 0) - pods_before.get((src.pod, "egress"), 0)
+        metric_in = pods_after.get((dst.pod, "ingress"), 0) - pods_before.get((dst.pod, "ingress"), 0)
+        if pods_after:
             record["metrics"] = {"src_egress_bytes": metric_out, "dst_ingress_bytes": metric_in}
             ok = ok and metric_out == out[1] and metric_in == into[1]
-        record["ok"] = ok
+        expect = Expectation(step.protocol.upper(), [Holder(self._end(src, sent.source_port), forward,
+                                                            (since, sent_at))],
+                             self._end(dst, sent.destination_port), {FROM_POD: back_out, TO_POD: back_in},
+                             forward_flags=flags, reverse_flags=flags, node=NODE_NAME)
+        record["flow"] = self._flow_check(expect, since, metrics_before, drains_before=drains)
+        record["ok"] = ok and record["flow"]["ok"]
         return record
+
+    def _flow_check(self, expect: Expectation, since: float, metrics_before: Any, *,
+                    drains_before: float | None = None, drained: bool | None = None) -> dict[str, Any]:
+        """Wait until the agent drained the exchange (two drains after it, unless ``drained`` says
+        already), read its records and check them (:func:`flowcheck.check_flow`), and the workload-pair
+        series against them."""
+        interval = self.scenario.agent.flow_interval
+        if drained is None:
+            drained = self.flow_client.wait_for_drains(drains_before, 2, time.monotonic() + 3 * interval + 3)
+        records = self.flow_client.records(since - WINDOW_SLACK, protocol=expect.protocol.lower(),
+                                           port=expect.destination.port)
+        if records is None:
+            return {"ok": False, "problems": ["the agent's /debug/flows did not answer"]}
+        mine = of_key(records, expect.key)
+        self.flow_records.extend(mine)
+        verdict = check_flow(expect, mine)
+        grown = series_bytes(mine)
+        series = check_series(grown, series_values(metrics_before, grown),
+                              series_values(self.flow_client.metrics(), grown))
+        if not drained:
+            verdict["problems"].insert(0, f"the agent did not drain its flows twice within {3 * interval + 3:g} s")
+        verdict["problems"] += series
+        verdict["ok"] = not verdict["problems"]
+        return verdict
+
+    # --- a pod deleted and its IP reused during a flow --------------------------------------------------
+
+    def reuse_during_flow(self, step: sc.ReuseDuringFlow, pods: list[tuple[str, str]], rng: random.Random) -> None:
+        if self.datapath != "ebpf":
+            self.result.traffic.append({"protocol": "udp", "kind": "reuse-during-flow",
+                                        "skipped": "memory mode has no packets"})
+            return
+        try:
+            with EbpfDatapath.open_pinned(self.bpffs) as datapath:
+                observed = datapath.contents()
+        except Exception:  # no pins (the agent down): no observed destination
+            observed = set()
+        targets = [e for e in self._endpoints(pods) if e.ip in observed]  # B's counters are checked too
+        if not targets:
+            self.result.traffic.append({"protocol": "udp", "kind": "reuse-during-flow",
+                                        "skipped": "no running observed pod to send to"})
+            return
+        self.result.traffic.append(self._reuse(step, rng.choice(targets)))
+
+    def _reuse(self, step: sc.ReuseDuringFlow, dst: Endpoint) -> dict[str, Any]:
+        """A sends, A is deleted, A' gets A's IP and sends from the same port to the same socket."""
+        assert self.driver is not None
+        since, metrics_before = time.time(), self._agent_metrics()
+        want = (step.packets, step.packets * (step.size + UDP_OVERHEAD))
+        record: dict[str, Any] = {"protocol": "udp", "kind": "reuse-during-flow", "src": "-", "dst": dst.pod,
+                                  "dst_ip": dst.ip, "expected": want, "ok": False}
+        first = self._start_reuse_pod(step.namespace)
+        if first is None:
+            record["problem"] = f"pod A never ran with an IP the agent knew within {POD_WAIT:g} s"
+            return record
+        a = first[0]
+        self.checker.traffic_pods.update((a.pod, dst.pod))
+        record.update(src=a.pod, src_ip=a.ip)
+        sink = UdpSink(dst, REUSE_PORT)
+        fillers: list[str] = []
+        second: tuple[Endpoint, str] | None = None
+        windows: list[tuple[float, float]] = []
+        try:
+            c0, a_start = self._counters(), time.time()
+            port = send_datagrams(a, dst.ip, REUSE_PORT, step.packets, step.size, rate=step.rate)
+            time.sleep(0.2)  # the last datagrams on their way through the veths
+            c1, m1 = self._counters(), self._pod_bytes(self._agent_metrics())
+            windows.append((a_start, time.time()))
+            self.driver.delete_pod(*a.pod.split("/", 1))
+            self._wait_released(a.netns_path)
+            for _ in range(step.attempts):  # the lowest free IP: a gap below A's is filled first
+                candidate = self._start_reuse_pod(step.namespace)
+                if candidate is not None and candidate[0].ip == a.ip:
+                    second = candidate
+                    break
+                if candidate is not None:
+                    fillers.append(candidate[0].pod)
+            # The IP left the filter with A and came back with A': its counters started again from 0.
+            c2 = c3 = self._counters()
+            m2 = m1
+            if second is not None:
+                b = second[0]
+                self.checker.traffic_pods.add(b.pod)
+                b_start = time.time()
+                send_datagrams(b, dst.ip, REUSE_PORT, step.packets, step.size, rate=step.rate, source_port=port)
+                time.sleep(0.2)
+                windows.append((b_start, time.time()))
+                c3, m2 = self._counters(), self._pod_bytes(self._agent_metrics())
+            delivered = sink.receive(step.packets * len(windows), timeout=2.0)
+        finally:
+            sink.close()
+        drains = self.flow_client.drains()
+        for pod in [second[0].pod] if second else []:
+            self.driver.delete_pod(*pod.split("/", 1))
+        # The agent drains before it applies a delete: once it forgot A', every packet of A' is named.
+        drained = self._agent_forgot(second[1]) if second else None
+        for pod in fillers:
+            self.driver.delete_pod(*pod.split("/", 1))
+        holders = [Holder(self._end(a, port), {FROM_POD: want, TO_POD: want}, windows[0])]
+        if second is not None:
+            holders.append(Holder(self._end(second[0], port), {FROM_POD: want, TO_POD: want}, windows[1]))
+            record.update(src=f"{a.pod} then {second[0].pod}", reused=True)
+        else:
+            record.update(reused=False, held_by=self._holder_of(a.ip))
+        expect = Expectation("UDP", holders, self._end(dst, REUSE_PORT), node=NODE_NAME)
+        record["flow"] = self._flow_check(expect, since, metrics_before, drains_before=drains, drained=drained)
+
+        def delta(x: dict[tuple[str, Direction], tuple[int, int]], y: dict[tuple[str, Direction], tuple[int, int]],
+                  ip: str, direction: Direction) -> tuple[int, int]:
+            b, e = x.get((ip, direction), (0, 0)), y.get((ip, direction), (0, 0))
+            return e[0] - b[0], e[1] - b[1]
+
+        egress = [delta(c0, c1, a.ip, Direction.EGRESS), delta(c2, c3, a.ip, Direction.EGRESS)]
+        into = delta(c0, c3, dst.ip, Direction.INGRESS)  # B keeps its IP (and counters) throughout
+        total = (want[0] * len(windows), want[1] * len(windows))
+        record.update(ports=[port, REUSE_PORT], delivered=delivered, src_egress=egress[: len(windows)],
+                      dst_ingress=into)
+        counters_ok = (delivered == total[0] and egress[0] == want and into == total
+                       and egress[1] == (want if second else (0, 0)))
+        # The agent's per-pod series: A's and A''s each their own datagrams (A' starts from 0: F21).
+        pods_before = self._pod_bytes(metrics_before)
+        series_out = [m1.get((a.pod, "egress"), 0) - pods_before.get((a.pod, "egress"), 0)]
+        if second is not None:
+            series_out.append(m2.get((second[0].pod, "egress"), 0))
+        series_in = m2.get((dst.pod, "ingress"), 0) - pods_before.get((dst.pod, "ingress"), 0)
+        record["metrics"] = {"src_egress_bytes": series_out, "dst_ingress_bytes": series_in}
+        metrics_ok = series_out == [want[1]] * len(windows) and series_in == total[1]
+        record["ok"] = counters_ok and metrics_ok and record["flow"]["ok"]
+        return record
+
+    def _start_reuse_pod(self, namespace: str) -> tuple[Endpoint, str] | None:
+        """A fresh observed pod, once it runs and the agent holds it as its IP's owner: (endpoint, uid)."""
+        assert self.driver is not None and self.client is not None
+        try:
+            name = self.driver.new_pod(namespace, "reuse", True)
+        except KubeError as exc:
+            log.warning("reuse step: pod not created: %s", exc)
+            return None
+        deadline = time.monotonic() + POD_WAIT
+        while time.monotonic() < deadline:
+            pod = self.client.get(pod_path(namespace, name)) or {}
+            status = pod.get("status") or {}
+            if status.get("phase") == "Running" and status.get("podIP"):
+                uid, ip = pod["metadata"]["uid"], status["podIP"]
+                endpoint = Endpoint(f"{namespace}/{name}", ip, Sandbox.for_pod(uid, ip).netns_path)
+                self.held.setdefault(ip, set()).add(endpoint.pod)
+                if self._agent_knows(endpoint.pod, ip, deadline):
+                    return endpoint, uid
+                break
+            time.sleep(0.05)
+        log.warning("reuse step: %s/%s did not run, or the agent did not learn of it, within %g s", namespace,
+                    name, POD_WAIT)
+        with contextlib.suppress(KubeError):
+            self.driver.delete_pod(namespace, name)
+        return None
+
+    def _agent_state_or_none(self) -> dict[str, Any] | None:
+        try:
+            return self._agent_state()
+        except ValueError:
+            return None
+
+    def _agent_knows(self, pod: str, ip: str, deadline: float) -> bool:
+        """Until the agent holds ``pod`` as the owner of ``ip`` and the kernel filter has the IP: its
+        packets are counted and named from then on."""
+        while time.monotonic() < deadline:
+            state = self._agent_state_or_none()
+            if state is not None and state["filter"]["desired"].get(ip) == [pod]:
+                with contextlib.suppress(Exception), EbpfDatapath.open_pinned(self.bpffs) as datapath:
+                    if ip in datapath.contents():
+                        return True
+            time.sleep(0.05)
+        return False
+
+    def _agent_forgot(self, uid: str) -> bool:
+        """Until the agent's store no longer has ``uid`` (it drained the flows before applying the delete)."""
+        deadline = time.monotonic() + POD_WAIT
+        while time.monotonic() < deadline:
+            state = self._agent_state_or_none()
+            if state is not None and uid not in state["pod_uids"]:
+                return True
+            time.sleep(0.05)
+        return False
+
+    @staticmethod
+    def _wait_released(netns_path: str) -> None:
+        """The node frees a pod's IP right after removing its namespace: wait for that, and a moment."""
+        deadline = time.monotonic() + 5.0
+        while Path(netns_path).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+
+    def _holder_of(self, ip: str) -> str | None:
+        assert self.client is not None
+        for pod in self.client.list("/api/v1/pods").get("items") or []:
+            status = pod.get("status") or {}
+            if status.get("podIP") == ip and status.get("phase") == "Running":
+                return f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        return None
 
     # --- the end -------------------------------------------------------------------------------------
 
@@ -488,6 +737,15 @@ class LabRun(Hooks):
         assert self.driver is not None
         stats = self.driver.stats
         self.result.failures = self.checker.summary()["failures"]
+        self.result.flows = aggregate(self.flow_records)
+        checked = [t["flow"] for t in self.result.traffic if "flow" in t]
+        flow_counts: dict[str, Any] = {"checked": len(checked), "exact": sum(bool(f["ok"]) for f in checked)}
+        if self.datapath == "ebpf":
+            # I8 over the whole run: no record the agent still has names a pod for an IP it never held.
+            everything = self.flow_client.records(self.started_wall)
+            flow_counts["records_at_end"] = None if everything is None else len(everything)
+            for ip, detail in misnamed(everything or [], self.held):
+                self.result.failures.append({"invariant": "I8", "subject": ip, "detail": detail, "lasted_s": 0})
         self.result.counts = {
             "pods_created": stats.created, "pods_deleted": stats.deleted, "lifecycles": stats.lifecycles,
             "deleted_in_phase": dict(stats.deleted_in_phase),
@@ -497,6 +755,7 @@ class LabRun(Hooks):
             "max_filter_drift": max((s.filter_drift for s in self.result.samples), default=0),
             "delete_to_unmapped_ms": {**_percentiles(self.latencies_ms), "unseen": self.latency_unseen},
             "restart_converged_after_s": self.convergence_s,
+            "flow_checks": flow_counts,
         }
 
     def _verdict(self) -> bool:

@@ -33,13 +33,17 @@ class _Step(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, tag_field=
 
 
 class CreatePods(_Step, tag="pods"):
-    """Create ``count`` long-running pods (labels ``app: <prefix>``)."""
+    """Create ``count`` long-running pods (labels ``app: <prefix>``). ``deployment``: the pods are a
+    Deployment's named ``<prefix>`` (a controller reference to ReplicaSet ``<prefix>-<hash>`` and the
+    ``pod-template-hash`` label), so flows name the workload ``Deployment <namespace>/<prefix>``; without,
+    each pod is its own workload (kind ``Pod``)."""
 
     namespace: Name
     count: Count
     observe: bool = True
     host_network: bool = False
     prefix: Name = "app"
+    deployment: bool = False
 
 
 class DeletePods(_Step, tag="delete"):
@@ -133,7 +137,8 @@ class KillAgent(_Step, tag="kill-agent"):
 
 class Traffic(_Step, tag="traffic"):
     """Known traffic between ``pairs`` pairs of observed, long-running pods, checked per pod IP (UDP:
-    exact bytes and packets; TCP: at least the payload) and against the agent's per-pod metrics."""
+    exact bytes and packets; TCP: at least the payload), against the agent's per-pod metrics, and against
+    its flow records (:mod:`podmeter.lab.flowcheck`)."""
 
     namespace: Name
     protocol: Literal["udp", "tcp"] = "udp"
@@ -143,8 +148,22 @@ class Traffic(_Step, tag="traffic"):
     rate: Annotated[float, msgspec.Meta(gt=0, le=1_000_000)] | None = None  # packets (TCP: writes) per second
 
 
+class ReuseDuringFlow(_Step, tag="reuse-during-flow"):
+    """A pod deleted and its IP reused during a flow: a fresh pod A sends ``packets`` UDP datagrams to a
+    seeded long-running pod B, A is deleted, a new pod A' takes A's IP (the node hands out the lowest free
+    IP; up to ``attempts`` pods are started until one gets it) and sends ``packets`` more from the same
+    port to the same socket of B. The flow records named A must carry exactly A's packets, those named A'
+    exactly its own, nothing else named; skipped in memory mode."""
+
+    namespace: Name
+    packets: Count = 30
+    size: Annotated[int, msgspec.Meta(ge=1, le=1400)] = 300
+    attempts: Annotated[int, msgspec.Meta(ge=1, le=20)] = 6
+    rate: Annotated[float, msgspec.Meta(gt=0, le=1_000_000)] | None = None  # datagrams per second
+
+
 Step = (CreatePods | DeletePods | Churn | Annotate | UnobserveThenDelete | Configure | Fault | CompactionGap
-        | KillAgent | Traffic)
+        | KillAgent | Traffic | ReuseDuringFlow)
 
 
 class NamespaceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -162,6 +181,10 @@ class AgentSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     resync_interval: PositiveSeconds = 10.0
     series_grace: PositiveSeconds = 3.0  # how long a gone pod's series stay (the agent's --series-grace)
     fault: Literal["drop-deletes"] | None = None  # test only: an agent that loses watch deletes
+    # The agent's --flow-interval and --flow-buffer: the flow checks wait for two drains after each
+    # exchange, and read every record of it from the ring.
+    flow_interval: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.5
+    flow_buffer: Annotated[int, msgspec.Meta(ge=16, le=10_000_000)] = 65536
 
 
 class OperatorSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -57,40 +57,81 @@ class Pacer:
                 time.sleep(delay)
 
 
-def send_udp(src: Endpoint, dst: Endpoint, packets: int, size: int, rate: float | None = None, *,
-             timeout: float = 3.0) -> int:
-    """Send ``packets`` datagrams of ``size`` bytes from ``src`` to ``dst`` (``rate`` per second, or as
-    fast as possible); returns how many arrived."""
-    receiver = _socket_in(dst, socket.SOCK_DGRAM)
-    sender = _socket_in(src, socket.SOCK_DGRAM)
-    try:
-        # Room for the whole burst (the kernel's default buffer holds ~100 small datagrams): a datagram
-        # dropped at the socket was still counted on the veths, and the check compares both.
-        with contextlib.suppress(OSError):
-            receiver.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RCVBUF)
-        receiver.bind((dst.ip, PORT))
-        receiver.settimeout(timeout)
-        payload, pacer = b"\x5a" * size, Pacer(rate)
-        for _ in range(packets):
-            sender.sendto(payload, (dst.ip, PORT))
-            pacer.wait()
+@dataclass(frozen=True)
+class Sent:
+    """What an exchange did: how much arrived (UDP: datagrams, TCP: bytes) and the socket's own ports,
+    so the flow it made can be found by its exact 5-tuple."""
+
+    delivered: int
+    source_port: int
+    destination_port: int
+
+
+class UdpSink:
+    """A bound UDP receiver inside ``dst``'s namespace, with room for a whole burst: a datagram dropped at
+    the socket was still counted on the veths, and the checks compare both."""
+
+    def __init__(self, dst: Endpoint, port: int = PORT) -> None:
+        self.port = port
+        self.socket = _socket_in(dst, socket.SOCK_DGRAM)
+        try:
+            with contextlib.suppress(OSError):
+                self.socket.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RCVBUF)
+            self.socket.bind((dst.ip, port))
+        except BaseException:
+            self.socket.close()
+            raise
+
+    def receive(self, count: int, timeout: float = 3.0) -> int:
+        """Read up to ``count`` datagrams (each within ``timeout``); how many came."""
+        self.socket.settimeout(timeout)
         received = 0
-        while received < packets:
+        while received < count:
             try:
-                receiver.recv(65535)
+                self.socket.recv(65535)
             except TimeoutError:
                 break
             received += 1
         return received
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def send_datagrams(src: Endpoint, dst_ip: str, port: int, packets: int, size: int, *,
+                   rate: float | None = None, source_port: int = 0) -> int:
+    """Send ``packets`` datagrams of ``size`` bytes from ``src`` (bound to ``source_port``, 0: any) to
+    ``dst_ip:port``; returns the source port the socket had."""
+    sender = _socket_in(src, socket.SOCK_DGRAM)
+    try:
+        sender.bind((src.ip, source_port))
+        payload, pacer = b"\x5a" * size, Pacer(rate)
+        for _ in range(packets):
+            sender.sendto(payload, (dst_ip, port))
+            pacer.wait()
+        bound: int = sender.getsockname()[1]
+        return bound
     finally:
         sender.close()
-        receiver.close()
+
+
+def send_udp(src: Endpoint, dst: Endpoint, packets: int, size: int, rate: float | None = None, *,
+             timeout: float = 3.0, port: int = PORT) -> Sent:
+    """Send ``packets`` datagrams of ``size`` bytes from ``src`` to ``dst`` (``rate`` per second, or as
+    fast as possible); ``delivered``: how many arrived."""
+    sink = UdpSink(dst, port)
+    try:
+        source_port = send_datagrams(src, dst.ip, port, packets, size, rate=rate)
+        return Sent(sink.receive(packets, timeout), source_port, port)
+    finally:
+        sink.close()
 
 
 def send_tcp(src: Endpoint, dst: Endpoint, writes: int, size: int, rate: float | None = None, *,
-             timeout: float = 5.0) -> int:
+             timeout: float = 5.0, port: int = PORT) -> Sent:
     """Stream ``writes`` writes of ``size`` bytes from ``src`` to ``dst`` over one connection (``rate``
-    writes per second, or as fast as possible); returns the bytes received."""
+    writes per second, or as fast as possible); ``delivered``: the bytes received. The connection opens
+    (SYN) and closes (FIN, both ways) within the call."""
     listener = _socket_in(dst, socket.SOCK_STREAM)
     client = _socket_in(src, socket.SOCK_STREAM)
     received = [0]
@@ -113,20 +154,22 @@ def send_tcp(src: Endpoint, dst: Endpoint, writes: int, size: int, rate: float |
 
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((dst.ip, PORT))
+        listener.bind((dst.ip, port))
         listener.listen(1)
         listener.settimeout(timeout)
         server = threading.Thread(target=serve, name="lab-tcp-server", daemon=True)
         server.start()
         client.settimeout(timeout)
-        client.connect((dst.ip, PORT))
+        client.bind((src.ip, 0))
+        client.connect((dst.ip, port))
+        source_port: int = client.getsockname()[1]
         chunk, pacer = b"\xa5" * size, Pacer(rate)
         for _ in range(writes):
             client.sendall(chunk)
             pacer.wait()
         client.shutdown(socket.SHUT_WR)
         server.join(timeout)
-        return received[0]
+        return Sent(received[0], source_port, port)
     finally:
         client.close()
         listener.close()
