@@ -5,7 +5,7 @@ ARCH := $(shell uname -m)
 BPF_SRC := $(wildcard bpf/*.bpf.c)
 BPF_OBJ := $(patsubst bpf/%.bpf.c,src/podmeter/bpf/%.bpf.o,$(BPF_SRC))
 
-.PHONY: setup test test-fast lint lab demo bench bpf clean
+.PHONY: setup test test-fast lint lab demo bench bpf proto clean
 
 setup:
 	@scripts/setup.sh
@@ -18,6 +18,15 @@ src/podmeter/bpf/%.bpf.o: bpf/%.bpf.c $(wildcard bpf/*.h)
 
 # The bench's reference build includes the counting program's source.
 src/podmeter/bpf/podmeter_noflows.bpf.o: bpf/podmeter.bpf.c
+
+# The Python stubs of Hubble's API (docs/hubble.md), generated from the .proto files and committed: the
+# package needs no code generator to install. tests/test_hubble_proto.py checks they match the .proto files.
+HUBBLE_PROTO := src/podmeter/adapters/hubble/proto
+proto: setup
+	$(PY) -m grpc_tools.protoc -I src --plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy \
+		--python_out=src --mypy_out=src $(HUBBLE_PROTO)/*.proto
+	$(PY) -m grpc_tools.protoc -I src --plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc \
+		--grpc_python_out=src --mypy_grpc_out=src $(HUBBLE_PROTO)/observer.proto $(HUBBLE_PROTO)/health.proto
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench
