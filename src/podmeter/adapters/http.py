@@ -26,7 +26,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def build_app(registry: CollectorRegistry, ready: Callable[[], bool], debug: DebugViews,
               debug_remote: bool = False, expositions: Sequence[Callable[[], bytes]] = (),
-              *, debug_streams: Mapping[str, Handler] | None = None) -> web.Application:
+              *, debug_streams: Mapping[str, Handler] | None = None,
+              healthy: Callable[[], bool] = lambda: True) -> web.Application:
     """``expositions`` render extra series in the text format themselves (the per-pod traffic: too many
     samples to build prometheus_client objects for on every scrape). ``debug_streams`` are handlers of
     their own under ``/debug/`` (the flow stream), behind the same access rule as the debug views."""
@@ -37,7 +38,9 @@ def build_app(registry: CollectorRegistry, ready: Callable[[], bool], debug: Deb
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(_: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
+        if healthy():
+            return web.Response(text="ok\n")
+        return web.Response(status=503, text="unhealthy: a task died (see the log); the process is stopping\n")
 
     async def readyz(_: web.Request) -> web.Response:
         if ready():

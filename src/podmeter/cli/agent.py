@@ -110,7 +110,8 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
     debug = {"/debug/state": agent.debug_state, "/debug/endpoints": agent.debug_endpoints}
     app = build_app(registry, agent.ready.is_set, debug, args.debug_remote,
                     [traffic.render, lambda: render_workload_flows(agent.workload_flows)],
-                    debug_streams={"/debug/flows": flows_handler(agent.flow_feed)})
+                    debug_streams={"/debug/flows": flows_handler(agent.flow_feed)},
+                    healthy=lambda: agent.supervisor.healthy)
     runner, port = await serve(app, args.listen)
     log.info("agent for node %s: API server %s (%s), HTTP on port %d", args.node_name, connection.server,
              connection.source, port)
@@ -119,8 +120,9 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await agent.start()
-    await stop.wait()
+    failed = asyncio.ensure_future(agent.supervisor.failed.wait())
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), failed], return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping: pinned state stays for the next agent")
     await agent.stop()
     await runner.cleanup()
-    return 0
+    return 1 if failed.done() else 0

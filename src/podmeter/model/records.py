@@ -21,14 +21,17 @@ import msgspec
 OBSERVE_ANNOTATION: Final = "podmeter.io/observe"
 TERMINAL_PHASES: Final = frozenset({"Succeeded", "Failed"})
 
-# Kubernetes limits: names are DNS subdomains (253), label values 63, label keys 253 + "/" + 63.
+# Kubernetes' own limits, and only those: names are DNS subdomains (253), label values 63, label keys
+# 253 + "/" + 63. How many labels, annotations or owner references an object has is bounded only by the
+# object's total size, which the API server bounds: everything Kubernetes accepts decodes (memory is
+# bounded by what the record keeps, not by refusing objects).
 _Name = Annotated[str, msgspec.Meta(max_length=253)]
 _Uid = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 _RV = Annotated[str, msgspec.Meta(max_length=64)]
 _LabelKey = Annotated[str, msgspec.Meta(max_length=317)]
 _LabelValue = Annotated[str, msgspec.Meta(max_length=63)]
-_Labels = Annotated[dict[_LabelKey, _LabelValue], msgspec.Meta(max_length=256)]
-_ShortText = Annotated[str, msgspec.Meta(max_length=64)]
+_Labels = dict[_LabelKey, _LabelValue]
+_ShortText = Annotated[str, msgspec.Meta(max_length=253)]
 _IPText = Annotated[str, msgspec.Meta(max_length=64)]
 
 _T = TypeVar("_T")
@@ -53,10 +56,12 @@ class DecodeError(ValueError):
 # --- wire shapes: what the decoder reads (unknown fields are skipped) -------------------------------
 
 
+_ANNOTATIONS_TOTAL = 256 * 1024  # Kubernetes' limit on all of an object's annotations together
+
+
 class _Annotations(msgspec.Struct):
-    observe: Annotated[str, msgspec.Meta(max_length=64)] | None = msgspec.field(
-        default=None, name=OBSERVE_ANNOTATION
-    )
+    observe: Annotated[str, msgspec.Meta(max_length=_ANNOTATIONS_TOTAL)] | None = msgspec.field(
+        default=None, name=OBSERVE_ANNOTATION)
 
 
 class _OwnerRef(msgspec.Struct):
@@ -73,7 +78,7 @@ class _Meta(msgspec.Struct):
     labels: _Labels | None = None
     annotations: _Annotations | None = None
     deletionTimestamp: _ShortText | None = None
-    ownerReferences: Annotated[list[_OwnerRef], msgspec.Meta(max_length=64)] | None = None
+    ownerReferences: list[_OwnerRef] | None = None
 
 
 class _PodSpec(msgspec.Struct):
@@ -88,7 +93,7 @@ class _PodIP(msgspec.Struct):
 class _PodStatus(msgspec.Struct):
     phase: _ShortText = ""
     podIP: _IPText = ""
-    podIPs: Annotated[list[_PodIP], msgspec.Meta(max_length=4)] | None = None
+    podIPs: list[_PodIP] | None = None
 
 
 class _PodWire(msgspec.Struct):
@@ -143,6 +148,7 @@ class Pod(msgspec.Struct, frozen=True, gc=False):
     resource_version: str
     owner_kind: str = ""
     owner_name: str = ""
+    unusable_ips: tuple[str, ...] = ()  # addresses podmeter cannot key on (zone-scoped IPv6): ignored
 
     @property
     def key(self) -> str:
@@ -202,12 +208,13 @@ def _pod_record(wire: _PodWire) -> Pod:
     status = wire.status or _PodStatus()
     name = f"{meta.namespace}/{meta.name}"
     owner_kind, owner_name = _controller(meta.ownerReferences)
+    ips, unusable = _pod_ips(status, name)
     return Pod(
         uid=meta.uid,
         namespace=sys.intern(meta.namespace),
         name=meta.name,
         node_name=sys.intern(spec.nodeName),
-        ips=_pod_ips(status, name),
+        ips=ips,
         host_network=spec.hostNetwork,
         phase=sys.intern(status.phase),
         deleting=meta.deletionTimestamp is not None,
@@ -216,6 +223,7 @@ def _pod_record(wire: _PodWire) -> Pod:
         resource_version=meta.resourceVersion,
         owner_kind=sys.intern(owner_kind),
         owner_name=sys.intern(owner_name),
+        unusable_ips=unusable,
     )
 
 
@@ -269,7 +277,10 @@ def object_name(data: bytes | dict[str, Any]) -> str:
     return f"{ns}/{meta.name}"[:300] if ns else meta.name[:300]
 
 
-def _pod_ips(status: _PodStatus, name: str) -> tuple[str, ...]:
+def _pod_ips(status: _PodStatus, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the pod's usable IPs, the ones podmeter cannot key on). A zone-scoped IPv6 address
+    (``fe80::1%eth0``) is an address, but not one a pod can be reached at cluster-wide nor one the
+    datapath's 16-byte keys can hold: the pod is treated as not having it (and it is counted)."""
     if status.podIPs:
         raw = [entry.ip for entry in status.podIPs]
         field = "$.status.podIPs"
@@ -277,16 +288,19 @@ def _pod_ips(status: _PodStatus, name: str) -> tuple[str, ...]:
         raw = [status.podIP]
         field = "$.status.podIP"
     else:
-        return ()
+        return (), ()
     ips: list[str] = []
+    unusable: list[str] = []
     for text in raw:
         try:
             ip = text if _CANONICAL_V4.fullmatch(text) else canonical_ip(text)
         except ValueError:
             raise DecodeError("Pod", name, field, f"invalid IP address {text[:64]!r}") from None
-        if ip not in ips:
+        if "%" in ip:
+            unusable.append(ip)
+        elif ip not in ips:
             ips.append(ip)
-    return tuple(ips)
+    return tuple(ips), tuple(unusable)
 
 
 def _observed(annotations: _Annotations | None) -> bool:

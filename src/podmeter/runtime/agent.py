@@ -18,7 +18,6 @@ removes what nobody wants any more (invariant I6, docs/design.md).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from podmeter.model.traffic import TrafficLedger
 from podmeter.model.view import NodeView, ViewDelta
 from podmeter.runtime.flow_drain import FlowDrainer
 from podmeter.runtime.flow_feed import FlowFeed
+from podmeter.runtime.supervision import Supervisor
 from podmeter.runtime.ticks import Tick, every
 from podmeter.runtime.writer import Pushed, Writer
 
@@ -92,7 +92,7 @@ class Agent:
         self.last_resync: float | None = None
         self._transport: Transport | None = None
         self._reflectors: list[Reflector[Any]] = []
-        self._tasks: list[asyncio.Task[None]] = []
+        self.supervisor = Supervisor()
         self._retry_scheduled = False
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -101,26 +101,26 @@ class Agent:
         self._transport = self.connection.transport()
         for kind in (*KINDS, *OPTIONAL_KINDS):
             settings = self.settings.reflector(kind)
+            settings.optional = kind is not PODS and kind is not NAMESPACES  # CRDs: a degraded mode if absent
             if kind is PODS:
                 settings.field_selector = f"spec.nodeName={self.settings.node_name}"
             self._reflectors.append(Reflector(kind, self._transport, self.queue.put, settings))
-        self._tasks = [asyncio.create_task(r.run(), name=f"reflector-{r.kind.name}") for r in self._reflectors]
-        self._tasks.append(asyncio.create_task(self._write_loop(), name="writer"))
-        self._tasks.append(asyncio.create_task(
-            every(self.settings.resync_interval, self.queue, Tick.RESYNC), name="resync-timer"))
-        self._tasks.append(asyncio.create_task(
-            every(max(0.2, self.settings.series_grace / 4), self.queue, Tick.EXPIRE), name="expire-timer"))
+        spawn = self.supervisor.spawn
+        for reflector in self._reflectors:
+            spawn(reflector.run(), f"reflector-{reflector.kind.name}")
+        spawn(self._write_loop(), "writer")
+        spawn(every(self.settings.resync_interval, self.queue, Tick.RESYNC), "resync-timer")
+        spawn(every(max(0.2, self.settings.series_grace / 4), self.queue, Tick.EXPIRE), "expire-timer")
         if self.flows is not None:
-            self._tasks.append(asyncio.create_task(
-                every(self.settings.flow_interval, self.queue, Tick.DRAIN), name="flow-drain-timer"))
+            spawn(every(self.settings.flow_interval, self.queue, Tick.DRAIN), "flow-drain-timer")
+
+    @property
+    def task_failures(self) -> dict[str, int]:
+        return dict(self.supervisor.failures)
 
     async def stop(self) -> None:
         """Stop watching, push what is queued, leave the datapath's pinned state in place."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.supervisor.cancel_all()
         self._drain_queue()
         if self.ready.is_set():
             self._settle(self.writer.flush())
@@ -235,6 +235,8 @@ class Agent:
             resyncs=stats.resyncs,
             ready=self.ready.is_set(),
             flows=self._flow_snapshot(),
+            unusable_pod_ips=sum(len(p.unusable_ips) for p in view.pods.values()),
+            task_failures=dict(self.task_failures),
         )
 
     def _flow_snapshot(self) -> FlowSnapshot | None:

@@ -114,7 +114,9 @@ class LeaderElector:
         if record.resource_version != self._observed_version:
             self._observe(record, now)
         held_by_other = record.holder not in ("", self.identity)
-        if held_by_other and now - self._observed_at < max(record.duration_s, 1):
+        # The candidate's own --lease-duration decides (client-go's rule), never the record's: a forged or
+        # misconfigured leaseDurationSeconds cannot stop leader-only work for longer than that.
+        if held_by_other and now - self._observed_at < self.lease_duration:
             return False
         taking = record.holder != self.identity
         new = replace(

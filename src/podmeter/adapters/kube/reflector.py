@@ -112,6 +112,7 @@ class ReflectorSettings:
     request_timeout: float = 30.0
     field_selector: str | None = None
     label_selector: str | None = None
+    optional: bool = False  # a 404 (the CRD not installed) is an empty collection, listed again later
     backoff: Backoff = field(default_factory=Backoff)
 
 
@@ -282,6 +283,8 @@ class Reflector(Generic[R]):
         if exc.code == 429 or exc.code >= 500:
             await self._after_failure(f"http_{exc.code}", str(exc), exc.retry_after)
             return
+        if exc.code == 404 and self.settings.optional:
+            await self._missing(exc)
         # Anything else (400, 401, 403, 404 ...) cannot be fixed by re-watching: relist after a pause.
         self.resource_version = None
         await self._after_failure(f"http_{exc.code}", str(exc), exc.retry_after)
@@ -293,6 +296,16 @@ class Reflector(Generic[R]):
             delay = max(delay, retry_after)
         log.warning("%s: %s; retrying in %.1fs", self.kind.name, message, delay)
         await asyncio.sleep(delay)
+
+    async def _missing(self, exc: ApiError) -> None:
+        """An optional collection is not served (its CRD is not installed): it is empty until it appears.
+        Said once; the relists after the usual pauses pick the CRD up when it is installed."""
+        if self.synced.is_set():
+            return
+        log.warning("%s: not served by the API server (%s): treated as empty (a degraded mode) until it "
+                    "appears; install the CRD from deploy/base to use it", self.kind.name, exc)
+        await self.sink(Replace(self.kind.collection, []))
+        self.synced.set()
 
     def _report_invalid(self, exc: DecodeError) -> None:
         self.stats.decode_errors += 1
@@ -362,7 +375,11 @@ def _decode_status(raw: bytes) -> _Status:
 
 
 def _api_error(answer: Answer) -> ApiError:
+    # A body that is no Status (a plain-text 404 of a resource that is not served) says nothing more
+    # than the HTTP status: report that, not an invented 500.
     status = _decode_status(answer.body) if answer.body else _Status()
+    if status.reason == "InternalError" and status.message == "undecodable Status":
+        status = _Status()
     retry_after = _retry_after(answer.headers.get("Retry-After"))
     return ApiError(status.code or answer.status, status.reason or answer.reason,
                     status.message or answer.body[:200].decode(errors="replace"), retry_after)

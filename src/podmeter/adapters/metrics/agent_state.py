@@ -32,6 +32,8 @@ class AgentSnapshot:
     decode_errors: Mapping[str, int] = field(default_factory=dict)  # resource
     resyncs: int = 0
     ready: bool = False
+    unusable_pod_ips: int = 0  # addresses of stored pods podmeter cannot key on (zone-scoped IPv6)
+    task_failures: Mapping[str, int] = field(default_factory=dict)  # task name
     flows: FlowSnapshot | None = None  # None: the datapath aggregates no flows
 
 
@@ -74,6 +76,10 @@ class AgentStateCollector(Collector):
         yield counter("podmeter_drift_repaired", "Filter entries repaired by a resync.", ("kind",),
                       by_one(s.drift_repaired))
         yield counter("podmeter_resyncs", "Periodic resyncs of the filter against the kernel.", value=s.resyncs)
+        yield gauge("podmeter_unusable_pod_ips", "Addresses of stored pods podmeter ignores (zone-scoped IPv6).",
+                    s.unusable_pod_ips)
+        yield counter("podmeter_task_failures", "Long-running tasks that died of an unexpected error.", ("task",),
+                      by_one(s.task_failures))
         yield from watch_families(s.watch_events, s.relists, s.decode_errors, s.store_objects)
         if s.flows is not None:
             yield from flow_families(s.flows)
