@@ -48,15 +48,27 @@ def test_the_short_scenario_passes_and_writes_its_report(tmp_path: Path) -> None
     assert result.failures == [], result.failures
     assert result.passed
     names = {f.name for f in files}
-    assert {"report.json", "report.html", "filter.png", "memory.png", "identities.png", "events.png"} <= names
+    assert {"report.json", "report.html", "filter.png", "memory.png", "identities.png", "events.png",
+            "flows.png"} <= names
     assert all(f.stat().st_size > 500 for f in files)
     html = (tmp_path / "report.html").read_text()
-    assert "PASSED" in html and "data:image/png;base64," in html
+    assert "PASSED" in html and "data:image/png;base64," in html and "flows by bytes" in html
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["passed"] and data["datapath"] == "ebpf" and len(data["samples"]) > 20
     traffic = [t for t in result.traffic if "skipped" not in t]
     assert {t["protocol"] for t in traffic} == {"udp", "tcp"} and all(t["ok"] for t in traffic)
     assert all("metrics" in t for t in traffic)  # the agent's per-pod series agreed with the kernel
+    # Every check also held against the agent's flow records, at both observation points.
+    assert all(t["flow"]["ok"] and t["flow"]["problems"] == [] for t in traffic), [t["flow"] for t in traffic]
+    tcp = next(t for t in traffic if t["protocol"] == "tcp")
+    assert {"SYN", "FIN"} <= set(tcp["flow"]["found"]["flags"]["forward"])
+    [reuse] = [t for t in traffic if t.get("kind") == "reuse-during-flow"]
+    assert reuse["reused"], reuse  # a quiet moment: the next pod got the deleted pod's IP
+    assert len(reuse["flow"]["found"]["forward"]) == 2  # records named by each holder, each its own packets
+    assert result.counts["flow_checks"]["checked"] == len(traffic) == result.counts["flow_checks"]["exact"]
+    workloads = {f["source"]["workload"] for f in result.flows}
+    assert {"Deployment web/frontend", "Deployment web/api"} & workloads, workloads
+    assert not [f for f in result.failures if f["invariant"] == "I8"]
     assert result.counts["lifecycles"] >= 30 and result.counts["agent_kills"] == 1
     assert result.memory["agent"]["returned"] and result.memory["operator"]["returned"]
     assert result.samples[-1].kernel == 0 and result.samples[-1].pods == 0
@@ -76,6 +88,37 @@ def test_an_agent_that_drops_deletes_fails_the_lab_with_the_leaked_ips_named(tmp
     assert len(kept) == 4 and all(d.startswith("kept: the agent's store holds uid ") for d in kept)
     write_report(result, tmp_path)
     assert "FAILED" in (tmp_path / "report.html").read_text()
+    assert _leftovers(lab.tag) == []
+
+
+REUSE_ONLY = """
+name: reuse-between-drains
+seed: 5
+datapath: ebpf
+duration: 10
+settle: 2
+node: {pod_cidr: 10.244.6.0/28}
+agent: {resync_interval: 5, flow_interval: 60}
+operator: {enabled: false}
+namespaces: [{name: web}]
+steps:
+  - {at: 0, do: pods, namespace: web, count: 2, prefix: api, deployment: true}
+  - {at: 2, do: reuse-during-flow, namespace: web, packets: 25}
+"""
+
+
+def test_an_ip_reused_between_two_periodic_drains_is_never_credited_to_the_next_pod(tmp_path: Path) -> None:
+    """No periodic drain in the run (60 s): only the drain the agent makes before it applies a delete or a
+    new holder separates A's packets from A''s, which share the whole 5-tuple."""
+    lab = LabRun(parse_scenario(REUSE_ONLY), LabOptions(tmp_path, progress=False))
+    result = lab.run()
+    assert result.error is None
+    [reuse] = result.traffic
+    assert reuse["reused"] and reuse["ok"], reuse
+    first, second = reuse["src"].split(" then ")
+    want = {"from-pod": [25, 25 * 342], "to-pod": [25, 25 * 342]}
+    assert reuse["flow"]["found"]["forward"] == {first: want, second: want}
+    assert result.passed, result.failures
     assert _leftovers(lab.tag) == []
 
 
