@@ -11,6 +11,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The test servers (the lab API server fixture) speak plain HTTP with a token: allowed for tests only
+# (podmeter refuses credentials over plain HTTP otherwise; tests/test_kube_connection.py checks it).
+os.environ.setdefault("PODMETER_ALLOW_PLAIN_HTTP_CREDENTIALS", "1")
+
 # Fixtures shared by many test files: the lab API server (in-process and as a subprocess), and the
 # kernel tests' pin directories and netns topologies.
 pytest_plugins = ["lab_server", "test_bpf_support"]

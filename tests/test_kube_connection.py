@@ -103,3 +103,23 @@ def test_unusable_kubeconfig_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "kc").write_text("apiVersion: v1\nkind: Config\nclusters: 7\n")
     with pytest.raises(ConnectionConfigError, match=r"not usable|no current context"):
         load_connection(str(tmp_path / "kc"))
+
+
+def test_credentials_over_plain_http_are_refused_unless_allowed_for_a_test_server(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'http://10.0.0.1:8080'}}]\n"
+        "users: [{name: u, user: {token: secret}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\n")
+    monkeypatch.delenv(ALLOW_PLAIN_HTTP, raising=False)
+    with pytest.raises(ConnectionConfigError, match="over plain HTTP"):
+        load_connection(str(kubeconfig))
+    monkeypatch.setenv(ALLOW_PLAIN_HTTP, "1")
+    assert load_connection(str(kubeconfig)).server == "http://10.0.0.1:8080"
+    monkeypatch.delenv(ALLOW_PLAIN_HTTP)
+    kubeconfig.write_text(kubeconfig.read_text().replace("{token: secret}", "{}"))
+    assert load_connection(str(kubeconfig)).server == "http://10.0.0.1:8080"  # no credentials: nothing to leak

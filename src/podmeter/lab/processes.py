@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP
+
 PODMETER = [sys.executable, "-m", "podmeter"]
 # The test-only faulty agent is started through the cli layer (which may patch the runtime); the lab
 # names the module as a string and never imports it.
@@ -59,7 +61,8 @@ class LabProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, **(env or {})}, start_new_session=True)
+                                          env={**os.environ, ALLOW_PLAIN_HTTP: "1", **(env or {})},
+                                          start_new_session=True)
         self.starts += 1
 
     @property

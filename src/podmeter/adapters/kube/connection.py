@@ -18,6 +18,8 @@ from lightkube.core.exceptions import ConfigError
 from podmeter.adapters.kube.transport import Transport, make_transport
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+# Test servers only (the lab, the test suite): send credentials over plain HTTP anyway.
+ALLOW_PLAIN_HTTP = "PODMETER_ALLOW_PLAIN_HTTP_CREDENTIALS"
 
 
 class ConnectionConfigError(RuntimeError):
@@ -40,11 +42,14 @@ class Connection:
         return make_transport(self.config, request_timeout)
 
 
-def load_connection(kubeconfig: str | None, context: str | None = None) -> Connection:
-    """The ``--kubeconfig`` flag, else ``$KUBECONFIG``, else the in-cluster service account."""
+def load_connection(kubeconfig: str | None, context: str | None = None, *,
+                    allow_plain_http: bool = False) -> Connection:
+    """The ``--kubeconfig`` flag, else ``$KUBECONFIG``, else the in-cluster service account. Credentials
+    are never sent over plain HTTP (kubectl does not either): such a configuration is refused, unless
+    ``PODMETER_ALLOW_PLAIN_HTTP_CREDENTIALS`` is set (or ``allow_plain_http``), for test servers."""
     path = kubeconfig or os.environ.get("KUBECONFIG")
     if path:
-        return _from_file(path, context)
+        return _checked(_from_file(path, context), allow_plain_http)
     if SERVICE_ACCOUNT_DIR.joinpath("token").exists() and os.environ.get("KUBERNETES_SERVICE_HOST"):
         try:
             config = KubeConfig.from_service_account(SERVICE_ACCOUNT_DIR).get()
@@ -56,6 +61,18 @@ def load_connection(kubeconfig: str | None, context: str | None = None) -> Conne
         "no API server configured: pass --kubeconfig PATH, set KUBECONFIG, "
         "or run in a pod with a service account"
     )
+
+
+def _checked(connection: Connection, allowed: bool) -> Connection:
+    user = connection.config.user
+    has_credentials = user is not None and bool(user.token or user.token_file or user.password)
+    plain = connection.server.startswith("http://")
+    allowed = allowed or os.environ.get(ALLOW_PLAIN_HTTP, "").lower() in ("1", "true", "yes")
+    if plain and has_credentials and not allowed:
+        raise ConnectionConfigError(
+            f"{connection.source} sends credentials to {connection.server} over plain HTTP, where anyone on "
+            f"the path can read them: use an https:// server (for a test server only, set {ALLOW_PLAIN_HTTP}=1)")
+    return connection
 
 
 def _from_file(path: str, context: str | None) -> Connection:
