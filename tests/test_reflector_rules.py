@@ -306,7 +306,7 @@ async def test_connection_errors_back_off_and_keep_the_rv(sleeps: list[float]) -
         watching(watch_line("ADDED", pod("a", "11")), Reset()),  # broken mid-stream
     ]).until_exhausted()
 
-    assert sleeps == [0.8, 1.6]
+    assert sleeps == [0.8, 0.8]  # the watch delivered a line in between: the server was back, backoff reset
     assert run.watch_rvs() == ["10", "10", "11"]
     assert [type(d) for d in run.deltas] == [Replace, Upsert]
     assert run.reflector.stats.relists == {"initial": 1}
@@ -438,3 +438,26 @@ async def test_a_watch_that_keeps_ending_at_once_backs_off_instead_of_spinning(s
     assert set(run.watch_rvs()) == {"10"}
     assert sleeps[:4] == [0.8, 1.6, 3.2, 6.4]  # growing pauses between the empty watches, no relist
     assert len(run.requests("list")) == 1
+
+
+async def test_failures_in_a_row_grow_the_backoff_and_an_answer_resets_it(sleeps: list[float]) -> None:
+    run = await Run([
+        listing(rv="10"),
+        ("watch", TransportError("refused")), ("watch", TransportError("refused")),
+        ("watch", TransportError("refused")),
+        watching(watch_line("ADDED", pod("a", "11"))),  # the server is back
+        ("watch", TransportError("refused")),
+    ]).until_exhausted()
+    assert sleeps[:4] == [0.8, 1.6, 3.2, 0.8]
+    assert run.reflector.stats.relists == {"initial": 1}
+
+
+async def test_a_watch_without_even_a_bookmark_is_restarted_within_the_progress_deadline(
+        sleeps: list[float]) -> None:
+    run = await Run([
+        listing(rv="10"),
+        watching(Stall()),  # connection open, nothing at all
+        watching(bookmark_line("12")),
+    ], progress_deadline=0.05).until_exhausted()
+    assert run.watch_rvs()[:2] == ["10", "10"]
+    assert run.reflector.stats.failures["StreamStalled"] == 1

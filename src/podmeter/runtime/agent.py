@@ -215,7 +215,9 @@ class Agent:
         events: dict[tuple[str, str], int] = {}
         relists: dict[tuple[str, str], int] = {}
         decode_errors: dict[str, int] = {}
+        failures: dict[tuple[str, str], int] = {}
         for r in self._reflectors:
+            failures.update({(r.kind.name, cause): n for cause, n in r.stats.failures.items()})
             events.update({(r.kind.name, t): n for t, n in r.stats.events.items()})
             relists.update({(r.kind.name, why): n for why, n in r.stats.relists.items()})
             decode_errors[r.kind.name] = r.stats.decode_errors
@@ -228,6 +230,7 @@ class Agent:
             drift_repaired=dict(stats.drift_repaired),
             watch_events=events,
             relists=relists,
+            watch_failures=failures,
             store_objects={"pods": len(view.pods), "namespaces": len(view.namespaces),
                            "metricsconfigurations": len(view.configuration_store),
                            "podslices": len(view.slice_store), "cluster_endpoints": len(view.cluster)},

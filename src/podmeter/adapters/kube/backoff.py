@@ -1,7 +1,10 @@
-"""Backoff between failed API requests: 0.8 s doubling to 30 s with jitter, reset after 2 minutes healthy.
+"""Backoff between failed API requests: 0.8 s doubling to 30 s with jitter.
 
 The numbers are client-go's: they keep a fleet of agents from stampeding an API server that is coming
-back, while a single blip costs under a second.
+back, while a single blip costs under a second. The reset rule is podmeter's: the delay goes back to its
+start as soon as the server answers again (a list that completes, a watch that delivers a line), not
+after two minutes of health, so an API server restart of a few seconds costs a few seconds, not the 30 s
+the last failures had grown the delay to. (A failure long after the last one also starts afresh.)
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ class Backoff:
 
     def __post_init__(self) -> None:
         self.current = self.initial
+
+    def succeeded(self) -> None:
+        """The server answered: the next failure waits the initial delay again."""
+        self.current = self.initial
+        self._last_failure = None
 
     def next_delay(self) -> float:
         """The delay to wait after a failure now; grows the next one."""

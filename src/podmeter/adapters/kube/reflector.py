@@ -108,7 +108,10 @@ class ReflectorSettings:
     page_size: int = 500
     watch_timeout: tuple[float, float] = (300.0, 600.0)  # timeoutSeconds drawn uniformly in [lo, hi)
     inactivity_grace: float = 30.0  # silence allowed beyond timeoutSeconds before the stream is dead
-    inactivity_deadline: float | None = None  # fixed deadline instead of timeoutSeconds + grace
+    inactivity_deadline: float | None = None  # fixed deadline instead of the ones below
+    # A watch that sends nothing, not even a bookmark (the API server sends one about every minute), for
+    # this long is dead though its connection stays open: restart it (counted as StreamStalled).
+    progress_deadline: float = 90.0
     request_timeout: float = 30.0
     field_selector: str | None = None
     label_selector: str | None = None
@@ -178,6 +181,7 @@ class Reflector(Generic[R]):
             if not token:
                 break
         await self.sink(Replace(self.kind.collection, items, frozenset(keep)))
+        self.settings.backoff.succeeded()
         self.resource_version = rv
         self.synced.set()
         log.info("listed %s: %d objects at resourceVersion %s (%s)", self.kind.name, len(items), rv, reason)
@@ -211,13 +215,15 @@ class Reflector(Generic[R]):
         }
         deadline = self.settings.inactivity_deadline
         if deadline is None:
-            deadline = timeout + self.settings.inactivity_grace
+            deadline = min(timeout + self.settings.inactivity_grace, self.settings.progress_deadline)
         started, lines = time.monotonic(), 0
         async with self.transport.stream(self.kind.path, params) as stream:
             self.stats.requests += 1
             if stream.answer.status != 200:
                 raise _api_error(stream.answer)
             async for line in _lines(stream.chunks(), deadline):
+                if not lines:
+                    self.settings.backoff.succeeded()  # the server answers again
                 lines += 1
                 await self._on_line(line)
         if not lines and time.monotonic() - started < EARLY_END:

@@ -28,6 +28,7 @@ class AgentSnapshot:
     drift_repaired: Mapping[str, int] = field(default_factory=dict)  # kind
     watch_events: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (resource, type)
     relists: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (resource, reason)
+    watch_failures: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (resource, cause)
     store_objects: Mapping[str, int] = field(default_factory=dict)  # resource
     decode_errors: Mapping[str, int] = field(default_factory=dict)  # resource
     resyncs: int = 0
@@ -80,7 +81,7 @@ class AgentStateCollector(Collector):
                     s.unusable_pod_ips)
         yield counter("podmeter_task_failures", "Long-running tasks that died of an unexpected error.", ("task",),
                       by_one(s.task_failures))
-        yield from watch_families(s.watch_events, s.relists, s.decode_errors, s.store_objects)
+        yield from watch_families(s.watch_events, s.relists, s.decode_errors, s.store_objects, s.watch_failures)
         if s.flows is not None:
             yield from flow_families(s.flows)
 
@@ -106,8 +107,12 @@ def flow_families(f: FlowSnapshot) -> Iterator[Metric]:
 
 
 def watch_families(events: Mapping[tuple[str, str], int], relists: Mapping[tuple[str, str], int],
-                   decode_errors: Mapping[str, int], store_objects: Mapping[str, int]) -> Iterator[Metric]:
+                   decode_errors: Mapping[str, int], store_objects: Mapping[str, int],
+                   failures: Mapping[tuple[str, str], int] | None = None) -> Iterator[Metric]:
     """The reflectors' and stores' series, the same for the agent and the operator."""
+    yield counter("podmeter_watch_failures", "Failed lists and watches by cause (StreamStalled: a watch that "
+                  "sent nothing, not even a bookmark, within its progress deadline; http_NNN; TransportError).",
+                  ("resource", "cause"), failures or {})
     yield counter("podmeter_watch_events", "Watch events received.", ("resource", "type"), events)
     yield counter("podmeter_watch_relists", "Lists and relists.", ("resource", "reason"), relists)
     yield counter("podmeter_decode_errors", "Objects skipped because they could not be decoded.",
