@@ -65,7 +65,9 @@ def test_the_agent_keeps_applying_pods_after_a_zone_scoped_one(lab_apiserver: La
     cluster = Cluster(lab_apiserver)
     cluster.namespace("shop", observe=True)
     with AgentHarness(lab_apiserver) as harness:
-        cluster.pod("shop", "odd", "fe80::1%eth0")
+        # A real API server refuses such an address (as the lab's does: below); the agent must survive it
+        # anyway, so it is put in the store behind the validation.
+        lab_apiserver.admin.inject("pods", pod_json("odd", "shop", ips=("fe80::1%eth0",)))
         cluster.pod("shop", "web", "10.3.0.7")
         harness.wait_filter({"10.3.0.7"})
         assert harness.on_loop(harness.agent.snapshot).unusable_pod_ips == 1
@@ -179,3 +181,20 @@ async def test_a_forged_lease_with_a_huge_duration_does_not_stop_leadership() ->
     assert await elector.step() is True
     record = await store.get()
     assert record is not None and record.holder == "op-a" and record.duration_s == 3
+
+
+def test_the_lab_api_server_refuses_what_a_real_one_refuses(lab_apiserver: LabServer) -> None:
+    cluster = Cluster(lab_apiserver)
+    cluster.namespace("shop")
+    cluster.pod("shop", "p", None)
+    status, _, body = lab_apiserver.request(
+        "PATCH", "/api/v1/namespaces/shop/pods/p/status",
+        {"status": {"podIP": "fe80::1%eth0", "podIPs": [{"ip": "fe80::1%eth0"}]}}, "application/merge-patch+json")
+    assert status == 422 and "must be a valid IP address" in body["message"]
+    lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": "l"},
+             "spec": {"holderIdentity": "x", "leaseDurationSeconds": "15"}}
+    status, _, body = lab_apiserver.request("POST", "/apis/coordination.k8s.io/v1/namespaces/default/leases", lease)
+    assert status == 400 and "leaseDurationSeconds" in body["message"]
+    lease["spec"]["leaseDurationSeconds"] = 0
+    status, _, body = lab_apiserver.request("POST", "/apis/coordination.k8s.io/v1/namespaces/default/leases", lease)
+    assert status == 422 and "must be greater than 0" in body["message"]

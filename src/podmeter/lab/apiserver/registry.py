@@ -169,6 +169,10 @@ class Registry:
         drop_fields(obj, unknown)
 
     def _validate(self, resource: ResourceType, obj: dict[str, Any], name: str) -> None:
+        if resource.decode_check is not None:
+            problem = resource.decode_check(obj)
+            if problem is not None:
+                raise errors.bad_request(problem)
         meta = obj["metadata"]
         causes = validation.validate_metadata(meta) + resource.validate(obj)
         if causes:

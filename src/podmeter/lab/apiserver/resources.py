@@ -246,6 +246,8 @@ class ResourceType:
     default: Callable[[dict[str, Any]], None] = _no_defaults
     validate: Callable[[dict[str, Any]], list[Cause]] = _no_checks
     bookmark_skeleton: dict[str, Any] = field(default_factory=dict)
+    # What the real server's typed decoder refuses with a 400 before validating (a string for an int).
+    decode_check: Callable[[dict[str, Any]], str | None] | None = None
 
     @property
     def key(self) -> str:
@@ -341,6 +343,8 @@ LEASES = ResourceType(
     ),
     has_status=False,
     bookmark_skeleton={"spec": {}},
+    validate=validation.validate_lease,
+    decode_check=validation.lease_type_errors,
 )
 METRICSCONFIGURATIONS = ResourceType(
     group="podmeter.io",

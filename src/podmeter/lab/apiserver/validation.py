@@ -106,10 +106,53 @@ def validate_metadata(meta: dict[str, Any]) -> list[Cause]:
 
 
 def _ip_family(text: str) -> int | None:
+    """4 or 6 for an address the real server accepts; None otherwise (a zone-scoped IPv6 address such as
+    ``fe80::1%eth0`` parses in Python, but Kubernetes refuses it as an invalid IP)."""
+    if "%" in text:
+        return None
     try:
         return ipaddress.ip_address(text).version
     except ValueError:
         return None
+
+
+_LEASE_INTS = ("leaseDurationSeconds", "leaseTransitions")
+_LEASE_STRINGS = ("holderIdentity", "acquireTime", "renewTime", "strategy", "preferredHolder")
+
+
+def lease_type_errors(obj: dict[str, Any]) -> str | None:
+    """What the real server's decoder says of a Lease field of the wrong JSON type (it answers 400 before
+    any validation), or None."""
+    spec = obj.get("spec")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        return "json: cannot unmarshal into Go struct field Lease.spec of type v1.LeaseSpec"
+    for name in _LEASE_INTS:
+        value = spec.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return (f"json: cannot unmarshal {type(value).__name__} into Go struct field "
+                    f"LeaseSpec.spec.{name} of type int32")
+    for name in _LEASE_STRINGS:
+        value = spec.get(name)
+        if value is not None and not isinstance(value, str):
+            return (f"json: cannot unmarshal {type(value).__name__} into Go struct field "
+                    f"LeaseSpec.spec.{name} of type string")
+    return None
+
+
+def validate_lease(obj: dict[str, Any]) -> list[Cause]:
+    """Values the real server refuses (422): a lease duration or transition count below zero... (its
+    validation of LeaseSpec: durations must be greater than 0, transitions not negative)."""
+    spec = obj.get("spec") or {}
+    causes: list[Cause] = []
+    duration = spec.get("leaseDurationSeconds")
+    if isinstance(duration, int) and duration <= 0:
+        causes.append(_invalid("spec.leaseDurationSeconds", duration, "must be greater than 0"))
+    transitions = spec.get("leaseTransitions")
+    if isinstance(transitions, int) and transitions < 0:
+        causes.append(_invalid("spec.leaseTransitions", transitions, "must be greater than or equal to 0"))
+    return causes
 
 
 def validate_pod_ips(status: dict[str, Any], base: str = "status") -> list[Cause]:
