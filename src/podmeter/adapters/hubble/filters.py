@@ -1,0 +1,366 @@
+"""A ``GetFlows`` request's allow list (``whitelist``) and deny list (``blacklist``) as a filter of flow records.
+
+Hubble's rule: a record is sent if the allow list is empty or one of its filters matches, and none of the
+deny list's filters matches. A filter matches if every field it sets matches (AND); a field matches if one
+of its values does (OR). What each field means for podmeter's records:
+
+- ``source_pod``/``destination_pod``: ``NS/PREFIX`` (namespace NS, pod names starting with PREFIX), ``NS/``
+  (every pod of NS), ``PREFIX`` (namespace ``default``, as ``hubble observe --pod`` means it).
+- ``source_ip``/``destination_ip``: an address or a CIDR range.
+- ``source_port``/``destination_port``: a TCP or UDP port (as a string).
+- ``protocol``: ``tcp``, ``udp``, ``icmpv4``, ``icmpv6``, ``sctp`` (any case); ``http``, ``dns``, ``kafka``
+  (L7: no podmeter flow is one).
+- ``verdict``, ``traffic_direction``, ``ip_version``, ``event_type``, ``source_identity``/``destination_identity``
+  (world is identity 2), ``node_name`` (``*`` wildcards; ``CLUSTER/NODE`` with cluster ``default``).
+- ``tcp_flags``: a TCP record whose flags include every flag of one of the values.
+- ``source_workload``/``destination_workload``: name and kind (an empty one matches any).
+- ``source_label``/``destination_label``: Kubernetes label selectors (``app=web``, ``app!=web``,
+  ``app in (a,b)``, ``app notin (a)``, ``app``, ``!app``, joined by commas), over the end's labels as
+  ``adapters.hubble.flows`` writes them; a key without a source prefix (``k8s:``, ``reserved:``; ``any:``)
+  matches it under any source. ``reserved:world`` selects the world.
+- ``uuid``, ``source_fqdn``/``destination_fqdn``, ``source_service``/``destination_service``, ``http_*``,
+  ``dns_query``, ``reply``, ``trace_id``: podmeter's records carry none of these, so a filter that sets one
+  matches no record (in an allow list it selects nothing, in a deny list it removes nothing).
+
+A filter with a field this definition does not know (a newer client's) is refused rather than half
+applied: :class:`BadFilter`, which the server answers with ``INVALID_ARGUMENT``.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from google.protobuf import unknown_fields
+
+from podmeter.adapters.hubble.flows import (
+    DIRECTIONS,
+    MESSAGE_TYPE_TRACE,
+    SUB_TYPES,
+    VERDICTS,
+    LabelSource,
+    end_identity,
+    end_labels,
+    no_labels,
+)
+from podmeter.adapters.hubble.proto import flow_pb2
+from podmeter.model.flow_records import FlowEnd, FlowFilter, FlowRecord
+from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP
+
+Check = Callable[[FlowRecord], bool]
+SCTP = 132
+PROTOCOLS: dict[str, int | None] = {"tcp": TCP, "udp": UDP, "icmpv4": ICMP, "icmpv6": ICMPV6, "sctp": SCTP,
+                                    "http": None, "dns": None, "kafka": None}
+DEFAULT_NAMESPACE = "default"
+CLUSTER = "default"  # the cluster name a node_name pattern may carry: podmeter knows one cluster
+ABSENT = ("uuid", "source_fqdn", "destination_fqdn", "source_service", "destination_service", "http_status_code",
+          "http_method", "http_path", "dns_query", "reply", "trace_id")
+TCP_FLAG_BITS = {"FIN": 0, "SYN": 1, "RST": 2, "PSH": 3, "ACK": 4, "URG": 5, "ECE": 6, "CWR": 7}
+
+
+class BadFilter(ValueError):
+    """A filter podmeter cannot apply as asked."""
+
+
+def _never(record: FlowRecord) -> bool:
+    return False
+
+
+# --- one end -------------------------------------------------------------------------------------------
+
+
+Side = Callable[[FlowRecord], FlowEnd]
+
+
+def _source(record: FlowRecord) -> FlowEnd:
+    return record.source
+
+
+def _destination(record: FlowRecord) -> FlowEnd:
+    return record.destination
+
+
+def _pods(values: Sequence[str], side: Side) -> Check:
+    wanted = []
+    for value in values:
+        namespace, slash, prefix = value.partition("/")
+        if not slash:
+            namespace, prefix = DEFAULT_NAMESPACE, value
+        if not namespace and not prefix:
+            raise BadFilter(f"pod filter {value!r}: expected [NAMESPACE/][POD-NAME-PREFIX]")
+        wanted.append((namespace or None, prefix))
+
+    def check(record: FlowRecord) -> bool:
+        e = side(record).endpoint
+        return e is not None and any((ns is None or e.namespace == ns) and e.pod.startswith(prefix)
+                                     for ns, prefix in wanted)
+    return check
+
+
+@functools.lru_cache(maxsize=65536)
+def _address(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    return ipaddress.ip_address(ip)
+
+
+def _ips(values: Sequence[str], side: Side) -> Check:
+    try:
+        networks = [ipaddress.ip_network(value, strict=False) for value in values]
+    except ValueError as exc:
+        raise BadFilter(f"IP filter: {exc}") from None
+
+    def check(record: FlowRecord) -> bool:
+        address = _address(side(record).ip)
+        return any(address in network for network in networks)
+    return check
+
+
+def _ports(values: Sequence[str], side: Side) -> Check:
+    ports = set()
+    for value in values:
+        if not value.isdigit() or int(value) > 65535:
+            raise BadFilter(f"port filter {value!r}: expected a port number 0-65535")
+        ports.add(int(value))
+
+    def check(record: FlowRecord) -> bool:
+        return record.protocol in (TCP, UDP) and side(record).port in ports
+    return check
+
+
+def _workloads(values: Iterable[flow_pb2.Workload], side: Side) -> Check:
+    wanted = [(w.name, w.kind.lower()) for w in values]
+
+    def check(record: FlowRecord) -> bool:
+        e = side(record).endpoint
+        return e is not None and any((not name or e.workload == name) and (not kind or e.workload_kind.lower() == kind)
+                                     for name, kind in wanted)
+    return check
+
+
+def _identities(values: Iterable[int], side: Side) -> Check:
+    wanted = set(values)
+    return lambda record: end_identity(side(record)) in wanted
+
+
+# --- label selectors -----------------------------------------------------------------------------------
+
+_SET = re.compile(r"^([^\s!=(),]+)\s+(in|notin)\s+\(([^()]*)\)$")
+_EQUALITY = re.compile(r"^([^\s!=(),]+)\s*(==|=|!=)\s*([^\s!=(),]*)$")
+_EXISTS = re.compile(r"^(!?)\s*([^\s!=(),]+)$")
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One term of a selector: ``key`` (``source:key``, or a bare key for any source) and what its value
+    must be: ``values`` (in), not ``values`` (notin, also true when absent), present, or absent."""
+
+    key: str
+    operator: str  # "in", "notin", "exists", "!exists"
+    values: frozenset[str] = frozenset()
+
+
+def _split_terms(selector: str) -> list[str]:
+    terms: list[str] = []
+    current: list[str] = []
+    depth = 0
+    for char in selector:
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+        if char == "," and depth == 0:
+            terms.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    terms.append("".join(current))
+    return [term.strip() for term in terms]
+
+
+def _key(raw: str) -> str:
+    source, colon, key = raw.partition(":")
+    return key if colon and source == "any" else raw
+
+
+def parse_selector(selector: str) -> tuple[Requirement, ...]:
+    """A Kubernetes label selector, each key optionally with a Cilium source prefix (``k8s:app=web``)."""
+    requirements = []
+    for term in _split_terms(selector):
+        if found := _SET.match(term):
+            values = frozenset(v.strip() for v in found.group(3).split(",") if v.strip())
+            requirements.append(Requirement(_key(found.group(1)), found.group(2), values))
+        elif found := _EQUALITY.match(term):
+            operator = "notin" if found.group(2) == "!=" else "in"
+            requirements.append(Requirement(_key(found.group(1)), operator, frozenset({found.group(3)})))
+        elif found := _EXISTS.match(term):
+            requirements.append(Requirement(_key(found.group(2)), "!exists" if found.group(1) else "exists"))
+        else:
+            raise BadFilter(f"label selector {selector!r}: cannot read {term!r}")
+    return tuple(requirements)
+
+
+@functools.lru_cache(maxsize=4096)
+def _label_index(labels: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """``source:key`` and bare ``key`` -> the values they have among ``labels`` (``source:key=value``)."""
+    index: dict[str, list[str]] = {}
+    for label in labels:
+        full, _, value = label.partition("=")
+        index.setdefault(full, []).append(value)
+        _, colon, key = full.partition(":")
+        if colon:
+            index.setdefault(key, []).append(value)
+    return {key: tuple(values) for key, values in index.items()}
+
+
+def selector_matches(requirements: Sequence[Requirement], labels: tuple[str, ...]) -> bool:
+    index = _label_index(labels)
+    for requirement in requirements:
+        values = index.get(requirement.key, ())
+        op = requirement.operator
+        ok = (bool(values) if op == "exists" else not values if op == "!exists"
+              else any(v in requirement.values for v in values) if op == "in"
+              else not any(v in requirement.values for v in values))
+        if not ok:
+            return False
+    return True
+
+
+def _labels(values: Sequence[str], side: Side, labels: LabelSource) -> Check:
+    selectors = [parse_selector(value) for value in values]
+
+    def check(record: FlowRecord) -> bool:
+        have = end_labels(side(record), labels)
+        return any(selector_matches(selector, have) for selector in selectors)
+    return check
+
+
+# --- the whole record ----------------------------------------------------------------------------------
+
+
+def _protocols(values: Sequence[str]) -> Check:
+    wanted = set()
+    for value in values:
+        if value.lower() not in PROTOCOLS:
+            raise BadFilter(f"protocol filter {value!r}: expected one of {', '.join(PROTOCOLS)}")
+        number = PROTOCOLS[value.lower()]
+        if number is not None:
+            wanted.add(number)
+    return lambda record: record.protocol in wanted
+
+
+def _tcp_flags(values: Iterable[flow_pb2.TCPFlags]) -> Check:
+    masks: list[int | None] = []
+    for flags in values:
+        if flags.NS:
+            masks.append(None)  # podmeter does not record NS: no record has it
+            continue
+        masks.append(sum(1 << bit for name, bit in TCP_FLAG_BITS.items() if getattr(flags, name)))
+
+    def check(record: FlowRecord) -> bool:
+        return record.protocol == TCP and any(m is not None and record.tcp_flags & m == m for m in masks)
+    return check
+
+
+def _wildcard(pattern: str) -> re.Pattern[str]:
+    """``*`` matches any run of characters; nothing else is special."""
+    return re.compile(".*".join(re.escape(part) for part in pattern.split("*")) + r"\Z")
+
+
+def _node_names(values: Sequence[str]) -> Check:
+    patterns = []
+    for value in values:
+        cluster, slash, node = value.rpartition("/")
+        if slash and not _wildcard(cluster or "*").match(CLUSTER):
+            continue  # another cluster's nodes: none of this agent's records
+        patterns.append(_wildcard(node or "*"))
+    return lambda record: any(p.match(record.node) for p in patterns)
+
+
+def _event_types(values: Iterable[flow_pb2.EventTypeFilter]) -> Check:
+    wanted = [(v.type, v.sub_type if v.match_sub_type else None) for v in values]
+    return lambda record: any(t == MESSAGE_TYPE_TRACE and (s is None or s == SUB_TYPES[record.observation])
+                              for t, s in wanted)
+
+
+def compile_filter(message: flow_pb2.FlowFilter, labels: LabelSource = no_labels) -> tuple[Check, ...]:
+    """The checks of one FlowFilter (all must hold); :class:`BadFilter` for a value or field podmeter
+    cannot apply."""
+    unknown = unknown_fields.UnknownFieldSet(message)
+    if len(unknown):
+        numbers = sorted({unknown[i].field_number for i in range(len(unknown))})
+        raise BadFilter(f"the flow filter has fields podmeter does not know (numbers {numbers}); "
+                        "see docs/hubble.md for the filters it supports")
+    m = message
+    checks: list[Check] = []
+    for name in ABSENT:
+        if len(getattr(m, name)):
+            checks.append(_never)
+    for side, pods, ips, ports, workloads, identities, selectors in (
+        (_source, m.source_pod, m.source_ip, m.source_port, m.source_workload, m.source_identity, m.source_label),
+        (_destination, m.destination_pod, m.destination_ip, m.destination_port, m.destination_workload,
+         m.destination_identity, m.destination_label),
+    ):
+        if pods:
+            checks.append(_pods(pods, side))
+        if ips:
+            checks.append(_ips(ips, side))
+        if ports:
+            checks.append(_ports(ports, side))
+        if workloads:
+            checks.append(_workloads(workloads, side))
+        if identities:
+            checks.append(_identities(identities, side))
+        if selectors:
+            checks.append(_labels(selectors, side, labels))
+    if m.protocol:
+        checks.append(_protocols(m.protocol))
+    if m.verdict:
+        verdicts = set(m.verdict)
+        checks.append(lambda r: VERDICTS.get(r.verdict, flow_pb2.VERDICT_UNKNOWN) in verdicts)
+    if m.traffic_direction:
+        directions = set(m.traffic_direction)
+        checks.append(lambda r: DIRECTIONS[r.observation] in directions)
+    if m.ip_version:
+        versions = set(m.ip_version)
+        checks.append(lambda r: (flow_pb2.IPv6 if ":" in r.source.ip else flow_pb2.IPv4) in versions)
+    if m.tcp_flags:
+        checks.append(_tcp_flags(m.tcp_flags))
+    if m.node_name:
+        checks.append(_node_names(m.node_name))
+    if m.event_type:
+        checks.append(_event_types(m.event_type))
+    return tuple(checks)
+
+
+def _any_matches(filters: tuple[tuple[Check, ...], ...], record: FlowRecord) -> bool:
+    return any(all(check(record) for check in checks) for checks in filters)
+
+
+@dataclass(frozen=True)
+class HubbleSelection(FlowFilter):
+    """The records a ``GetFlows`` request wants, as a :class:`FlowFilter` the flow feed takes (its ring's
+    ``last`` and its followers call :meth:`matches`). The fields of the base class but ``since`` are
+    unused; ``since`` and ``until`` are wall-clock seconds, bounds on the time of the record's last packet."""
+
+    allow: tuple[tuple[Check, ...], ...] = ()
+    deny: tuple[tuple[Check, ...], ...] = ()
+    until: float | None = None
+
+    def matches(self, record: FlowRecord) -> bool:
+        if self.since is not None and record.time < self.since:
+            return False
+        if self.until is not None and record.time > self.until:
+            return False
+        if self.allow and not _any_matches(self.allow, record):
+            return False
+        return not (self.deny and _any_matches(self.deny, record))
+
+
+def selection(whitelist: Iterable[flow_pb2.FlowFilter], blacklist: Iterable[flow_pb2.FlowFilter],
+              since: float | None = None, until: float | None = None,
+              labels: LabelSource = no_labels) -> HubbleSelection:
+    return HubbleSelection(since=since, until=until,
+                           allow=tuple(compile_filter(f, labels) for f in whitelist),
+                           deny=tuple(compile_filter(f, labels) for f in blacklist))

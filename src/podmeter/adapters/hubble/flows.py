@@ -1,0 +1,158 @@
+"""A flow record (``model.flow_records.FlowRecord``) as Hubble's ``flow.Flow`` and ``GetFlowsResponse``.
+
+What a record carries maps onto Hubble's message like this (the compatibility table is in docs/hubble.md):
+
+- ``time``: the last packet of the entry; ``node_name``: the agent's node.
+- ``IP``: both addresses and the IP version; ``l4``: TCP (ports and the flags seen), UDP (ports), ICMPv4 or
+  ICMPv6 (type and code); other protocols have no ``l4``.
+- ``source``/``destination``: a pod is its namespace, name, workload (kind and name), numeric identity when
+  the record has one, and its labels when the agent still knows the pod (``k8s:key=value``, plus
+  ``k8s:io.kubernetes.pod.namespace=NS`` as Cilium labels pods); an address no pod holds (podmeter's
+  ``world``) is Cilium's world: identity 2, the one label ``reserved:world``.
+- ``traffic_direction`` is from the pod's point of view: a packet entering a pod (``to-pod``) is ingress,
+  one leaving it (``from-pod``) egress. ``trace_observation_point`` is ``TO_ENDPOINT``/``FROM_ENDPOINT``,
+  and ``event_type`` the matching trace event (type 4, sub-type 0 or 5), which Hubble's printers show as
+  ``to-endpoint``/``from-endpoint``.
+- ``Type`` is ``L3_L4``, ``verdict`` ``FORWARDED`` (``DROPPED`` for a dropped record), ``is_reply`` unset
+  (podmeter tracks no connections, so it does not know).
+
+Hubble's flow has no packet or byte counts: they are absent from the message (``podmeter observe`` and the
+workload metrics have them).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from podmeter.adapters.hubble.proto import flow_pb2, observer_pb2
+from podmeter.model.endpoints import Endpoint
+from podmeter.model.flow_records import FlowEnd, FlowRecord
+from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, Observation
+from podmeter.model.records import Pod
+
+# A pod's labels as the agent stores them, a flat tuple (k1, v1, k2, v2, ...); () when it does not know them.
+LabelSource = Callable[[Endpoint], tuple[str, ...]]
+
+WORLD_IDENTITY = 2  # Cilium's reserved identity for addresses outside the cluster
+WORLD_LABELS = ("reserved:world",)
+NAMESPACE_LABEL = "io.kubernetes.pod.namespace"
+MESSAGE_TYPE_TRACE = 4  # Cilium's monitor message type of a trace event
+TRACE_TO_ENDPOINT, TRACE_FROM_ENDPOINT = 0, 5  # its sub-types: to and from a pod (an "lxc")
+
+POINTS = {Observation.TO_POD: flow_pb2.TO_ENDPOINT, Observation.FROM_POD: flow_pb2.FROM_ENDPOINT}
+DIRECTIONS = {Observation.TO_POD: flow_pb2.INGRESS, Observation.FROM_POD: flow_pb2.EGRESS}
+SUB_TYPES = {Observation.TO_POD: TRACE_TO_ENDPOINT, Observation.FROM_POD: TRACE_FROM_ENDPOINT}
+VERDICTS = {"forwarded": flow_pb2.FORWARDED, "dropped": flow_pb2.DROPPED}
+TCP_FLAG_FIELDS = ("FIN", "SYN", "RST", "PSH", "ACK", "URG", "ECE", "CWR")  # bit 0 first, as the kernel's byte
+
+
+def no_labels(endpoint: Endpoint) -> tuple[str, ...]:
+    return ()
+
+
+def pod_labels(pods: Mapping[str, Pod], endpoint: Endpoint) -> tuple[str, ...]:
+    """The labels of the endpoint's pod in a store keyed by UID (the agent's), () once it is gone."""
+    pod = pods.get(endpoint.uid)
+    return pod.labels if pod is not None else ()
+
+
+@functools.lru_cache(maxsize=4096)
+def hubble_labels(namespace: str, flat: tuple[str, ...]) -> tuple[str, ...]:
+    """A pod's labels as Cilium writes them: ``k8s:key=value``, sorted, with the namespace label."""
+    pairs = [f"k8s:{key}={value}" for key, value in zip(flat[::2], flat[1::2], strict=True)]
+    pairs.append(f"k8s:{NAMESPACE_LABEL}={namespace}")
+    return tuple(sorted(pairs))
+
+
+def end_labels(end: FlowEnd, labels: LabelSource) -> tuple[str, ...]:
+    e = end.endpoint
+    if e is None:
+        return WORLD_LABELS
+    flat = labels(e)
+    return hubble_labels(e.namespace, flat) if flat else ()
+
+
+def end_identity(end: FlowEnd) -> int:
+    e = end.endpoint
+    if e is None:
+        return WORLD_IDENTITY
+    return e.identity or 0
+
+
+def ip_version(ip: str) -> flow_pb2.IPVersion.ValueType:
+    return flow_pb2.IPv6 if ":" in ip else flow_pb2.IPv4
+
+
+def timestamp(seconds: float) -> Timestamp:
+    whole = int(seconds)
+    return Timestamp(seconds=whole, nanos=min(999_999_999, max(0, round((seconds - whole) * 1e9))))
+
+
+def tcp_flags(bits: int) -> flow_pb2.TCPFlags:
+    return flow_pb2.TCPFlags(**{name: True for bit, name in enumerate(TCP_FLAG_FIELDS) if bits & (1 << bit)})
+
+
+def layer4(record: FlowRecord) -> flow_pb2.Layer4 | None:
+    sport, dport = record.source.port, record.destination.port
+    if record.protocol == TCP:
+        return flow_pb2.Layer4(TCP=flow_pb2.TCP(source_port=sport, destination_port=dport,
+                                                flags=tcp_flags(record.tcp_flags)))
+    if record.protocol == UDP:
+        return flow_pb2.Layer4(UDP=flow_pb2.UDP(source_port=sport, destination_port=dport))
+    if record.protocol == ICMP:
+        return flow_pb2.Layer4(ICMPv4=flow_pb2.ICMPv4(type=sport, code=dport))
+    if record.protocol == ICMPV6:
+        return flow_pb2.Layer4(ICMPv6=flow_pb2.ICMPv6(type=sport, code=dport))
+    return None
+
+
+class FlowMessages:
+    """Turns records into ``GetFlowsResponse`` messages. The endpoint messages of recent ends are reused
+    (a pod's end repeats across its flows); the cache is bounded and emptied when full."""
+
+    CACHE = 4096
+
+    def __init__(self, labels: LabelSource = no_labels) -> None:
+        self.labels = labels
+        self._endpoints: dict[tuple[Endpoint | None, tuple[str, ...]], flow_pb2.Endpoint] = {}
+
+    def endpoint(self, end: FlowEnd) -> flow_pb2.Endpoint:
+        labels = end_labels(end, self.labels)
+        key = (end.endpoint, labels)
+        found = self._endpoints.get(key)
+        if found is None:
+            if len(self._endpoints) >= self.CACHE:
+                self._endpoints.clear()
+            e = end.endpoint
+            found = flow_pb2.Endpoint(identity=end_identity(end), labels=labels)
+            if e is not None:
+                found.namespace = e.namespace
+                found.pod_name = e.pod
+                found.workloads.add(name=e.workload, kind=e.workload_kind)
+            self._endpoints[key] = found
+        return found
+
+    def flow(self, record: FlowRecord) -> flow_pb2.Flow:
+        observation = record.observation
+        flow = flow_pb2.Flow(
+            time=timestamp(record.time),
+            verdict=VERDICTS.get(record.verdict, flow_pb2.VERDICT_UNKNOWN),
+            IP=flow_pb2.IP(source=record.source.ip, destination=record.destination.ip,
+                           ipVersion=ip_version(record.source.ip)),
+            l4=layer4(record),
+            source=self.endpoint(record.source),
+            destination=self.endpoint(record.destination),
+            Type=flow_pb2.L3_L4,
+            node_name=record.node,
+            event_type=flow_pb2.CiliumEventType(type=MESSAGE_TYPE_TRACE, sub_type=SUB_TYPES[observation]),
+            traffic_direction=DIRECTIONS[observation],
+            trace_observation_point=POINTS[observation],
+        )
+        return flow
+
+    def response(self, record: FlowRecord) -> observer_pb2.GetFlowsResponse:
+        flow = self.flow(record)
+        return observer_pb2.GetFlowsResponse(flow=flow, node_name=record.node, time=flow.time)

@@ -1,0 +1,389 @@
+"""The agent's Hubble API: ``observer.Observer`` and ``grpc.health.v1.Health`` over gRPC (grpc.aio, in the agent's
+event loop), so that `hubble observe`, `hubble status`, Hubble Relay and Hubble UI read podmeter's flows.
+
+- ``GetFlows``: the last ``number`` matching records oldest first (the first ``number`` with ``first``; all
+  of them between ``since`` and ``until`` when ``number`` is 0), then the stream ends with OK; with
+  ``follow``, new records as the agent drains them, until the client cancels. ``first`` with ``follow``
+  is ``INVALID_ARGUMENT``, as in Hubble. A follower is a follower of the agent's flow feed like any other:
+  its bounded queue is the only buffer, and a reader that falls behind (or stops reading) is cut off and
+  counted by the feed; its stream ends with ``RESOURCE_EXHAUSTED``. gRPC's own flow control bounds what a
+  stalled client holds in the transport.
+- ``ServerStatus``: flows held (the ring), the ring's capacity, flows seen, uptime, one connected node.
+- ``GetNodes``: this node. ``Health/Check``: SERVING for ``hubble.server.Observer`` (what `hubble status`
+  asks first), for ``observer.Observer`` and for the server as a whole (``""``).
+
+Access: flows name pods and IPs, so the server listens on a Unix socket or a loopback address unless it has
+TLS with client certificates (:func:`check_access`), as Hubble Relay connects to nodes.
+
+This module is an adapter: the feed comes in through the :class:`Feed` protocol (``runtime.flow_feed.FlowFeed``
+is one), and the agent's command line wires it (``cli.agent``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import ipaddress
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from google.protobuf.wrappers_pb2 import UInt32Value
+from grpc import aio
+
+from podmeter.adapters.hubble.filters import BadFilter, HubbleSelection, selection
+from podmeter.adapters.hubble.flows import FlowMessages, LabelSource, no_labels
+from podmeter.adapters.hubble.proto import health_pb2, observer_pb2, relay_pb2
+from podmeter.model.flow_records import FlowFilter, FlowRecord, FlowRing
+
+log = logging.getLogger("podmeter.hubble")
+
+SUGGESTED_PORT = 4246  # Hubble's own gRPC is 4244 on nodes, Relay 4245: the next free one (docs/hubble.md)
+HEALTHY_SERVICES = frozenset({"", "hubble.server.Observer", "observer.Observer"})
+UNBOUNDED = sys.maxsize
+CUT_OFF_CHECK = 1.0  # seconds between two checks that a follower stuck in a write has been cut off
+
+
+class Follower(Protocol):
+    queue: asyncio.Queue[FlowRecord | None]
+    cut_off: bool
+
+
+F = TypeVar("F", bound=Follower)
+
+
+class Feed(Protocol[F]):
+    """The agent's flow feed as the server reads it (``runtime.flow_feed.FlowFeed``)."""
+
+    @property
+    def ring(self) -> FlowRing: ...
+
+    @property
+    def published(self) -> int: ...
+
+    def last(self, count: int, wanted: FlowFilter) -> list[FlowRecord]: ...
+
+    def can_follow(self) -> bool: ...
+
+    def subscribe(self, wanted: FlowFilter) -> F: ...
+
+    def unsubscribe(self, follower: F) -> None: ...
+
+
+# --- where it listens, and who may connect ------------------------------------------------------------
+
+
+class AccessError(ValueError):
+    """A listen address or TLS setting the server refuses (the message says what to do)."""
+
+
+@dataclass(frozen=True)
+class ListenAddress:
+    """``unix:///path`` (``unix:path``) or ``HOST:PORT`` (``[v6]:PORT``; an empty host: every address)."""
+
+    text: str
+    target: str  # what gRPC binds
+    unix_path: Path | None = None
+    loopback: bool = False
+
+    @property
+    def local(self) -> bool:
+        """A Unix socket or a loopback address: reachable from this node only."""
+        return self.unix_path is not None or self.loopback
+
+
+def parse_listen(text: str) -> ListenAddress:
+    if text.startswith("unix:"):
+        path = text.removeprefix("unix://") if text.startswith("unix://") else text.removeprefix("unix:")
+        if not path:
+            raise AccessError(f"--hubble-listen {text!r}: expected unix:///PATH")
+        return ListenAddress(text, f"unix:{path}", unix_path=Path(path))
+    host, colon, port = text.rpartition(":")
+    if not colon or not port.isdigit() or int(port) > 65535:
+        raise AccessError(f"--hubble-listen {text!r}: expected unix:///PATH or HOST:PORT")
+    host = host.removeprefix("[").removesuffix("]")
+    if host in ("", "*"):
+        return ListenAddress(text, f"[::]:{port}")
+    loopback = host == "localhost"
+    with contextlib.suppress(ValueError):
+        loopback = ipaddress.ip_address(host).is_loopback
+    return ListenAddress(text, f"[{host}]:{port}" if ":" in host else f"{host}:{port}", loopback=loopback)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The server's certificate and key, and the CA its clients' certificates must be signed by (PEM)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path
+
+
+def tls_files(cert: str | None, key: str | None, client_ca: str | None) -> TlsFiles | None:
+    given = {"--hubble-tls-cert": cert, "--hubble-tls-key": key, "--hubble-tls-client-ca": client_ca}
+    if not any(given.values()):
+        return None
+    missing = [flag for flag, value in given.items() if not value]
+    if missing:
+        raise AccessError(f"TLS needs all three of --hubble-tls-cert, --hubble-tls-key and "
+                          f"--hubble-tls-client-ca; missing: {', '.join(missing)}")
+    assert cert and key and client_ca
+    return TlsFiles(Path(cert), Path(key), Path(client_ca))
+
+
+def check_access(address: ListenAddress, tls: TlsFiles | None) -> None:
+    """Refuse a non-local address without TLS: flows name pods and IPs."""
+    if not address.local and tls is None:
+        raise AccessError(
+            f"--hubble-listen {address.text} is reachable from other machines, and flows name pods and IPs: "
+            "it needs TLS with client certificates (--hubble-tls-cert, --hubble-tls-key, --hubble-tls-client-ca), "
+            "as Hubble Relay connects; or listen on a Unix socket (unix:///var/run/podmeter/hubble.sock) or on "
+            "loopback (127.0.0.1:4246)")
+
+
+class _Certificates:
+    """The TLS files, read again when one of them changes (a rotated certificate is used by new
+    connections without a restart)."""
+
+    def __init__(self, files: TlsFiles) -> None:
+        self.files = files
+        self._stamp = self._mtimes()
+        self.initial = self._configuration()
+
+    def _mtimes(self) -> tuple[int, ...]:
+        return tuple(os.stat(p).st_mtime_ns for p in (self.files.cert, self.files.key, self.files.client_ca))
+
+    def _configuration(self) -> Any:
+        cert, key, ca = (p.read_bytes() for p in (self.files.cert, self.files.key, self.files.client_ca))
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def fetch(self) -> Any:
+        try:
+            stamp = self._mtimes()
+            if stamp == self._stamp:
+                return None
+            configuration = self._configuration()
+        except (OSError, ValueError) as exc:
+            log.warning("Hubble API: cannot read the new TLS files (the previous ones stay): %s", exc)
+            return None
+        self._stamp = stamp
+        log.info("Hubble API: TLS files changed; new connections use them")
+        return configuration
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(self.initial, self.fetch, require_client_authentication=True)
+
+
+@dataclass(frozen=True)
+class HubbleConfig:
+    """Where the agent serves the Hubble API, and with which TLS files."""
+
+    address: ListenAddress
+    tls: TlsFiles | None = None
+
+
+def hubble_config(listen: str | None, cert: str | None = None, key: str | None = None,
+                  client_ca: str | None = None) -> HubbleConfig | None:
+    """The agent's ``--hubble-*`` options checked before anything starts (None: the API is off);
+    :class:`AccessError` says what is wrong."""
+    tls = tls_files(cert, key, client_ca)
+    if listen is None:
+        if tls is not None:
+            raise AccessError("--hubble-tls-cert, --hubble-tls-key and --hubble-tls-client-ca need --hubble-listen")
+        return None
+    address = parse_listen(listen)
+    check_access(address, tls)
+    if tls is not None:
+        try:
+            _Certificates(tls)
+        except (OSError, ValueError) as exc:
+            raise AccessError(f"cannot read the Hubble API's TLS files: {exc}") from None
+    return HubbleConfig(address, tls)
+
+
+# --- the service ----------------------------------------------------------------------------------------
+
+
+def _seconds(stamp: Timestamp) -> float:
+    return stamp.seconds + stamp.nanos / 1e9
+
+
+def _version() -> str:
+    try:
+        return f"podmeter/{metadata.version('podmeter')}"
+    except metadata.PackageNotFoundError:
+        return "podmeter"
+
+
+@dataclass
+class _Stream:
+    """One following stream: whether it is already ending (only one abort)."""
+
+    ending: bool = False
+
+
+class HubbleServer(Generic[F]):
+    """The gRPC server of one agent. Start it inside the agent's event loop; stop it before the loop ends."""
+
+    def __init__(self, feed: Feed[F], node_name: str, address: ListenAddress, *, tls: TlsFiles | None = None,
+                 labels: LabelSource = no_labels, version: str | None = None) -> None:
+        check_access(address, tls)
+        self.feed, self.node_name, self.address, self.tls, self.labels = feed, node_name, address, tls, labels
+        self.version = version or _version()
+        self.started = time.monotonic()
+        self.port: int | None = None  # the bound TCP port, once started
+        self.streams = 0  # GetFlows calls in progress
+        self._server: aio.Server | None = None
+
+    # --- lifecycle
+
+    async def start(self) -> None:
+        server = aio.server(options=[("grpc.so_reuseport", 0)])
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "GetFlows": grpc.unary_stream_rpc_method_handler(
+                self.get_flows, request_deserializer=observer_pb2.GetFlowsRequest.FromString,
+                response_serializer=observer_pb2.GetFlowsResponse.SerializeToString),
+            "ServerStatus": grpc.unary_unary_rpc_method_handler(
+                self.server_status, request_deserializer=observer_pb2.ServerStatusRequest.FromString,
+                response_serializer=observer_pb2.ServerStatusResponse.SerializeToString),
+            "GetNodes": grpc.unary_unary_rpc_method_handler(
+                self.get_nodes, request_deserializer=observer_pb2.GetNodesRequest.FromString,
+                response_serializer=observer_pb2.GetNodesResponse.SerializeToString),
+        }
+        health: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "Check": grpc.unary_unary_rpc_method_handler(
+                self.check, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("observer.Observer", handlers),
+                                         grpc.method_handlers_generic_handler("grpc.health.v1.Health", health)))
+        path = self.address.unix_path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.tls is None:
+                port = server.add_insecure_port(self.address.target)
+            else:
+                port = server.add_secure_port(self.address.target, _Certificates(self.tls).credentials())
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise AccessError(f"cannot listen on {self.address.text} for the Hubble API: {exc}") from exc
+        await server.start()
+        if path is not None:
+            path.chmod(0o660)  # the owner and its group only: flows name pods and IPs
+        self.port = port if path is None else None
+        self._server = server
+        log.info("Hubble API (observer.Observer) on %s%s, %s", self.address.text,
+                 f" (port {port})" if path is None else "", "TLS with client certificates" if self.tls else "no TLS")
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        if self.address.unix_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.address.unix_path.unlink()
+
+    # --- observer.Observer
+
+    async def get_flows(self, request: observer_pb2.GetFlowsRequest, context: aio.ServicerContext[Any, Any]
+                        ) -> None:
+        if request.first and request.follow:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first cannot be combined with follow")
+        since = _seconds(request.since) if request.HasField("since") else None
+        until = _seconds(request.until) if request.HasField("until") else None
+        try:
+            wanted = selection(request.whitelist, request.blacklist, since, until, self.labels)
+        except BadFilter as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        follower: F | None = None
+        if request.follow:
+            if not self.feed.can_follow():
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    "too many readers follow the flows of this agent; try again later")
+            follower = self.feed.subscribe(dataclasses.replace(wanted, until=None))
+        self.streams += 1
+        messages = FlowMessages(self.labels)
+        stream = _Stream()
+        watchdog = (asyncio.create_task(self._watch(follower, stream, context), name="hubble-follower-watchdog")
+                    if follower is not None else None)
+        try:
+            for past in self._past(request, wanted):  # taken at once, right after subscribing: no gap
+                await context.write(messages.response(past))
+            if follower is None:
+                return
+            while True:
+                record = await follower.queue.get()
+                if record is None:
+                    await self._cut_off(follower, stream, context)
+                    return
+                if until is not None and record.time > until:
+                    return
+                await context.write(messages.response(record))
+        finally:
+            self.streams -= 1
+            if watchdog is not None:
+                watchdog.cancel()
+            if follower is not None:
+                self.feed.unsubscribe(follower)
+
+    def _past(self, request: observer_pb2.GetFlowsRequest, wanted: HubbleSelection) -> list[FlowRecord]:
+        # number 0 means "all" within a time window; a follower's window is only ever opened by since
+        window = request.HasField("since") or (request.HasField("until") and not request.follow)
+        if request.number == 0 and not window:
+            return []
+        count = request.number or UNBOUNDED
+        if request.first:
+            return self.feed.last(UNBOUNDED, wanted)[:count]
+        return self.feed.last(count, wanted)
+
+    async def _watch(self, follower: F, stream: _Stream, context: aio.ServicerContext[Any, Any]) -> None:
+        """End the stream of a follower the feed cut off while its handler waits on a write to a client
+        that does not read (the handler itself would only notice once the write completes)."""
+        while not follower.cut_off:
+            await asyncio.sleep(CUT_OFF_CHECK)
+        await asyncio.sleep(CUT_OFF_CHECK)  # the handler, if it is not stuck, ends it itself meanwhile
+        with contextlib.suppress(Exception):
+            await self._cut_off(follower, stream, context)
+
+    async def _cut_off(self, follower: F, stream: _Stream, context: aio.ServicerContext[Any, Any]) -> None:
+        if stream.ending:
+            return
+        stream.ending = True
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"this reader fell {follower.queue.maxsize} flows behind and was cut off "
+                            "(podmeter_flow_followers_cut_off_total); filter more, or read faster")
+
+    async def server_status(self, request: observer_pb2.ServerStatusRequest, context: aio.ServicerContext[Any, Any]
+                            ) -> observer_pb2.ServerStatusResponse:
+        ring = self.feed.ring
+        return observer_pb2.ServerStatusResponse(
+            num_flows=len(ring), max_flows=ring.capacity, seen_flows=self.feed.published,
+            uptime_ns=int((time.monotonic() - self.started) * 1e9),
+            num_connected_nodes=UInt32Value(value=1), num_unavailable_nodes=UInt32Value(value=0),
+            version=self.version)
+
+    async def get_nodes(self, request: observer_pb2.GetNodesRequest, context: aio.ServicerContext[Any, Any]
+                        ) -> observer_pb2.GetNodesResponse:
+        ring = self.feed.ring
+        node = observer_pb2.Node(
+            name=self.node_name, version=self.version, address=self.address.text, state=relay_pb2.NODE_CONNECTED,
+            tls=observer_pb2.TLS(enabled=self.tls is not None), uptime_ns=int((time.monotonic() - self.started) * 1e9),
+            num_flows=len(ring), max_flows=ring.capacity, seen_flows=self.feed.published)
+        return observer_pb2.GetNodesResponse(nodes=[node])
+
+    # --- grpc.health.v1.Health
+
+    async def check(self, request: health_pb2.HealthCheckRequest, context: aio.ServicerContext[Any, Any]
+                    ) -> health_pb2.HealthCheckResponse:
+        if request.service not in HEALTHY_SERVICES:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+

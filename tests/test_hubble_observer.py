@@ -1,0 +1,491 @@
+"""The agent's Hubble API (``observer.Observer``, ``grpc.health.v1.Health``) over real gRPC, fed with flow records.
+
+A client built from the project's own definitions (the generated stubs) calls the server the agent runs
+(``adapters.hubble.server.HubbleServer`` on a ``runtime.flow_feed.FlowFeed`` the test publishes into), as
+`hubble observe`, `hubble status` and Hubble Relay call it: ``number=N`` returns the last N in order and
+ends, ``follow`` streams new flows, every filter kind, the flow message's fields, ServerStatus, GetNodes,
+the health check, a reader that stops reading is cut off and counted without the server's memory growing,
+and the access rule (loopback, Unix socket, TLS with client certificates).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import stat
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import msgspec
+import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from factories import make_pod
+from hubble_support import Certificates, Client, make_certificates, ports
+from podmeter.adapters.hubble.flows import WORLD_IDENTITY, pod_labels
+from podmeter.adapters.hubble.proto import flow_pb2, health_pb2, observer_pb2
+from podmeter.adapters.hubble.server import (
+    AccessError,
+    HubbleServer,
+    hubble_config,
+    parse_listen,
+)
+from podmeter.model.endpoints import AddressBook
+from podmeter.model.flow_records import FlowRecord, name_flows
+from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, FlowCounts, FlowKey, Observation
+from podmeter.model.records import Pod
+from podmeter.runtime.flow_feed import FOLLOWER_QUEUE, FlowFeed
+
+FROM, TO = Observation.FROM_POD, Observation.TO_POD
+BASE = 1_790_000_000.0  # wall-clock seconds of record 0; record i is at BASE + i
+SYN, ACK, FIN, PSH = 0b10, 0b10000, 0b1, 0b1000
+
+
+def owned(pod: Pod, kind: str, name: str) -> Pod:
+    return msgspec.structs.replace(pod, owner_kind=kind, owner_name=name)
+
+
+WEB = owned(make_pod("web-5d9f7-x2x7p", "shop", ips=("10.0.0.1",), labels={"app": "web", "tier": "front",
+                                                                           "pod-template-hash": "5d9f7"}),
+            "ReplicaSet", "web-5d9f7")
+DB = owned(make_pod("db-0", "shop", ips=("10.0.0.2",), labels={"app": "db"}), "StatefulSet", "db")
+CACHE = make_pod("cache", "default", ips=("fd00::3",), labels={"app": "cache"})  # a bare pod: its own workload
+PODS = {pod.uid: pod for pod in (WEB, DB, CACHE)}
+BOOK = AddressBook(PODS.values())
+
+# One of each shape, repeated: (key, flags). Record i has source port 40000 + i where it has ports.
+SHAPES: list[Callable[[int], tuple[FlowKey, int]]] = [
+    lambda i: (FlowKey("10.0.0.1", "10.0.0.2", 40000 + i, 5432, TCP, FROM), SYN | ACK),  # web -> db
+    lambda i: (FlowKey("10.0.0.1", "8.8.8.8", 40000 + i, 53, UDP, FROM), 0),  # web -> world
+    lambda i: (FlowKey("8.8.8.8", "10.0.0.1", 8, 0, ICMP, TO), 0),  # world -> web, echo request
+    lambda i: (FlowKey("10.0.0.2", "10.0.0.1", 40000 + i, 8080, TCP, TO), ACK | PSH | FIN),  # db -> web
+    lambda i: (FlowKey("fd00::3", "2001:db8::9", 128, 0, ICMPV6, FROM), 0),  # cache -> world (v6)
+]
+
+
+def records(n: int, start: int = 0) -> list[FlowRecord]:
+    entries = []
+    for i in range(start, start + n):
+        key, flags = SHAPES[i % len(SHAPES)](i)
+        at = int(i * 1e9)
+        entries.append((key, FlowCounts(1 + i % 3, 100 + i, at, at, flags)))
+    return name_flows(entries, BOOK, "node-a", BASE)
+
+
+def stamp(seconds: float) -> Timestamp:
+    return Timestamp(seconds=int(seconds), nanos=round((seconds % 1) * 1e9))
+
+
+@pytest.fixture
+async def hubble() -> AsyncIterator[tuple[FlowFeed, HubbleServer[Any], Client]]:
+    feed = FlowFeed(100)
+    server = HubbleServer(feed, "node-a", parse_listen("127.0.0.1:0"), labels=lambda e: pod_labels(PODS, e))
+    await server.start()
+    client = Client(f"127.0.0.1:{server.port}")
+    try:
+        yield feed, server, client
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+# --- GetFlows: how many, which ones, in which order ------------------------------------------------------
+
+
+async def test_number_returns_the_last_n_oldest_first_then_ends_ok(hubble: Any) -> None:
+    feed, _, client = hubble
+    feed.publish(records(20))
+    call = client.observer.GetFlows(observer_pb2.GetFlowsRequest(number=4), timeout=10)
+    got = [r async for r in call]
+    assert await call.code() == grpc.StatusCode.OK
+    assert [r.flow.time.seconds for r in got] == [int(BASE) + i for i in (16, 17, 18, 19)]
+    assert ports(got) == [40016, 8, 40018, 128]  # 17 and 19 are ICMP: their types
+    assert all(r.node_name == "node-a" and r.time == r.flow.time for r in got)
+
+
+async def test_first_returns_the_oldest_and_all_and_since_until_bound_the_time(hubble: Any) -> None:
+    feed, _, client = hubble
+    feed.publish(records(20))
+    assert [r.flow.time.seconds - int(BASE) for r in await client.flows(number=3, first=True)] == [0, 1, 2]
+    assert len(await client.flows(number=2**64 - 1)) == 20  # hubble observe --all
+    window = await client.flows(since=stamp(BASE + 5), until=stamp(BASE + 9))  # number 0: all in the window
+    assert [r.flow.time.seconds - int(BASE) for r in window] == [5, 6, 7, 8, 9]
+    assert [r.flow.time.seconds - int(BASE) for r in await client.flows(number=2, since=stamp(BASE + 5))] == [18, 19]
+    assert await client.flows(number=0) == []  # nothing asked for: nothing, and the stream ends
+
+
+async def test_first_with_follow_is_invalid_argument(hubble: Any) -> None:
+    _, _, client = hubble
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await client.flows(first=True, follow=True, number=1)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "follow" in (error.value.details() or "")
+
+
+async def test_follow_streams_new_flows_after_the_last_n_without_gap_or_repeat(hubble: Any) -> None:
+    feed, server, client = hubble
+    feed.publish(records(10))
+    call = client.observer.GetFlows(observer_pb2.GetFlowsRequest(number=2, follow=True))
+    got = [await call.read() for _ in range(2)]
+    await wait_until(lambda: feed.followers == 1)
+    feed.publish(records(3, start=10))
+    feed.publish(records(2, start=13))
+    got += [await asyncio.wait_for(call.read(), 10) for _ in range(5)]
+    assert [r.flow.time.seconds - int(BASE) for r in got] == [8, 9, 10, 11, 12, 13, 14]
+    call.cancel()
+    await wait_until(lambda: feed.followers == 0 and server.streams == 0)  # the follower left the feed
+
+
+async def test_follow_alone_sends_no_history_and_until_ends_the_stream(hubble: Any) -> None:
+    feed, _, client = hubble
+    feed.publish(records(5))
+    call = client.observer.GetFlows(observer_pb2.GetFlowsRequest(follow=True, until=stamp(BASE + 11)))
+    await wait_until(lambda: feed.followers == 1)
+    feed.publish(records(4, start=10))  # 10, 11, then 12 is past until: the stream ends with OK
+    got = [r async for r in call]
+    assert [r.flow.time.seconds - int(BASE) for r in got] == [10, 11]
+    assert await call.code() == grpc.StatusCode.OK
+
+
+# --- filters ---------------------------------------------------------------------------------------------
+
+
+async def matching(client: Client, whitelist: list[dict[str, Any]] | None = None,
+                   blacklist: list[dict[str, Any]] | None = None) -> list[int]:
+    """The indexes (record i is at BASE + i) of the records a request with these filters returns."""
+    got = await client.flows(number=1000, whitelist=[flow_pb2.FlowFilter(**f) for f in whitelist or []],
+                             blacklist=[flow_pb2.FlowFilter(**f) for f in blacklist or []])
+    return [r.flow.time.seconds - int(BASE) for r in got]
+
+
+ALL = list(range(10))
+WEB_TO_DB, WEB_TO_WORLD, WORLD_TO_WEB, DB_TO_WEB, CACHE_V6 = ([i for i in ALL if i % 5 == k] for k in range(5))
+
+FILTERS: dict[str, tuple[list[dict[str, Any]], list[int]]] = {
+    # hubble observe --namespace shop: [{source_pod: [shop/]}, {destination_pod: [shop/]}]
+    "namespace": ([{"source_pod": ["shop/"]}, {"destination_pod": ["shop/"]}],
+                  sorted(WEB_TO_DB + WEB_TO_WORLD + WORLD_TO_WEB + DB_TO_WEB)),
+    "pod prefix in a namespace": ([{"source_pod": ["shop/web-"]}], sorted(WEB_TO_DB + WEB_TO_WORLD)),
+    "pod without namespace is in default": ([{"source_pod": ["cache"]}], CACHE_V6),
+    "pod without namespace elsewhere": ([{"source_pod": ["web"]}], []),
+    "destination pod": ([{"destination_pod": ["shop/db-0"]}], WEB_TO_DB),
+    "source ip": ([{"source_ip": ["10.0.0.2"]}], DB_TO_WEB),
+    "destination cidr": ([{"destination_ip": ["8.8.0.0/16"]}], WEB_TO_WORLD),
+    "v6 cidr": ([{"source_ip": ["fd00::/64"]}], CACHE_V6),
+    "source port": ([{"source_port": ["40003"]}], [3]),
+    "destination port": ([{"destination_port": ["5432", "53"]}], sorted(WEB_TO_DB + WEB_TO_WORLD)),
+    "protocol": ([{"protocol": ["UDP"]}], WEB_TO_WORLD),
+    "protocols icmp": ([{"protocol": ["icmpv4", "icmpv6"]}], sorted(WORLD_TO_WEB + CACHE_V6)),
+    "l7 protocol": ([{"protocol": ["http"]}], []),
+    "verdict forwarded": ([{"verdict": [flow_pb2.FORWARDED]}], ALL),
+    "verdict dropped": ([{"verdict": [flow_pb2.DROPPED]}], []),
+    "tcp flags SYN": ([{"tcp_flags": [flow_pb2.TCPFlags(SYN=True)]}], WEB_TO_DB),
+    "tcp flags FIN or SYN+ACK": ([{"tcp_flags": [flow_pb2.TCPFlags(FIN=True), flow_pb2.TCPFlags(SYN=True, ACK=True)]}],
+                                 sorted(WEB_TO_DB + DB_TO_WEB)),
+    "tcp flags NS": ([{"tcp_flags": [flow_pb2.TCPFlags(NS=True)]}], []),
+    "source workload": ([{"source_workload": [flow_pb2.Workload(name="web", kind="Deployment")]}],
+                        sorted(WEB_TO_DB + WEB_TO_WORLD)),
+    "destination workload kind only": ([{"destination_workload": [flow_pb2.Workload(kind="StatefulSet")]}], WEB_TO_DB),
+    "bare pod workload": ([{"source_workload": [flow_pb2.Workload(name="cache", kind="Pod")]}], CACHE_V6),
+    "source label": ([{"source_label": ["app=web"]}], sorted(WEB_TO_DB + WEB_TO_WORLD)),
+    "label with source prefix": ([{"destination_label": ["k8s:app in (db, cache)"]}], WEB_TO_DB),
+    "label set and not": ([{"source_label": ["app,app!=db,tier notin (back)"]}],
+                          sorted(WEB_TO_DB + WEB_TO_WORLD + CACHE_V6)),
+    "label namespace": ([{"source_label": ["io.kubernetes.pod.namespace=default"]}], CACHE_V6),
+    "label world": ([{"source_label": ["reserved:world"]}], WORLD_TO_WEB),
+    "label absent": ([{"destination_label": ["!app"]}], sorted(WEB_TO_WORLD + CACHE_V6)),
+    "world identity": ([{"destination_identity": [WORLD_IDENTITY]}], sorted(WEB_TO_WORLD + CACHE_V6)),
+    "traffic direction ingress": ([{"traffic_direction": [flow_pb2.INGRESS]}], sorted(WORLD_TO_WEB + DB_TO_WEB)),
+    "ip version 6": ([{"ip_version": [flow_pb2.IPv6]}], CACHE_V6),
+    "node name pattern": ([{"node_name": ["node-*"]}], ALL),
+    "node name of another cluster": ([{"node_name": ["other/node-a"]}], []),
+    "node name of this cluster": ([{"node_name": ["default/node-a"]}], ALL),
+    "event type trace from endpoint": ([{"event_type": [flow_pb2.EventTypeFilter(type=4, match_sub_type=True,
+                                                                                 sub_type=5)]}],
+                                       sorted(WEB_TO_DB + WEB_TO_WORLD + CACHE_V6)),
+    "fields podmeter flows never have": ([{"source_fqdn": ["example.com"]}], []),
+    "fields AND within a filter": ([{"source_pod": ["shop/"], "protocol": ["tcp"]}], sorted(WEB_TO_DB + DB_TO_WEB)),
+    "empty filter matches all": ([{}], ALL),
+}
+
+
+@pytest.mark.parametrize("name", list(FILTERS))
+async def test_each_filter_kind_in_the_allow_list(hubble: Any, name: str) -> None:
+    feed, _, client = hubble
+    feed.publish(records(10))
+    whitelist, expected = FILTERS[name]
+    assert await matching(client, whitelist) == expected
+
+
+async def test_the_deny_list_removes_what_it_matches_from_the_allow_list(hubble: Any) -> None:
+    feed, _, client = hubble
+    feed.publish(records(10))
+    assert await matching(client, blacklist=[{"destination_ip": ["8.8.8.8"]}, {"protocol": ["icmpv6"]}]) == \
+        sorted(WEB_TO_DB + WORLD_TO_WEB + DB_TO_WEB)
+    assert await matching(client, [{"source_pod": ["shop/"]}], [{"protocol": ["udp"]}]) == sorted(WEB_TO_DB + DB_TO_WEB)
+    assert await matching(client, blacklist=[{"source_fqdn": ["x"]}]) == ALL  # never matches: removes nothing
+
+
+async def test_follow_applies_the_filters_to_new_flows(hubble: Any) -> None:
+    feed, _, client = hubble
+    call = client.observer.GetFlows(observer_pb2.GetFlowsRequest(
+        follow=True, whitelist=[flow_pb2.FlowFilter(protocol=["tcp"])],
+        blacklist=[flow_pb2.FlowFilter(tcp_flags=[flow_pb2.TCPFlags(FIN=True)])]))
+    await wait_until(lambda: feed.followers == 1)
+    feed.publish(records(10))
+    got = [await asyncio.wait_for(call.read(), 10) for _ in range(2)]
+    assert [r.flow.time.seconds - int(BASE) for r in got] == WEB_TO_DB
+    call.cancel()
+
+
+@pytest.mark.parametrize(("filter_", "word"), [
+    ({"source_ip": ["10.0.0.300"]}, "IP"), ({"source_port": ["http"]}, "port"), ({"protocol": ["quic"]}, "protocol"),
+    ({"source_label": ["app in web"]}, "label"), ({"source_pod": ["/"]}, "pod"),
+])
+async def test_a_bad_filter_value_is_invalid_argument_that_says_which(hubble: Any, filter_: dict[str, Any],
+                                                                      word: str) -> None:
+    _, _, client = hubble
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await client.flows(number=1, whitelist=[flow_pb2.FlowFilter(**filter_)])
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in (error.value.details() or "")
+
+
+async def test_a_filter_field_podmeter_does_not_know_is_refused_not_ignored(hubble: Any) -> None:
+    """A newer client's filter field (here number 999, a varint) must not be silently dropped: ignoring it
+    would return flows the client excluded."""
+    feed, _, client = hubble
+    feed.publish(records(3))
+    unknown = flow_pb2.FlowFilter.FromString(flow_pb2.FlowFilter(protocol=["tcp"]).SerializeToString()
+                                             + bytes([0xB8, 0x3E, 0x01]))  # field 999, varint 1
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await client.flows(number=1, whitelist=[unknown])
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "999" in (error.value.details() or "")
+
+
+# --- what a flow message carries --------------------------------------------------------------------------
+
+
+async def test_a_flow_carries_what_podmeter_knows_in_hubbles_fields(hubble: Any) -> None:
+    feed, _, client = hubble
+    feed.publish(records(5))
+    tcp, udp, icmp, back, v6 = (r.flow for r in await client.flows(number=5))
+    assert (tcp.time.seconds, tcp.node_name, tcp.Type, tcp.verdict) == (int(BASE), "node-a", flow_pb2.L3_L4,
+                                                                         flow_pb2.FORWARDED)
+    assert (tcp.IP.source, tcp.IP.destination, tcp.IP.ipVersion) == ("10.0.0.1", "10.0.0.2", flow_pb2.IPv4)
+    assert (tcp.l4.TCP.source_port, tcp.l4.TCP.destination_port) == (40000, 5432)
+    assert tcp.l4.TCP.flags == flow_pb2.TCPFlags(SYN=True, ACK=True)
+    assert back.l4.TCP.flags == flow_pb2.TCPFlags(FIN=True, PSH=True, ACK=True)
+    assert (udp.l4.UDP.source_port, udp.l4.UDP.destination_port) == (40001, 53)
+    assert (icmp.l4.ICMPv4.type, icmp.l4.ICMPv4.code) == (8, 0)
+    assert (v6.l4.ICMPv6.type, v6.IP.ipVersion) == (128, flow_pb2.IPv6)
+    source = tcp.source
+    assert (source.namespace, source.pod_name, source.identity) == ("shop", "web-5d9f7-x2x7p", 0)
+    assert [(w.kind, w.name) for w in source.workloads] == [("Deployment", "web")]
+    assert list(source.labels) == ["k8s:app=web", "k8s:io.kubernetes.pod.namespace=shop", "k8s:pod-template-hash=5d9f7",
+                                   "k8s:tier=front"]
+    assert [(w.kind, w.name) for w in tcp.destination.workloads] == [("StatefulSet", "db")]
+    assert [(w.kind, w.name) for w in v6.source.workloads] == [("Pod", "cache")]
+    world = udp.destination
+    assert (world.identity, list(world.labels), world.pod_name, world.namespace) == (WORLD_IDENTITY,
+                                                                                    ["reserved:world"], "", "")
+    # direction from the pod's point of view: leaving it is egress, entering it ingress
+    assert (tcp.traffic_direction, tcp.trace_observation_point) == (flow_pb2.EGRESS, flow_pb2.FROM_ENDPOINT)
+    assert (icmp.traffic_direction, icmp.trace_observation_point) == (flow_pb2.INGRESS, flow_pb2.TO_ENDPOINT)
+    assert (tcp.event_type.type, tcp.event_type.sub_type, icmp.event_type.sub_type) == (4, 5, 0)
+    assert not tcp.HasField("is_reply")  # unknown, printed as <> by hubble observe
+
+
+async def test_labels_of_a_pod_the_agent_no_longer_knows_are_absent(hubble: Any) -> None:
+    feed, _, client = hubble
+    gone = make_pod("gone", "shop", ips=("10.0.0.7",))
+    (record,) = name_flows([(FlowKey("10.0.0.7", "8.8.8.8", 1, 2, UDP, FROM), FlowCounts(1, 1, 0, 0, 0))],
+                           AddressBook([gone]), "node-a", BASE)
+    feed.publish([record])
+    (response,) = await client.flows(number=1)
+    assert response.flow.source.pod_name == "gone" and list(response.flow.source.labels) == []
+
+
+# --- status, nodes, health --------------------------------------------------------------------------------
+
+
+async def test_server_status_counts_and_get_nodes_is_this_node(hubble: Any) -> None:
+    feed, _, client = hubble
+    feed.publish(records(30))
+    feed.publish(records(90, start=30))  # 120 seen, the ring holds 100
+    status = await client.observer.ServerStatus(observer_pb2.ServerStatusRequest(), timeout=10)
+    assert (status.num_flows, status.max_flows, status.seen_flows) == (100, 100, 120)
+    assert status.num_connected_nodes.value == 1 and status.HasField("num_unavailable_nodes")
+    assert status.num_unavailable_nodes.value == 0 and status.uptime_ns > 0 and status.version.startswith("podmeter")
+    nodes = await client.observer.GetNodes(observer_pb2.GetNodesRequest(), timeout=10)
+    (node,) = nodes.nodes
+    assert (node.name, node.state, node.num_flows, node.max_flows, node.seen_flows) == ("node-a", 1, 100, 100, 120)
+    assert node.tls.enabled is False and node.address == "127.0.0.1:0"
+
+
+async def test_health_check_is_serving_for_hubbles_observer_service(hubble: Any) -> None:
+    _, _, client = hubble
+    for service in ("hubble.server.Observer", "observer.Observer", ""):
+        answer = await client.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await client.health.Check(health_pb2.HealthCheckRequest(service="flow.Nothing"), timeout=10)
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# --- bounded: slow readers ----------------------------------------------------------------------------------
+
+STALLED_CLIENT = textwrap.dedent("""
+    import sys, time, grpc
+    from podmeter.adapters.hubble.proto import observer_pb2, observer_pb2_grpc
+    stub = observer_pb2_grpc.ObserverStub(grpc.insecure_channel(sys.argv[1]))
+    call = stub.GetFlows(observer_pb2.GetFlowsRequest(follow=True))
+    next(call)
+    print("reading", flush=True)
+    sys.stdin.readline()  # stop reading until told to go on
+    count = 1
+    try:
+        for _ in call:
+            count += 1
+    except grpc.RpcError as error:
+        print(count, error.code().name, error.details(), flush=True)
+""")
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+async def test_a_reader_that_stops_reading_is_cut_off_counted_and_costs_no_memory(hubble: Any) -> None:
+    feed, server, _ = hubble
+    reader = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", STALLED_CLIENT, f"127.0.0.1:{server.port}", stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE)
+    assert reader.stdin is not None and reader.stdout is not None
+    try:
+        await wait_until(lambda: feed.followers == 1)
+        feed.publish(records(1))
+        assert await asyncio.wait_for(reader.stdout.readline(), 10) == b"reading\n"
+        batch = records(1000)
+        before = rss_mib()
+        for _ in range(300):  # 300,000 records, far beyond the follower's queue and gRPC's buffers
+            feed.publish(batch)
+            await asyncio.sleep(0)
+        await wait_until(lambda: feed.slow_followers == 1 and feed.followers == 0 and server.streams == 0, 15)
+        grown = rss_mib() - before
+        assert grown < 60, f"the server grew by {grown:.0f} MiB while a reader did not read"
+        reader.stdin.write(b"go on\n")
+        await reader.stdin.drain()
+        received, code, *details = (await asyncio.wait_for(reader.stdout.readline(), 30)).decode().split(" ", 2)
+        assert code == "RESOURCE_EXHAUSTED" and "cut off" in details[-1]
+        assert 1 < int(received) < 300_000  # what gRPC had buffered before the server stopped writing
+    finally:
+        if reader.returncode is None:
+            reader.kill()
+        await reader.wait()
+
+
+async def test_followers_beyond_the_feeds_limit_are_refused(hubble: Any) -> None:
+    feed, _, client = hubble
+    feed.max_followers = 2
+    calls = [client.observer.GetFlows(observer_pb2.GetFlowsRequest(follow=True)) for _ in range(2)]
+    await wait_until(lambda: feed.followers == 2)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await client.flows(follow=True)
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for call in calls:
+        call.cancel()
+    await wait_until(lambda: feed.followers == 0)
+
+
+# --- access: where it listens, who may connect ------------------------------------------------------------
+
+
+def test_listen_addresses_and_the_access_rule() -> None:
+    assert parse_listen("unix:///run/p/hubble.sock").unix_path == Path("/run/p/hubble.sock")
+    assert parse_listen("unix:///run/p/hubble.sock").target == "unix:/run/p/hubble.sock"
+    for local in ("127.0.0.1:4246", "[::1]:4246", "localhost:4246", "127.3.0.1:1"):
+        assert parse_listen(local).local, local
+    for remote in ("0.0.0.0:4246", ":4246", "[::]:4246", "10.0.0.1:4246", "node-a:4246"):
+        assert not parse_listen(remote).local, remote
+        with pytest.raises(AccessError, match="needs TLS with client certificates"):
+            hubble_config(remote)
+    for bad in ("4246", "unix:", "host:port", "127.0.0.1:70000"):
+        with pytest.raises(AccessError, match="expected"):
+            parse_listen(bad)
+    assert hubble_config(None) is None
+    with pytest.raises(AccessError, match="missing: --hubble-tls-client-ca"):
+        hubble_config("0.0.0.0:4246", "cert.pem", "key.pem")
+    with pytest.raises(AccessError, match="need --hubble-listen"):
+        hubble_config(None, "cert.pem", "key.pem", "ca.pem")
+    with pytest.raises(AccessError, match="cannot read"):
+        hubble_config("0.0.0.0:4246", "/nonexistent/cert.pem", "key.pem", "ca.pem")
+
+
+async def test_a_unix_socket_only_its_owner_and_group_reach(tmp_path: Path) -> None:
+    feed = FlowFeed(10)
+    feed.publish(records(3))
+    path = tmp_path / "run" / "hubble.sock"
+    server = HubbleServer(feed, "node-a", parse_listen(f"unix://{path}"))
+    await server.start()
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+        async with Client(f"unix://{path}") as client:
+            assert len(await client.flows(number=10)) == 3
+    finally:
+        await server.stop(0)
+    assert not path.exists()
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    return make_certificates(tmp_path_factory.mktemp("certs"))
+
+
+async def test_tls_accepts_a_client_certificate_of_the_ca_and_refuses_others(certificates: Certificates) -> None:
+    feed = FlowFeed(10)
+    feed.publish(records(3))
+    config = hubble_config("0.0.0.0:0", str(certificates.server_cert), str(certificates.server_key),
+                           str(certificates.ca))
+    assert config is not None
+    server = HubbleServer(feed, "node-a", config.address, tls=config.tls)
+    await server.start()
+    target = f"127.0.0.1:{server.port}"
+    try:
+        async with Client(target, certificates) as client:
+            assert len(await client.flows(number=10)) == 3
+            nodes = await client.observer.GetNodes(observer_pb2.GetNodesRequest(), timeout=10)
+            assert nodes.nodes[0].tls.enabled
+        for refused in (Client(target, certificates, client_cert=False), Client(target, certificates, rogue=True),
+                        Client(target)):  # no certificate, another CA's, plain text
+            async with refused:
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await refused.flows(number=10, timeout=5)
+                assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(0)
+
+
+async def test_the_agent_refuses_to_start_on_a_remote_address_without_tls() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "podmeter", "agent", "--node-name", "n", "--datapath", "memory",
+        "--hubble-listen", "0.0.0.0:4246", stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert b"needs TLS with client certificates (--hubble-tls-cert, --hubble-tls-key, --hubble-tls-client-ca)" in err
+    assert FOLLOWER_QUEUE > 0  # the bound the cut-off message names (runtime.flow_feed)
