@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 
 from podmeter.adapters.flow_http import flows_handler
 from podmeter.adapters.http import build_app, parse_listen, serve
+from podmeter.adapters.hubble.flows import pod_labels
+from podmeter.adapters.hubble.server import AccessError, HubbleConfig, HubbleServer, hubble_config
 from podmeter.adapters.kube.connection import ConnectionConfigError, load_connection
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
 from podmeter.adapters.metrics.flow_traffic import render_workload_flows
@@ -57,6 +59,13 @@ def register(subparsers: Any) -> None:
                         "(default 2000)")
     p.add_argument("--retina-compat", action="store_true",
                    help="also export per-pod traffic as networkobservability_adv_forward_bytes/_count")
+    p.add_argument("--hubble-listen", metavar="ADDR",
+                   help="serve Hubble's Observer gRPC API (hubble observe, Relay, UI) on unix:///PATH or HOST:PORT "
+                        "(default: off; 4246 suggested: docs/hubble.md); a non-loopback address needs the TLS options")
+    p.add_argument("--hubble-tls-cert", metavar="PEM", help="the Hubble API's server certificate")
+    p.add_argument("--hubble-tls-key", metavar="PEM", help="the Hubble API's server key")
+    p.add_argument("--hubble-tls-client-ca", metavar="PEM",
+                   help="CA that signs the Hubble API's client certificates (required: mutual TLS, as Relay uses)")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.set_defaults(func=run)
@@ -80,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     try:
         parse_listen(args.listen)
+        hubble = hubble_config(args.hubble_listen, args.hubble_tls_cert, args.hubble_tls_key, args.hubble_tls_client_ca)
         connection = load_connection(args.kubeconfig, args.context)
     except (ValueError, ConnectionConfigError) as exc:
         log.error("%s", exc)
@@ -91,12 +101,12 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot open the %s datapath: %s", args.datapath, exc)
         return 1
     try:
-        return asyncio.run(_serve(args, connection, opened))
+        return asyncio.run(_serve(args, connection, opened, hubble))
     finally:
         opened.close()
 
 
-async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath) -> int:
+async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath, hubble: HubbleConfig | None) -> int:
     settings = AgentSettings(node_name=args.node_name, resync_interval=args.resync_interval,
                              series_grace=args.series_grace, flow_interval=args.flow_interval,
                              flow_buffer=args.flow_buffer, flow_series_limit=args.flow_series_limit)
@@ -113,6 +123,15 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
                     debug_streams={"/debug/flows": flows_handler(agent.flow_feed)},
                     healthy=lambda: agent.supervisor.healthy)
     runner, port = await serve(app, args.listen)
+    observer = None if hubble is None else HubbleServer(agent.flow_feed, args.node_name, hubble.address, tls=hubble.tls,
+                                                        labels=lambda e: pod_labels(agent.view.pods, e))
+    try:
+        if observer is not None:
+            await observer.start()
+    except AccessError as exc:
+        log.error("%s", exc)
+        await runner.cleanup()
+        return 1
     log.info("agent for node %s: API server %s (%s), HTTP on port %d", args.node_name, connection.server,
              connection.source, port)
     stop = asyncio.Event()
@@ -123,6 +142,8 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
     failed = asyncio.ensure_future(agent.supervisor.failed.wait())
     await asyncio.wait([asyncio.ensure_future(stop.wait()), failed], return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping: pinned state stays for the next agent")
+    if observer is not None:
+        await observer.stop()
     await agent.stop()
     await runner.cleanup()
     return 1 if failed.done() else 0
