@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import ipaddress
 import json
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,15 +28,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(registry: CollectorRegistry, ready: Callable[[], bool], debug: DebugViews,
               debug_remote: bool = False, expositions: Sequence[Callable[[], bytes]] = (),
               *, debug_streams: Mapping[str, Handler] | None = None,
-              healthy: Callable[[], bool] = lambda: True) -> web.Application:
+              healthy: Callable[[], bool] = lambda: True,
+              metrics_min_interval: float = 0.0) -> web.Application:
     """``expositions`` render extra series in the text format themselves (the per-pod traffic: too many
     samples to build prometheus_client objects for on every scrape). ``debug_streams`` are handlers of
     their own under ``/debug/`` (the flow stream), behind the same access rule as the debug views."""
     app = web.Application()
+    rendered: list[tuple[float, bytes]] = []  # the last exposition and when it was made
 
     async def metrics(_: web.Request) -> web.Response:
-        body = generate_latest(registry) + b"".join(render() for render in expositions)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        # Rendering runs on the event loop the writer shares: however many scrapers come, it happens at
+        # most once per metrics_min_interval, and the others get that exposition (docs/install.md).
+        now = time.monotonic()
+        if not rendered or now - rendered[0][0] >= metrics_min_interval:
+            rendered[:] = [(now, generate_latest(registry) + b"".join(render() for render in expositions))]
+        return web.Response(body=rendered[0][1], headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(_: web.Request) -> web.Response:
         if healthy():

@@ -41,6 +41,9 @@ def register(subparsers: Any) -> None:
                    help="also attach to this interface (repeatable); veths named pm*, veth*, lxc*, cali* "
                         "are found by themselves")
     p.add_argument("--listen", default="127.0.0.1:9978", help="HTTP address for /metrics, /healthz, /readyz")
+    p.add_argument("--metrics-min-interval", type=float, default=1.0,
+                   help="seconds between two renderings of /metrics at most: scrapers within it get the last "
+                        "one, so many scrapers cannot slow the datapath writes (default 1)")
     p.add_argument("--debug-remote", action="store_true",
                    help="let /debug/state answer non-loopback clients too (default: loopback only)")
     p.add_argument("--resync-interval", type=_positive_float, default=60.0,
@@ -121,7 +124,7 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
     app = build_app(registry, agent.ready.is_set, debug, args.debug_remote,
                     [traffic.render, lambda: render_workload_flows(agent.workload_flows)],
                     debug_streams={"/debug/flows": flows_handler(agent.flow_feed)},
-                    healthy=lambda: agent.supervisor.healthy)
+                    healthy=lambda: agent.supervisor.healthy, metrics_min_interval=args.metrics_min_interval)
     runner, port = await serve(app, args.listen)
     observer = None if hubble is None else HubbleServer(agent.flow_feed, args.node_name, hubble.address, tls=hubble.tls,
                                                         labels=lambda e: pod_labels(agent.view.pods, e))
