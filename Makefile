@@ -26,7 +26,8 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -I src --plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy \
 		--python_out=src --mypy_out=src $(HUBBLE_PROTO)/*.proto
 	$(PY) -m grpc_tools.protoc -I src --plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc \
-		--grpc_python_out=src --mypy_grpc_out=src $(HUBBLE_PROTO)/observer.proto $(HUBBLE_PROTO)/health.proto
+		--grpc_python_out=src --mypy_grpc_out=src $(HUBBLE_PROTO)/observer.proto $(HUBBLE_PROTO)/peer.proto \
+		$(HUBBLE_PROTO)/health.proto
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench

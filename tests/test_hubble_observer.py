@@ -28,7 +28,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from factories import make_pod
 from hubble_support import Certificates, Client, make_certificates, ports
 from podmeter.adapters.hubble.flows import WORLD_IDENTITY, pod_labels
-from podmeter.adapters.hubble.proto import flow_pb2, health_pb2, observer_pb2
+from podmeter.adapters.hubble.proto import flow_pb2, health_pb2, observer_pb2, peer_pb2, peer_pb2_grpc
 from podmeter.adapters.hubble.server import (
     AccessError,
     HubbleServer,
@@ -334,6 +334,17 @@ async def test_server_status_counts_and_get_nodes_is_this_node(hubble: Any) -> N
     assert node.tls.enabled is False and node.address == "127.0.0.1:0"
 
 
+async def test_peer_notify_announces_this_node_for_relay_and_stays_open(hubble: Any) -> None:
+    _, server, client = hubble
+    call = peer_pb2_grpc.PeerStub(client.channel).Notify(peer_pb2.NotifyRequest())
+    first = await asyncio.wait_for(call.read(), 10)
+    assert (first.name, first.address, first.type) == ("node-a", f"127.0.0.1:{server.port}", peer_pb2.PEER_ADDED)
+    assert not first.HasField("tls")  # no TLS
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.shield(call.read()), 0.3)  # nothing else: one node, no changes
+    call.cancel()
+
+
 async def test_health_check_is_serving_for_hubbles_observer_service(hubble: Any) -> None:
     _, _, client = hubble
     for service in ("hubble.server.Observer", "observer.Observer", ""):
@@ -471,6 +482,11 @@ async def test_tls_accepts_a_client_certificate_of_the_ca_and_refuses_others(cer
             assert len(await client.flows(number=10)) == 3
             nodes = await client.observer.GetNodes(observer_pb2.GetNodesRequest(), timeout=10)
             assert nodes.nodes[0].tls.enabled
+            notify = peer_pb2_grpc.PeerStub(client.channel).Notify(peer_pb2.NotifyRequest())
+            peer = await asyncio.wait_for(notify.read(), 10)  # wildcard bind: Relay reaches the node by name
+            assert (peer.address, peer.tls.server_name) == (f"node-a:{server.port}",
+                                                            "node-a.default.hubble-grpc.cilium.io")
+            notify.cancel()
         for refused in (Client(target, certificates, client_cert=False), Client(target, certificates, rogue=True),
                         Client(target)):  # no certificate, another CA's, plain text
             async with refused:

@@ -20,11 +20,11 @@ import pytest
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FieldDescriptor
 
-from podmeter.adapters.hubble.proto import flow_pb2, health_pb2, observer_pb2, relay_pb2
+from podmeter.adapters.hubble.proto import flow_pb2, health_pb2, observer_pb2, peer_pb2, relay_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO = ROOT / "src" / "podmeter" / "adapters" / "hubble" / "proto"
-MODULES = {"flow": flow_pb2, "observer": observer_pb2, "relay": relay_pb2, "health": health_pb2}
+MODULES = {"flow": flow_pb2, "observer": observer_pb2, "relay": relay_pb2, "peer": peer_pb2, "health": health_pb2}
 
 T = FieldDescriptor
 # message -> field -> (number, type, repeated): Hubble's published numbers for what podmeter uses.
@@ -88,6 +88,9 @@ CONTRACT: dict[str, dict[str, tuple[int, int, bool]]] = {
                       "num_flows": (7, T.TYPE_UINT64, False), "max_flows": (8, T.TYPE_UINT64, False),
                       "seen_flows": (9, T.TYPE_UINT64, False)},
     "observer.TLS": {"enabled": (1, T.TYPE_BOOL, False), "server_name": (2, T.TYPE_STRING, False)},
+    "peer.ChangeNotification": {"name": (1, T.TYPE_STRING, False), "address": (2, T.TYPE_STRING, False),
+                                "type": (3, T.TYPE_ENUM, False), "tls": (4, T.TYPE_MESSAGE, False)},
+    "peer.TLS": {"server_name": (1, T.TYPE_STRING, False)},
     "grpc.health.v1.HealthCheckRequest": {"service": (1, T.TYPE_STRING, False)},
     "grpc.health.v1.HealthCheckResponse": {"status": (1, T.TYPE_ENUM, False)},
 }
@@ -98,10 +101,11 @@ ENUMS = {
     "flow.TraceObservationPoint": {"UNKNOWN_POINT": 0, "FROM_ENDPOINT": 5, "TO_ENDPOINT": 101},
     "flow.IPVersion": {"IP_NOT_USED": 0, "IPv4": 1, "IPv6": 2},
     "relay.NodeState": {"UNKNOWN_NODE_STATE": 0, "NODE_CONNECTED": 1},
+    "peer.ChangeNotificationType": {"UNKNOWN": 0, "PEER_ADDED": 1, "PEER_DELETED": 2, "PEER_UPDATED": 3},
     "grpc.health.v1.HealthCheckResponse.ServingStatus": {"UNKNOWN": 0, "SERVING": 1, "NOT_SERVING": 2},
 }
 METHODS = {"observer.Observer": {"GetFlows": (True,), "GetNodes": (False,), "ServerStatus": (False,)},
-           "grpc.health.v1.Health": {"Check": (False,)}}
+           "peer.Peer": {"Notify": (True,)}, "grpc.health.v1.Health": {"Check": (False,)}}
 
 
 def _message(full_name: str) -> object:
@@ -174,5 +178,5 @@ def test_the_committed_stubs_are_what_make_proto_makes_from_the_proto_files(tmp_
     for name, module in MODULES.items():
         committed = descriptor_pb2.FileDescriptorProto.FromString(module.DESCRIPTOR.serialized_pb)
         assert committed == made[f"podmeter/adapters/hubble/proto/{name}.proto"], f"{name}_pb2.py: run make proto"
-    for name in ("observer", "health"):
+    for name in ("observer", "peer", "health"):
         assert (PROTO / f"{name}_pb2_grpc.py").is_file() and (PROTO / f"{name}_pb2_grpc.pyi").is_file()

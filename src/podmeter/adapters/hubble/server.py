@@ -9,8 +9,10 @@ event loop), so that `hubble observe`, `hubble status`, Hubble Relay and Hubble 
   counted by the feed; its stream ends with ``RESOURCE_EXHAUSTED``. gRPC's own flow control bounds what a
   stalled client holds in the transport.
 - ``ServerStatus``: flows held (the ring), the ring's capacity, flows seen, uptime, one connected node.
-- ``GetNodes``: this node. ``Health/Check``: SERVING for ``hubble.server.Observer`` (what `hubble status`
-  asks first), for ``observer.Observer`` and for the server as a whole (``""``).
+- ``GetNodes``: this node. ``peer.Peer/Notify`` (what Hubble Relay asks to find nodes): this node, at the
+  address it listens on, then nothing more until the client cancels.
+- ``Health/Check``: SERVING for ``hubble.server.Observer`` (what `hubble status` asks first), for
+  ``observer.Observer`` and for the server as a whole (``""``).
 
 Access: flows name pods and IPs, so the server listens on a Unix socket or a loopback address unless it has
 TLS with client certificates (:func:`check_access`), as Hubble Relay connects to nodes.
@@ -41,7 +43,7 @@ from grpc import aio
 
 from podmeter.adapters.hubble.filters import BadFilter, HubbleSelection, selection
 from podmeter.adapters.hubble.flows import FlowMessages, LabelSource, no_labels
-from podmeter.adapters.hubble.proto import health_pb2, observer_pb2, relay_pb2
+from podmeter.adapters.hubble.proto import health_pb2, observer_pb2, peer_pb2, relay_pb2
 from podmeter.model.flow_records import FlowFilter, FlowRecord, FlowRing
 
 log = logging.getLogger("podmeter.hubble")
@@ -93,6 +95,8 @@ class ListenAddress:
     target: str  # what gRPC binds
     unix_path: Path | None = None
     loopback: bool = False
+    host: str = ""  # "" for every address
+    port: int = 0
 
     @property
     def local(self) -> bool:
@@ -110,12 +114,13 @@ def parse_listen(text: str) -> ListenAddress:
     if not colon or not port.isdigit() or int(port) > 65535:
         raise AccessError(f"--hubble-listen {text!r}: expected unix:///PATH or HOST:PORT")
     host = host.removeprefix("[").removesuffix("]")
-    if host in ("", "*"):
-        return ListenAddress(text, f"[::]:{port}")
+    if host in ("", "*", "0.0.0.0", "::"):
+        return ListenAddress(text, f"[::]:{port}", port=int(port))
     loopback = host == "localhost"
     with contextlib.suppress(ValueError):
         loopback = ipaddress.ip_address(host).is_loopback
-    return ListenAddress(text, f"[{host}]:{port}" if ":" in host else f"{host}:{port}", loopback=loopback)
+    return ListenAddress(text, f"[{host}]:{port}" if ":" in host else f"{host}:{port}", loopback=loopback,
+                         host=host, port=int(port))
 
 
 @dataclass(frozen=True)
@@ -242,6 +247,7 @@ class HubbleServer(Generic[F]):
         self.port: int | None = None  # the bound TCP port, once started
         self.streams = 0  # GetFlows calls in progress
         self._server: aio.Server | None = None
+        self._stopping = asyncio.Event()
 
     # --- lifecycle
 
@@ -263,8 +269,15 @@ class HubbleServer(Generic[F]):
                 self.check, request_deserializer=health_pb2.HealthCheckRequest.FromString,
                 response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
         }
+        peer: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "Notify": grpc.unary_stream_rpc_method_handler(
+                self.notify, request_deserializer=peer_pb2.NotifyRequest.FromString,
+                response_serializer=peer_pb2.ChangeNotification.SerializeToString),
+        }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("observer.Observer", handlers),
+                                         grpc.method_handlers_generic_handler("peer.Peer", peer),
                                          grpc.method_handlers_generic_handler("grpc.health.v1.Health", health)))
+        self._stopping = asyncio.Event()
         path = self.address.unix_path
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -284,6 +297,7 @@ class HubbleServer(Generic[F]):
                  f" (port {port})" if path is None else "", "TLS with client certificates" if self.tls else "no TLS")
 
     async def stop(self, grace: float = 1.0) -> None:
+        self._stopping.set()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
@@ -378,6 +392,31 @@ class HubbleServer(Generic[F]):
             tls=observer_pb2.TLS(enabled=self.tls is not None), uptime_ns=int((time.monotonic() - self.started) * 1e9),
             num_flows=len(ring), max_flows=ring.capacity, seen_flows=self.feed.published)
         return observer_pb2.GetNodesResponse(nodes=[node])
+
+    # --- peer.Peer
+
+    @property
+    def peer_address(self) -> str:
+        """Where a peer (Hubble Relay) reaches this server: the listen address, the node's name for a
+        wildcard host (Relay resolves it), or the Unix socket."""
+        a = self.address
+        if a.unix_path is not None:
+            return f"unix://{a.unix_path}"
+        port = self.port or a.port
+        host = a.host or self.node_name
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    @property
+    def tls_server_name(self) -> str:
+        """The name Relay checks this server's certificate against: Hubble's naming for a node's server
+        (``NODE.CLUSTER.hubble-grpc.cilium.io``, dots of the node name as dashes; the cluster is ``default``)."""
+        return f"{self.node_name.replace('.', '-')}.default.hubble-grpc.cilium.io"
+
+    async def notify(self, request: peer_pb2.NotifyRequest, context: aio.ServicerContext[Any, Any]) -> None:
+        tls = peer_pb2.TLS(server_name=self.tls_server_name) if self.tls is not None else None
+        await context.write(peer_pb2.ChangeNotification(name=self.node_name, address=self.peer_address,
+                                                        type=peer_pb2.PEER_ADDED, tls=tls))
+        await self._stopping.wait()  # no other peer ever comes or goes: wait for the client or the end
 
     # --- grpc.health.v1.Health
 
