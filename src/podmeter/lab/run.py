@@ -34,7 +34,7 @@ from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf.links import dump_links
 from podmeter.lab import scenario as sc
 from podmeter.lab.apiserver.client import AdminClient
-from podmeter.lab.checks import Checker, Observation, Truth, metric_sum, parse_metrics, read_truth
+from podmeter.lab.checks import Checker, Observation, Samples, Truth, metric_sum, parse_metrics, read_truth
 from podmeter.lab.driver import Driver, Hooks
 from podmeter.lab.flowcheck import (
     FROM_POD,
@@ -286,7 +286,10 @@ class LabRun(Hooks):
                 "--resync-interval", str(self.scenario.agent.resync_interval),
                 "--series-grace", str(self.scenario.agent.series_grace),
                 "--flow-interval", str(self.scenario.agent.flow_interval),
-                "--flow-buffer", str(self.scenario.agent.flow_buffer)]
+                "--flow-buffer", str(self.scenario.agent.flow_buffer),
+                # Every scrape rendered afresh: the checks compare /metrics with the kernel read a moment
+                # before, and wait on podmeter_flow_drains_total for a drain after each exchange.
+                "--metrics-min-interval", "0"]
         if self.scenario.agent.fault is not None:
             return [*FAULTY_AGENT, self.scenario.agent.fault, *args]
         return [*PODMETER, *args]
@@ -459,11 +462,11 @@ class LabRun(Hooks):
         with EbpfDatapath.open_pinned(self.bpffs) as datapath:
             return {k: (v.packets, v.bytes) for k, v in datapath.read_counters().items()}
 
-    def _agent_metrics(self) -> Any:
+    def _agent_metrics(self) -> Samples:
         return parse_metrics(http_text(f"http://127.0.0.1:{self.agent_port}/metrics"))
 
     @staticmethod
-    def _pod_bytes(samples: Any) -> dict[tuple[str, str], float]:
+    def _pod_bytes(samples: Samples) -> dict[tuple[str, str], float]:
         return {(f"{lab.get('namespace')}/{lab.get('pod')}", lab.get("direction", "")): value
                 for lab, value in samples.get("podmeter_pod_bytes_total", [])}
 
@@ -518,7 +521,7 @@ class LabRun(Hooks):
         record["ok"] = ok and record["flow"]["ok"]
         return record
 
-    def _flow_check(self, expect: Expectation, since: float, metrics_before: Any, *,
+    def _flow_check(self, expect: Expectation, since: float, metrics_before: Samples, *,
                     drains_before: float | None = None, drained: bool | None = None) -> dict[str, Any]:
         """Wait until the agent drained the exchange (two drains after it, unless ``drained`` says
         already), read its records and check them (:func:`flowcheck.check_flow`), and the workload-pair
