@@ -110,14 +110,18 @@ def layer4(record: FlowRecord) -> flow_pb2.Layer4 | None:
 
 
 class FlowMessages:
-    """Turns records into ``GetFlowsResponse`` messages. The endpoint messages of recent ends are reused
-    (a pod's end repeats across its flows); the cache is bounded and emptied when full."""
+    """Turns records into ``GetFlowsResponse`` messages, and into their bytes once for every stream that sends
+    them (a record followed by ten clients is encoded once). Both caches are bounded: the endpoint messages
+    of recent ends (a pod's end repeats across its flows) are emptied when full, the encoded recent records
+    drop their oldest."""
 
     CACHE = 4096
+    ENCODED = 4096
 
     def __init__(self, labels: LabelSource = no_labels) -> None:
         self.labels = labels
         self._endpoints: dict[tuple[Endpoint | None, tuple[str, ...]], flow_pb2.Endpoint] = {}
+        self._encoded: dict[int, tuple[FlowRecord, bytes]] = {}  # id(record) -> the record (kept alive), bytes
 
     def endpoint(self, end: FlowEnd) -> flow_pb2.Endpoint:
         labels = end_labels(end, self.labels)
@@ -152,6 +156,17 @@ class FlowMessages:
             trace_observation_point=POINTS[observation],
         )
         return flow
+
+    def encoded(self, record: FlowRecord) -> bytes:
+        """The serialized ``GetFlowsResponse`` of ``record``."""
+        found = self._encoded.get(id(record))
+        if found is not None and found[0] is record:
+            return found[1]
+        data = self.response(record).SerializeToString()
+        if len(self._encoded) >= self.ENCODED:
+            del self._encoded[next(iter(self._encoded))]
+        self._encoded[id(record)] = (record, data)
+        return data
 
     def response(self, record: FlowRecord) -> observer_pb2.GetFlowsResponse:
         flow = self.flow(record)

@@ -217,6 +217,10 @@ def hubble_config(listen: str | None, cert: str | None = None, key: str | None =
 # --- the service ----------------------------------------------------------------------------------------
 
 
+def _encoded(message: bytes) -> bytes:
+    return message
+
+
 def _seconds(stamp: Timestamp) -> float:
     return stamp.seconds + stamp.nanos / 1e9
 
@@ -248,6 +252,7 @@ class HubbleServer(Generic[F]):
         self.streams = 0  # GetFlows calls in progress
         self._server: aio.Server | None = None
         self._stopping = asyncio.Event()
+        self.messages = FlowMessages(labels)  # shared by every stream: a record is encoded once
 
     # --- lifecycle
 
@@ -256,7 +261,7 @@ class HubbleServer(Generic[F]):
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
             "GetFlows": grpc.unary_stream_rpc_method_handler(
                 self.get_flows, request_deserializer=observer_pb2.GetFlowsRequest.FromString,
-                response_serializer=observer_pb2.GetFlowsResponse.SerializeToString),
+                response_serializer=_encoded),  # the handler writes GetFlowsResponse bytes (FlowMessages.encoded)
             "ServerStatus": grpc.unary_unary_rpc_method_handler(
                 self.server_status, request_deserializer=observer_pb2.ServerStatusRequest.FromString,
                 response_serializer=observer_pb2.ServerStatusResponse.SerializeToString),
@@ -324,13 +329,12 @@ class HubbleServer(Generic[F]):
                                     "too many readers follow the flows of this agent; try again later")
             follower = self.feed.subscribe(dataclasses.replace(wanted, until=None))
         self.streams += 1
-        messages = FlowMessages(self.labels)
         stream = _Stream()
         watchdog = (asyncio.create_task(self._watch(follower, stream, context), name="hubble-follower-watchdog")
                     if follower is not None else None)
         try:
             for past in self._past(request, wanted):  # taken at once, right after subscribing: no gap
-                await context.write(messages.response(past))
+                await context.write(self.messages.encoded(past))
             if follower is None:
                 return
             while True:
@@ -340,7 +344,7 @@ class HubbleServer(Generic[F]):
                     return
                 if until is not None and record.time > until:
                     return
-                await context.write(messages.response(record))
+                await context.write(self.messages.encoded(record))
         finally:
             self.streams -= 1
             if watchdog is not None:
