@@ -15,8 +15,9 @@ leaked or missing at one sample), ``agent_rss_growth_mib`` / ``operator_rss_grow
 pod is gone and the settle time, minus RSS at the start), ``delete_to_unmapped_p99_ms`` (from a running
 pod's delete answered by the API server to its IP absent from the pinned map, polled every 5 ms; eBPF
 only), ``passed``. ``scenarios`` runs each shipped scenario but ``soak`` as it is (eBPF as root) and prints
-one JSON line per scenario with the same figures plus the traffic checks, the restart convergence times,
-transient violations and the most observed IPs that waited for a filter slot.
+one JSON line per scenario with the same figures plus the traffic checks (how many were exact against the
+agent's flow records, how many forced an IP reuse during a flow), the restart convergence times, transient
+violations and the most observed IPs that waited for a filter slot.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def scenario_figures(result: LabResult, duration: float) -> dict[str, Any]:
         **figures(result, duration),
         "traffic_checks": len(checks),
         "traffic_ok": sum(1 for t in checks if t.get("ok")),
+        "flow_checks_exact": sum(1 for t in checks if (t.get("flow") or {}).get("ok")),
+        "ip_reused_during_flow": sum(1 for t in checks if t.get("reused")),
         "agent_kills": result.counts.get("agent_kills"),
         "restart_converged_after_s": result.counts.get("restart_converged_after_s"),
         "transient_violations": result.counts.get("transient_violations"),
