@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything podmeter's lab and tests need on a fresh Debian 12 machine, idempotently:
-# system packages (clang, libbpf, bpftool, etcd, iproute2), the bpffs mount, a venv with the package,
+# system packages (clang, libbpf, bpftool, etcd, iproute2, nftables), the bpffs mount, a venv with the package,
 # its lab extra and its dev tools, and the BPF object. Safe to run again: each step checks before it acts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +11,7 @@ command -v clang >/dev/null || need_apt+=(clang)
 command -v bpftool >/dev/null || need_apt+=(bpftool)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
 command -v ip >/dev/null || need_apt+=(iproute2)
+command -v nft >/dev/null || need_apt+=(nftables)  # the lab and tests induce drops with nft rules
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
     echo "setup: installing ${need_apt[*]}"

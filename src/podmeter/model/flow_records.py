@@ -20,9 +20,11 @@ from typing import Any
 import msgspec
 
 from podmeter.model.endpoints import Endpoint, Names
-from podmeter.model.flows import ICMP, ICMPV6, FlowEntry, Observation, protocol_name, tcp_flag_names
+from podmeter.model.flows import ICMP, ICMPV6, TCP, FlowEntry, Observation, protocol_name, tcp_flag_names
 
 VERDICT_FORWARDED = "forwarded"
+VERDICT_DROPPED = "dropped"  # the kernel dropped the packets (model.drops)
+VERDICTS = (VERDICT_FORWARDED, VERDICT_DROPPED)
 _PORTLESS = frozenset({ICMP, ICMPV6})
 
 
@@ -49,6 +51,8 @@ class FlowRecord(msgspec.Struct, frozen=True, gc=False):
     bytes: int
     tcp_flags: int
     verdict: str = VERDICT_FORWARDED
+    drop_reason: str | None = None  # dropped: the reason as the kernel names it (NETFILTER_DROP)
+    tcp_retransmits: int = 0  # TCP: segments of this connection its socket retransmitted (model.drops)
 
     def to_json(self) -> dict[str, Any]:
         """The record as ``podmeter observe -o json`` prints it (a contract: see docs/flows.md)."""
@@ -65,7 +69,10 @@ class FlowRecord(msgspec.Struct, frozen=True, gc=False):
             "bytes": self.bytes,
             "tcp_flags": tcp_flag_names(self.tcp_flags),
             "verdict": self.verdict,
+            "drop_reason": self.drop_reason,
         }
+        if self.protocol == TCP:
+            out["tcp_retransmits"] = self.tcp_retransmits
         if portless:
             out["icmp"] = {"type": self.source.port, "code": self.destination.port}
         return out
@@ -149,6 +156,7 @@ class FlowFilter:
     protocol: str | None = None
     port: int | None = None
     since: float | None = None  # wall-clock seconds: records whose last packet is at or after this
+    verdict: str | None = None  # forwarded or dropped
 
     def matches(self, record: FlowRecord) -> bool:
         ends = (record.source, record.destination)
@@ -162,6 +170,7 @@ class FlowFilter:
             self.workload is None or any(_workload_matches(e, _split_pod(self.workload)) for e in ends),
             self.protocol is None or _protocol_matches(record.protocol, self.protocol),
             self.port is None or (record.protocol not in _PORTLESS and self.port in (e.port for e in ends)),
+            self.verdict is None or record.verdict == self.verdict,
         )
         return all(checks)
 

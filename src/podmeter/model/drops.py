@@ -1,0 +1,305 @@
+"""Drops and TCP health per pod: what the kernel's drop and TCP tracepoints counted, credited to pods.
+
+The datapath counts, for observed IPs only (docs/drops.md):
+* dropped packets by address, direction and reason (:class:`DropKey`), and by dropped flow
+  (:class:`DropFlowKey`: both ends, ports, protocol, reason) for the flow records with verdict dropped;
+* TCP events of a pod's own sockets by local address (:class:`TcpEvent`: retransmits, resets sent and
+  received), and retransmits by connection (:class:`ConnectionKey`) for the flow records.
+
+The agent drains everything each flow interval (:class:`DropDrain`: read and deleted, so amounts are
+deltas) and, before it applies any change of who holds an address, once more. So the owner of an IP at
+the drain is the pod that held it while its events were counted, and :class:`DropLedger` credits them to
+it. The ledger's series follow the per-pod traffic series' lifecycle (``model.traffic``): a series exists
+while its pod holds an observed IP, then ``grace`` seconds more, then it is gone (its counts stay in the
+node totals); a pod observed again starts from zero.
+
+Pure and synchronous, like the traffic ledger: the writer task calls it; the scrape reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import msgspec
+
+from podmeter.model.compaction import PeakTracker
+from podmeter.model.datapath import Direction
+from podmeter.model.endpoints import Endpoint, Names
+from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
+from podmeter.model.flows import TCP, FlowCounts, Observation
+from podmeter.model.records import Pod
+
+# The datapath's hooks, by tracepoint name (what `podmeter_drop_tracing_enabled{hook}` names).
+HOOK_DROPS = "kfree_skb"
+HOOK_RETRANSMITS = "tcp_retransmit_skb"
+HOOK_RESETS_SENT = "tcp_send_reset"
+HOOK_RESETS_RECEIVED = "tcp_receive_reset"
+HOOKS = (HOOK_DROPS, HOOK_RETRANSMITS, HOOK_RESETS_SENT, HOOK_RESETS_RECEIVED)
+
+
+class TcpEvent(enum.StrEnum):
+    """A TCP event of a pod's own socket (its local address is the pod's)."""
+
+    RETRANSMIT = "retransmit"  # a segment retransmitted
+    RESET_SENT = "reset_sent"  # a RST the pod's stack sent
+    RESET_RECEIVED = "reset_received"  # a RST one of its sockets accepted
+
+
+class DropKey(NamedTuple):
+    """Drops of one observed address: ``direction`` egress when it was the source (leaving the pod),
+    ingress when it was the destination; ``reason`` as the kernel names it (``NETFILTER_DROP``)."""
+
+    ip: str
+    direction: Direction
+    reason: str
+
+
+class DropFlowKey(NamedTuple):
+    """One dropped flow: ports are 0 for protocols without them (ICMP: type and code, as in flows)."""
+
+    source: str
+    destination: str
+    source_port: int
+    destination_port: int
+    protocol: int
+    source_observed: bool
+    destination_observed: bool
+    reason: str
+
+
+class ConnectionKey(NamedTuple):
+    """A TCP connection as the socket sees it: local end first."""
+
+    local: str
+    remote: str
+    local_port: int
+    remote_port: int
+
+
+@dataclass(frozen=True)
+class DropDrain:
+    """What one drain of the datapath took (each entry once: read and deleted)."""
+
+    drops: list[tuple[DropKey, int]] = field(default_factory=list)  # packets
+    flows: list[tuple[DropFlowKey, FlowCounts]] = field(default_factory=list)
+    tcp: list[tuple[tuple[str, TcpEvent], int]] = field(default_factory=list)  # (local IP, event): count
+    retransmits: list[tuple[ConnectionKey, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.drops or self.flows or self.tcp or self.retransmits)
+
+
+class DropSource(Protocol):
+    """What the agent needs from a datapath that traces drops and TCP health."""
+
+    @property
+    def hooks(self) -> Mapping[str, bool]:
+        """Each hook of :data:`HOOKS`: True while it is attached."""
+        ...
+
+    def drain_drops(self) -> DropDrain:
+        """Read and remove every entry of the drop and TCP maps."""
+        ...
+
+    def drops_lost(self) -> Mapping[str, int]:
+        """Events not counted because their map was full, by map, since the maps were created."""
+        ...
+
+
+# --- the per-pod series ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class DropSeries:
+    """The drop and TCP series of one pod (by UID). Invariant: ``ended_at`` is None iff ``ips`` is not
+    empty. Every count only grows while the series exists."""
+
+    uid: str
+    namespace: str
+    name: str
+    drops: dict[tuple[Direction, str], int] = field(default_factory=dict)
+    tcp: dict[TcpEvent, int] = field(default_factory=dict)
+    ips: set[str] = field(default_factory=set)
+    ended_at: float | None = None
+
+
+class DropLedger:
+    """Who owns which IP, and each pod's drops and TCP events since its series began.
+
+    Invariants:
+    * an IP is in ``owners`` iff it is in ``series[owners[ip]].ips``;
+    * ``node_drops`` and ``node_tcp`` hold every amount ever added, credited to a pod or not (an IP nobody
+      owned at the drain: it left the filter between the count and the drain), so they never decrease;
+    * a series exists iff its pod holds an observed IP, or lost its last one less than ``grace`` ago.
+    """
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.owners: dict[str, str] = {}
+        self.series: dict[str, DropSeries] = {}
+        self.node_drops: dict[tuple[Direction, str], int] = {}
+        self.node_tcp: dict[TcpEvent, int] = {}
+        self.unattributed = 0  # events of IPs no pod owned at their drain
+        self._peak = PeakTracker()
+
+    def assign(self, ip: str, pod: Pod | None, now: float) -> None:
+        """``pod`` owns ``ip`` from now on (None: nobody)."""
+        current = self.owners.get(ip)
+        if pod is not None and current == pod.uid:
+            return
+        if current is not None:
+            self._close(ip, current, now)
+        if pod is not None:
+            self._series_for(pod).ips.add(ip)
+            self.owners[ip] = pod.uid
+
+    def release(self, ips: Iterable[str], now: float) -> None:
+        """``ips`` left the filter: nobody owns them any more."""
+        for ip in ips:
+            current = self.owners.get(ip)
+            if current is not None:
+                self._close(ip, current, now)
+
+    def add(self, drain: DropDrain) -> None:
+        """Credit one drain to the owners of its IPs (the drain came before any change of owner)."""
+        for (ip, direction, reason), packets in drain.drops:
+            key = (direction, reason)
+            self.node_drops[key] = self.node_drops.get(key, 0) + packets
+            series = self._owner_series(ip)
+            if series is None:
+                self.unattributed += packets
+            else:
+                series.drops[key] = series.drops.get(key, 0) + packets
+        for (ip, event), count in drain.tcp:
+            self.node_tcp[event] = self.node_tcp.get(event, 0) + count
+            series = self._owner_series(ip)
+            if series is None:
+                self.unattributed += count
+            else:
+                series.tcp[event] = series.tcp.get(event, 0) + count
+
+    def expire(self, now: float) -> int:
+        """Drop series whose grace is over; returns how many."""
+        done = [s for s in self.series.values() if s.ended_at is not None and now - s.ended_at >= self.grace]
+        for series in done:
+            del self.series[series.uid]
+        if done and self._peak.should_rebuild(len(self.series)):
+            self.series = dict(self.series)
+        return len(done)
+
+    def values(self) -> Iterator[DropSeries]:
+        return iter(self.series.values())
+
+    def _owner_series(self, ip: str) -> DropSeries | None:
+        uid = self.owners.get(ip)
+        return None if uid is None else self.series.get(uid)
+
+    def _close(self, ip: str, uid: str, now: float) -> None:
+        del self.owners[ip]
+        series = self.series.get(uid)
+        if series is None:
+            return
+        series.ips.discard(ip)
+        if not series.ips:
+            series.ended_at = now
+
+    def _series_for(self, pod: Pod) -> DropSeries:
+        series = self.series.get(pod.uid)
+        if series is not None and series.ended_at is not None:
+            del self.series[pod.uid]  # observed again: a new series from zero
+            series = None
+        if series is None:
+            series = DropSeries(pod.uid, pod.namespace, pod.name)
+            self.series[pod.uid] = series
+            self._peak.grew_to(len(self.series))
+        series.ended_at = None
+        return series
+
+
+@dataclass
+class DropStats:
+    """The drainer's counters (exported as metrics); they only grow."""
+
+    drains: int = 0
+    errors: int = 0
+
+
+# --- dropped flows as flow records -------------------------------------------------------------------------
+
+
+def name_drops(entries: Iterable[tuple[DropFlowKey, FlowCounts]], names: Names, node: str,
+               wall_offset: float) -> list[FlowRecord]:
+    """Flow records with verdict ``dropped`` for the dropped flows of one drain, both ends named as of now
+    (the drain comes before any change of owner). ``observation`` says which end was observed: from-pod
+    when the source was (the packet was leaving that pod), else to-pod (it was on its way into one)."""
+    seen: dict[str, Endpoint | None] = {}
+
+    def lookup(ip: str) -> Endpoint | None:
+        if ip in seen:
+            return seen[ip]
+        found = seen[ip] = names.endpoint(ip)
+        return found
+
+    out = []
+    for key, counts in entries:
+        out.append(FlowRecord(
+            time=counts.last_ns / 1e9 + wall_offset, first=counts.first_ns / 1e9 + wall_offset, node=node,
+            source=FlowEnd(key.source, key.source_port, lookup(key.source)),
+            destination=FlowEnd(key.destination, key.destination_port, lookup(key.destination)),
+            protocol=key.protocol,
+            observation=Observation.FROM_POD if key.source_observed else Observation.TO_POD,
+            packets=counts.packets, bytes=counts.bytes, tcp_flags=counts.tcp_flags,
+            verdict=VERDICT_DROPPED, drop_reason=key.reason,
+        ))
+    out.sort(key=lambda r: r.time)
+    return out
+
+
+class Retransmits:
+    """Retransmits by connection, waiting to be put on the flow records of the same connection.
+
+    A retransmitted segment leaves the socket's pod a few microseconds after the tracepoint counted it, so
+    its flow entry is usually drained in the same interval, sometimes in the next: what finds no record by
+    the drain after next is forgotten (the per-pod counts have it anyway). So what waits is bounded by the
+    connections that retransmitted in two intervals, whether or not flows are drained meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: dict[tuple[str, str, int, int], tuple[int, int]] = {}  # key -> (count, drain added)
+        self._drain = 0
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, entries: Iterable[tuple[ConnectionKey, int]]) -> None:
+        """The retransmits of one drain (called at every drain, with or without entries)."""
+        self._drain += 1
+        if self._waiting:
+            self._waiting = {k: v for k, v in self._waiting.items() if self._drain - v[1] < 2}
+        for key, count in entries:
+            old = self._waiting.get(key)
+            self._waiting[key] = (count + (old[0] if old else 0), self._drain)
+
+    def annotate(self, records: list[FlowRecord]) -> list[FlowRecord]:
+        """``records`` with ``tcp_retransmits`` set on the record of each waiting connection: the
+        from-pod record of its local end (where the segments left), else its to-pod record."""
+        waiting = self._waiting
+        if not waiting:
+            return records
+        chosen: dict[tuple[str, str, int, int], int] = {}
+        for index, record in enumerate(records):
+            if record.protocol != TCP or record.verdict == VERDICT_DROPPED:
+                continue
+            key = (record.source.ip, record.destination.ip, record.source.port, record.destination.port)
+            if key in waiting and (key not in chosen or record.observation is Observation.FROM_POD):
+                chosen[key] = index
+        if not chosen:
+            return records
+        out = list(records)
+        for key, index in chosen.items():
+            record = out[index]
+            out[index] = msgspec.structs.replace(record, tcp_retransmits=record.tcp_retransmits + waiting.pop(key)[0])
+        return out

@@ -1,0 +1,381 @@
+"""Drops and TCP health in the kernel (root): real pods in network namespaces, real packets, real drops.
+
+Each induced drop kind (a netfilter rule on a pod's input or output, a blackhole route on the node, a
+SYN to a closed port, random loss) is counted with the reason the running kernel gives it, for the right
+pod and direction, exactly; traffic of unobserved pods is never counted; an IP that leaves the filter
+leaves the drop maps with the next drain; a full map counts its losses; reason names are the running
+kernel's (checked against tracefs' own table); a tracepoint or BTF the kernel lacks turns only what it
+needs off, with a notice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from podmeter.adapters.datapath.ebpf import EbpfDatapath
+from podmeter.adapters.datapath.ebpf.drops import (
+    DROP_FLOWS_MAP,
+    DROPS_MAP,
+    TCP_FLOWS_MAP,
+    TCP_MAP,
+    DropsUnavailable,
+    DropTracer,
+    read_reasons,
+)
+from podmeter.adapters.datapath.ebpf.netns import netns
+from podmeter.model.datapath import Direction
+from podmeter.model.drops import HOOK_DROPS, HOOKS, DropDrain, TcpEvent
+from podmeter.model.flows import TCP, UDP
+from test_bpf_support import Pod, Topology, needs_root, run
+
+pytestmark = needs_root
+pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
+
+IN, OUT = Direction.INGRESS, Direction.EGRESS
+TRACEFS = Path("/sys/kernel/tracing")
+Opener = Callable[..., EbpfDatapath]
+
+
+class Drained:
+    """Everything drained so far, added up: drops by (ip, direction, reason), TCP events by (ip, event),
+    dropped flows by (src, dst, sport, dport, protocol, reason), retransmits by connection."""
+
+    def __init__(self, tracer: DropTracer) -> None:
+        self.tracer = tracer
+        self.drops: Counter[tuple[str, Direction, str]] = Counter()
+        self.tcp: Counter[tuple[str, TcpEvent]] = Counter()
+        self.flows: Counter[tuple[str, str, int, int, int, str]] = Counter()
+        self.retransmits: Counter[tuple[str, str, int, int]] = Counter()
+
+    def drain(self) -> DropDrain:
+        taken = self.tracer.drain_drops()
+        for key, packets in taken.drops:
+            self.drops[tuple(key)] += packets  # type: ignore[index]
+        for key, count in taken.tcp:
+            self.tcp[key] += count
+        for flow, counts in taken.flows:
+            self.flows[flow.source, flow.destination, flow.source_port, flow.destination_port, flow.protocol,
+                       flow.reason] += counts.packets
+        for conn, count in taken.retransmits:
+            self.retransmits[tuple(conn)] += count  # type: ignore[index]
+        return taken
+
+    def until(self, condition: Callable[[Drained], bool], timeout: float = 5.0) -> Drained:
+        """Drain until ``condition`` holds, then once more after a pause (nothing may follow)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.drain()
+            if condition(self) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        time.sleep(0.1)
+        self.drain()
+        return self
+
+
+@pytest.fixture
+def datapath(open_datapath: Opener) -> EbpfDatapath:
+    return open_datapath(64)
+
+
+@pytest.fixture
+def tracer(datapath: EbpfDatapath) -> Iterator[DropTracer]:
+    with DropTracer.open(datapath.filter_map, 64) as opened:
+        assert opened.hooks == dict.fromkeys(HOOKS, True), opened.notices
+        yield opened
+
+
+def routed_pod(topology: Topology, datapath: EbpfDatapath | None, *, ipv6: bool = False) -> Pod:
+    """A pod whose default route is the host, which forwards between pods; observed if ``datapath``."""
+    pod = topology.add_pod(ipv6=ipv6)
+    run("ip", "netns", "exec", topology.host, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+    run("ip", "-n", pod.netns, "route", "add", "default", "via", pod.host_ip)
+    if datapath is not None:
+        assert datapath.insert([pod.ip] + ([pod.ip6] if pod.ip6 else [])).error is None
+    return pod
+
+
+def nft(pod: Pod, *rules: str) -> None:
+    """A table of this test in the pod's netns: input and output chains, then ``rules`` ("in ...")."""
+    script = ["add table inet pmtest", "add chain inet pmtest in { type filter hook input priority 0; }",
+              "add chain inet pmtest out { type filter hook output priority 0; }"]
+    script += [f"add rule inet pmtest {rule}" for rule in rules]
+    run("ip", "netns", "exec", pod.netns, "nft", "; ".join(script))
+
+
+def lossy_link(topology: Topology, pod: Pod, rule: str) -> None:
+    """Loss on the pod's link: a rule on the host side of its veth (netdev ingress: what the pod sends).
+    Its sockets see the loss as the network's: what their stack handed over is lost after it (a rule in
+    the pod's own output chain fails the send instead, which TCP does not retransmit)."""
+    run("ip", "netns", "exec", topology.host, "nft",
+        f"add table netdev pmloss{pod.host_veth}; add chain netdev pmloss{pod.host_veth} c "
+        f"{{ type filter hook ingress device {pod.host_veth} priority 0; }}; "
+        f"add rule netdev pmloss{pod.host_veth} c {rule}")
+
+
+def udp_socket(pod: Pod, family: int = socket.AF_INET) -> socket.socket:
+    with netns(pod.netns_path):
+        return socket.socket(family, socket.SOCK_DGRAM)
+
+
+def send(sock: socket.socket, target: tuple[str, int], count: int, size: int = 100) -> None:
+    """``count`` datagrams; one a netfilter rule of the sender's own output drops fails with EPERM."""
+    for _ in range(count):
+        with contextlib.suppress(PermissionError):
+            sock.sendto(b"d" * size, target)
+
+
+def warm(client: Pod, server: Pod) -> None:
+    """One datagram each way on an open port, so both neighbours are resolved (a packet that waits for
+    ARP is queued, and a queue overflowing would be a drop of another reason)."""
+    with udp_socket(server) as listener, udp_socket(client) as sender:
+        listener.bind((server.ip, 0))
+        listener.settimeout(5)
+        sender.settimeout(5)
+        sender.sendto(b"hi", listener.getsockname())
+        _, peer = listener.recvfrom(100)
+        listener.sendto(b"hi", peer)
+        sender.recvfrom(100)
+
+
+# --- reasons ---------------------------------------------------------------------------------------------
+
+
+def tracefs_reasons() -> dict[int, str]:
+    """The kernel's own reason table, from the kfree_skb event's print format (an independent source)."""
+    if not (TRACEFS / "events").is_dir():
+        subprocess.run(["mount", "-t", "tracefs", "nodev", str(TRACEFS)], check=False, capture_output=True)
+    text = (TRACEFS / "events/skb/kfree_skb/format").read_text()
+    return {int(code): name for code, name in re.findall(r'\{ (\d+), "(\w+)" \}', text)}
+
+
+def test_reasons_decode_from_this_kernels_btf_as_tracefs_names_them() -> None:
+    reasons = read_reasons()
+    assert len(reasons) > 50
+    table = tracefs_reasons()
+    assert table, "tracefs printed no reason table"
+    assert {code: reasons.name(code) for code in table} == table
+    assert "NETFILTER_DROP" in reasons.names.values() and "NOT_SPECIFIED" in reasons.names.values()
+
+
+# --- each kind of drop, for the right pod and direction ---------------------------------------------------
+
+
+def test_a_netfilter_drop_on_a_pods_input_counts_for_both_ends_with_its_reason(
+        topology: Topology, datapath: EbpfDatapath, tracer: DropTracer) -> None:
+    sender, receiver = routed_pod(topology, datapath), routed_pod(topology, datapath)
+    warm(sender, receiver)
+    nft(receiver, "in udp dport 9998 drop")
+    with udp_socket(sender) as sock:
+        sock.bind((sender.ip, 0))
+        send(sock, (receiver.ip, 9998), 7)
+        port = sock.getsockname()[1]
+    seen = Drained(tracer).until(lambda d: d.drops[receiver.ip, IN, "NETFILTER_DROP"] >= 7)
+    assert seen.drops == {(receiver.ip, IN, "NETFILTER_DROP"): 7, (sender.ip, OUT, "NETFILTER_DROP"): 7}
+    assert seen.flows == {(sender.ip, receiver.ip, port, 9998, UDP, "NETFILTER_DROP"): 7}
+    assert seen.tcp == {} and seen.retransmits == {}
+
+
+def test_a_netfilter_drop_on_a_pods_output_counts_for_the_sender_only_when_the_peer_is_not_observed(
+        topology: Topology, datapath: EbpfDatapath, tracer: DropTracer) -> None:
+    sender, peer = routed_pod(topology, datapath), routed_pod(topology, None)
+    nft(sender, "out udp dport 9997 drop")
+    with udp_socket(sender) as sock:
+        send(sock, (peer.ip, 9997), 5)
+    seen = Drained(tracer).until(lambda d: sum(d.drops.values()) >= 5)
+    assert seen.drops == {(sender.ip, OUT, "NETFILTER_DROP"): 5}
+
+
+def test_ipv6_drops_count_like_ipv4(topology: Topology, datapath: EbpfDatapath, tracer: DropTracer) -> None:
+    pod = topology.add_pod(ipv6=True)
+    assert pod.ip6 is not None and pod.host_ip6 is not None
+    assert datapath.insert([pod.ip6]).error is None
+    nft(pod, "in udp dport 9996 drop")
+    with udp_socket(pod, socket.AF_INET6) as listener:  # resolve the neighbour first, through an open port
+        listener.bind((pod.ip6, 0))
+        with topology.in_host():
+            host = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        with host:
+            host.sendto(b"hi", listener.getsockname())
+            listener.settimeout(5)
+            listener.recvfrom(10)
+            send(host, (pod.ip6, 9996), 4)
+    seen = Drained(tracer).until(lambda d: sum(d.drops.values()) >= 4)
+    assert seen.drops == {(pod.ip6, IN, "NETFILTER_DROP"): 4}
+
+
+def test_a_blackhole_route_on_the_node_drops_what_a_pod_sends_into_it(
+        topology: Topology, datapath: EbpfDatapath, tracer: DropTracer) -> None:
+    pod = routed_pod(topology, datapath)
+    run("ip", "-n", topology.host, "route", "add", "blackhole", "198.51.100.7")
+    with udp_socket(pod) as sock:
+        send(sock, ("198.51.100.7", 53), 9)
+    seen = Drained(tracer).until(lambda d: sum(d.drops.values()) >= 9)
+    # The reason is the running kernel's: this one gives a forwarded packet that meets a blackhole route
+    # NOT_SPECIFIED (newer kernels may name it); either way one per packet, egress of the pod.
+    ((key, count),) = seen.drops.items()
+    assert (key[0], key[1], count) == (pod.ip, OUT, 9)
+    assert key[2] in read_reasons().names.values()
+
+
+def test_a_syn_to_a_closed_port_is_a_no_socket_drop_a_reset_sent_and_a_reset_received(
+        topology: Topology, datapath: EbpfDatapath, tracer: DropTracer) -> None:
+    client, server = routed_pod(topology, datapath), routed_pod(topology, datapath)
+    warm(client, server)
+    with netns(client.netns_path):
+        sock = socket.socket()
+    with sock, pytest.raises(ConnectionRefusedError):
+        sock.settimeout(5)
+        sock.connect((server.ip, 4444))
+    seen = Drained(tracer).until(lambda d: sum(d.tcp.values()) >= 2)
+    assert seen.tcp == {(server.ip, TcpEvent.RESET_SENT): 1, (client.ip, TcpEvent.RESET_RECEIVED): 1}
+    assert seen.drops == {(server.ip, IN, "NO_SOCKET"): 1, (client.ip, OUT, "NO_SOCKET"): 1}
+
+
+def upload(client: Pod, server: Pod, size: int) -> tuple[int, int]:
+    """``size`` bytes from the client to a server in the other pod; returns (client port, server port)."""
+    with netns(server.netns_path):
+        listener = socket.socket()
+    with netns(client.netns_path):
+        sock = socket.socket()
+    received = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while data := conn.recv(65536):
+                received.append(len(data))
+
+    with listener, sock:
+        listener.bind((server.ip, 0))
+        listener.listen(1)
+        thread = threading.Thread(target=serve)
+        thread.start()
+        sock.settimeout(60)
+        sock.connect(listener.getsockname())
+        ports = sock.getsockname()[1], listener.getsockname()[1]
+        sock.sendall(b"u" * size)
+        sock.shutdown(socket.SHUT_WR)
+        thread.join(60)
+    assert sum(received) == size
+    return ports
+
+
+def test_random_loss_makes_the_sender_retransmit_and_nobody_else(
+        topology: Topology, datapath: EbpfDatapath, tracer: DropTracer) -> None:
+    client, server = routed_pod(topology, datapath), routed_pod(topology, datapath)
+    warm(client, server)
+    lossy_link(topology, client, "meta l4proto tcp ip length > 100 numgen random mod 4 0 drop")
+    client_port, server_port = upload(client, server, 3_000_000)
+    seen = Drained(tracer).until(lambda d: d.tcp[client.ip, TcpEvent.RETRANSMIT] > 0)
+    assert seen.tcp[client.ip, TcpEvent.RETRANSMIT] > 0
+    assert seen.tcp[server.ip, TcpEvent.RETRANSMIT] == 0
+    assert seen.drops[client.ip, OUT, "NETFILTER_DROP"] > 0
+    assert set(seen.retransmits) == {(client.ip, server.ip, client_port, server_port)}
+    assert seen.retransmits[client.ip, server.ip, client_port, server_port] == seen.tcp[client.ip, TcpEvent.RETRANSMIT]
+    assert {(f[0], f[4]) for f in seen.flows} == {(client.ip, TCP)}  # the client's data segments, lost
+
+
+# --- what is not counted, and what leaves ------------------------------------------------------------------
+
+
+def test_drops_between_unobserved_pods_are_never_counted(
+        topology: Topology, datapath: EbpfDatapath, tracer: DropTracer) -> None:
+    observed = routed_pod(topology, datapath)  # in the filter, but not part of the exchange
+    one, two = routed_pod(topology, None), routed_pod(topology, None)
+    warm(one, two)
+    nft(two, "in udp dport 9998 drop")
+    run("ip", "-n", topology.host, "route", "add", "blackhole", "198.51.100.8")
+    with udp_socket(one) as sock:
+        send(sock, (two.ip, 9998), 20)
+        send(sock, ("198.51.100.8", 53), 20)
+    with netns(one.netns_path), socket.socket() as tcp, pytest.raises(ConnectionRefusedError):
+        tcp.connect((two.ip, 4444))
+    time.sleep(0.3)
+    for name in (DROPS_MAP, DROP_FLOWS_MAP, TCP_MAP, TCP_FLOWS_MAP):
+        assert tracer.entries(name) == [], name
+    assert not tracer.drain_drops()
+    assert observed.ip  # (its IP stayed in the filter throughout)
+
+
+def test_an_ip_that_leaves_the_filter_leaves_the_drop_maps_with_the_next_drain(
+        topology: Topology, datapath: EbpfDatapath, tracer: DropTracer) -> None:
+    pod = routed_pod(topology, datapath)
+    nft(pod, "out udp dport 9995 drop")
+    with udp_socket(pod) as sock:
+        send(sock, ("192.0.2.1", 9995), 3)
+        time.sleep(0.1)
+        assert {entry[0][:16] for entry in tracer.entries(DROPS_MAP)}  # counted, waiting for the drain
+        assert datapath.delete([pod.ip]).error is None  # the pod was deleted: the agent deletes, then drains
+        seen = Drained(tracer).until(lambda d: sum(d.drops.values()) >= 3)
+        assert seen.drops == {(pod.ip, OUT, "NETFILTER_DROP"): 3}
+        send(sock, ("192.0.2.1", 9995), 3)  # its IP is no longer observed: nothing new
+        time.sleep(0.2)
+    for name in (DROPS_MAP, DROP_FLOWS_MAP, TCP_MAP, TCP_FLOWS_MAP):
+        assert tracer.entries(name) == [], name
+
+
+def test_a_full_map_counts_what_it_lost_and_per_pod_drops_stay_exact(
+        topology: Topology, datapath: EbpfDatapath) -> None:
+    pod = routed_pod(topology, datapath)
+    nft(pod, "out udp dport 9994 drop")
+    with DropTracer.open(datapath.filter_map, 4) as small:
+        sockets = [udp_socket(pod) for _ in range(10)]  # ten flows (source ports), two packets each
+        try:
+            for sock in sockets:
+                send(sock, ("192.0.2.1", 9994), 2)
+        finally:
+            for sock in sockets:
+                sock.close()
+        seen = Drained(small).until(lambda d: sum(d.drops.values()) >= 20)
+        assert seen.drops == {(pod.ip, OUT, "NETFILTER_DROP"): 20}  # one entry: it fits
+        assert len(seen.flows) == 4 and sum(seen.flows.values()) == 8
+        assert small.drops_lost() == {"drops": 0, "drop_flows": 12, "tcp": 0, "tcp_flows": 0}
+
+
+# --- kernels without the hooks ---------------------------------------------------------------------------
+
+
+def test_unreadable_btf_turns_drops_off_with_a_clear_reason(datapath: EbpfDatapath) -> None:
+    with pytest.raises(DropsUnavailable, match=r"cannot read the kernel's BTF at /nonexistent/vmlinux .*drops and "
+                                               r"TCP health are off"):
+        DropTracer.open(datapath.filter_map, btf_path="/nonexistent/vmlinux")
+
+
+def test_a_missing_tracepoint_turns_only_its_hook_off(topology: Topology, datapath: EbpfDatapath) -> None:
+    with DropTracer.open(datapath.filter_map, tracepoints={HOOK_DROPS: "kfree_skb_gone"}) as partial:
+        assert partial.hooks == {**dict.fromkeys(HOOKS, True), HOOK_DROPS: False}
+        assert partial.notices == ["tracepoint skb:kfree_skb_gone is not in this kernel (no btf_trace_kfree_skb_gone "
+                                   "in its BTF): drops are not counted"]
+        client, server = routed_pod(topology, datapath), routed_pod(topology, datapath)
+        with netns(client.netns_path), socket.socket() as sock, pytest.raises(ConnectionRefusedError):
+            sock.connect((server.ip, 4444))
+        seen = Drained(partial).until(lambda d: sum(d.tcp.values()) >= 2)
+        assert seen.drops == {} and sum(seen.tcp.values()) == 2
+    every = {hook: f"{hook}_gone" for hook in HOOKS}
+    with pytest.raises(DropsUnavailable, match="tcp:tcp_receive_reset_gone is not in this kernel"):
+        DropTracer.open(datapath.filter_map, tracepoints=every)
+
+
+def test_closing_detaches_every_program(datapath: EbpfDatapath) -> None:
+    before = run("bpftool", "prog", "show")
+    tracer = DropTracer.open(datapath.filter_map)
+    ids = set(re.findall(r"^(\d+): tracing\s+name (pm_\w+)", run("bpftool", "prog", "show"), re.M)) - set(
+        re.findall(r"^(\d+): tracing\s+name (pm_\w+)", before, re.M))
+    assert {name for _, name in ids} == {"pm_kfree_skb", "pm_tcp_retransmit", "pm_tcp_send_reset",
+                                         "pm_tcp_receive_reset"}
+    tracer.close()
+    deadline = time.monotonic() + 10  # tracing programs are freed after an RCU grace period
+    while ids & set(re.findall(r"^(\d+): tracing\s+name (pm_\w+)", run("bpftool", "prog", "show"), re.M)):
+        assert time.monotonic() < deadline, "programs still loaded after close"
+        time.sleep(0.1)
