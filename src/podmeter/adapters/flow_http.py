@@ -3,9 +3,9 @@
 Query parameters: ``last=N`` (the last N matching records; default 20 without ``follow``, 0 with it),
 ``follow=1`` (then keep streaming new records until the client goes), and the filters of
 :class:`~podmeter.model.flow_records.FlowFilter`: ``namespace``, ``pod``, ``from_pod``, ``to_pod``,
-``workload``, ``protocol``, ``port``, ``since`` (wall-clock seconds). A bad parameter is a 400 that says
-which. The path is under ``/debug/``, so the debug endpoints' access rule applies (loopback only unless
-the agent runs with ``--debug-remote``): records name pods and IPs.
+``workload``, ``protocol``, ``port``, ``since`` (wall-clock seconds), ``verdict`` (forwarded, dropped). A
+bad parameter is a 400 that says which. The path is under ``/debug/``, so the debug endpoints' access rule
+applies (loopback only unless the agent runs with ``--debug-remote``): records name pods and IPs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 from aiohttp import web
 
-from podmeter.model.flow_records import FlowFilter, FlowRecord
+from podmeter.model.flow_records import VERDICTS, FlowFilter, FlowRecord
 
 DEFAULT_LAST = 20
 MAX_LAST = 1_000_000
@@ -61,7 +61,8 @@ def _int(params: Mapping[str, str], name: str, low: int, high: int) -> int | Non
 
 def parse_query(params: Mapping[str, str]) -> tuple[FlowFilter, int, bool]:
     """The filter, how many past records, and whether to follow; :class:`BadQuery` names a bad one."""
-    known = {"last", "follow", "namespace", "pod", "from_pod", "to_pod", "workload", "protocol", "port", "since"}
+    known = {"last", "follow", "namespace", "pod", "from_pod", "to_pod", "workload", "protocol", "port", "since",
+             "verdict"}
     unknown = sorted(set(params) - known)
     if unknown:
         raise BadQuery(f"unknown parameter {unknown[0]!r} (known: {', '.join(sorted(known))})")
@@ -73,10 +74,13 @@ def parse_query(params: Mapping[str, str]) -> tuple[FlowFilter, int, bool]:
             since = float(params["since"])
         except ValueError:
             raise BadQuery(f"since={params['since']!r}: expected seconds since the epoch") from None
+    verdict = params.get("verdict")
+    if verdict is not None and verdict not in VERDICTS:
+        raise BadQuery(f"verdict={verdict!r}: expected one of {', '.join(VERDICTS)}")
     wanted = FlowFilter(
         namespace=params.get("namespace"), pod=params.get("pod"), from_pod=params.get("from_pod"),
         to_pod=params.get("to_pod"), workload=params.get("workload"), protocol=params.get("protocol"),
-        port=_int(params, "port", 0, 65535), since=since,
+        port=_int(params, "port", 0, 65535), since=since, verdict=verdict,
     )
     return wanted, (0 if follow else DEFAULT_LAST) if last is None else last, follow
 

@@ -17,9 +17,11 @@ from podmeter.adapters.hubble.server import AccessError, HubbleConfig, HubbleSer
 from podmeter.adapters.kube.connection import ConnectionConfigError, load_connection
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
 from podmeter.adapters.metrics.flow_traffic import render_workload_flows
+from podmeter.adapters.metrics.pod_drops import PodDropExposition
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.runtime.agent import Agent, AgentSettings
 from podmeter.runtime.datapaths import OpenDatapath, open_datapath
+from podmeter.runtime.drop_drain import DEFAULT_DROP_MAP_SIZE, DropTracing, open_drops
 from podmeter.runtime.logs import setup_logging
 
 log = logging.getLogger("podmeter.agent")
@@ -60,6 +62,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--flow-series-limit", type=_positive, default=2000,
                    help="workload pairs with a flow series of their own; beyond, one overflow series "
                         "(default 2000)")
+    p.add_argument("--drop-map-size", type=_non_negative, default=DEFAULT_DROP_MAP_SIZE,
+                   help="max_entries of each kernel drop and TCP map: drops by pod, direction and reason, and "
+                        "dropped flows, between two drains; 0 turns drops and TCP health off (default 16384)")
     p.add_argument("--retina-compat", action="store_true",
                    help="also export per-pod traffic as networkobservability_adv_forward_bytes/_count")
     p.add_argument("--hubble-listen", metavar="ADDR",
@@ -78,6 +83,13 @@ def _positive(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, not {value}")
+    return number
+
+
+def _non_negative(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, not {value}")
     return number
 
 
@@ -103,26 +115,32 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # setup errors carry an actionable message; refuse to run half-blind
         log.error("cannot open the %s datapath: %s", args.datapath, exc)
         return 1
+    drops = open_drops(opened.datapath, args.drop_map_size)  # never fatal: a notice and drops off
     try:
-        return asyncio.run(_serve(args, connection, opened, hubble))
+        return asyncio.run(_serve(args, connection, opened, hubble, drops))
     finally:
+        drops.close()
         opened.close()
 
 
-async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath, hubble: HubbleConfig | None) -> int:
+async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath, hubble: HubbleConfig | None,
+                 drops: DropTracing) -> int:
     settings = AgentSettings(node_name=args.node_name, resync_interval=args.resync_interval,
                              series_grace=args.series_grace, flow_interval=args.flow_interval,
                              flow_buffer=args.flow_buffer, flow_series_limit=args.flow_series_limit)
     datapath = opened.datapath
-    agent = Agent(settings, connection, datapath, opened.flows)
+    agent = Agent(settings, connection, datapath, opened.flows, drops.source)
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     registry.register(AgentStateCollector(agent.snapshot))
     traffic = PodTrafficExposition(agent.ledger, datapath.read_counters, args.retina_compat)
+    drop_series = PodDropExposition(agent.drop_ledger, lambda: drops.hooks,
+                                    drops.source.drops_lost if drops.source else None,
+                                    agent.drops.stats if agent.drops else None)
     debug = {"/debug/state": agent.debug_state, "/debug/endpoints": agent.debug_endpoints}
     app = build_app(registry, agent.ready.is_set, debug, args.debug_remote,
-                    [traffic.render, lambda: render_workload_flows(agent.workload_flows)],
+                    [traffic.render, lambda: render_workload_flows(agent.workload_flows), drop_series.render],
                     debug_streams={"/debug/flows": flows_handler(agent.flow_feed)},
                     healthy=lambda: agent.supervisor.healthy, metrics_min_interval=args.metrics_min_interval)
     runner, port = await serve(app, args.listen)

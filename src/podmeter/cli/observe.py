@@ -44,6 +44,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--workload", help="flows with either end this workload: NAME or NAMESPACE/NAME, or world")
     p.add_argument("--protocol", help="tcp, udp, icmp (either), icmpv4, icmpv6")
     p.add_argument("--port", type=_port, help="flows with either end on this port")
+    p.add_argument("--verdict", choices=("forwarded", "dropped"),
+                   help="forwarded flows only, or the packets the kernel dropped (with their reason)")
     p.add_argument("--since", type=parse_since,
                    help="flows seen since this long ago (30s, 5m, 2h) or this time (RFC 3339 or epoch seconds)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the agent to answer")
@@ -82,7 +84,7 @@ def query(args: argparse.Namespace) -> dict[str, str]:
         params["follow"] = "1"
     if args.last is not None:
         params["last"] = str(args.last)
-    for name in ("namespace", "pod", "from_pod", "to_pod", "workload", "protocol", "port", "since"):
+    for name in ("namespace", "pod", "from_pod", "to_pod", "workload", "protocol", "port", "since", "verdict"):
         value = getattr(args, name)
         if value is not None:
             params[name] = str(value)
@@ -161,5 +163,9 @@ def compact(record: dict[str, Any]) -> str:
         protocol += f" type {record['icmp']['type']} code {record['icmp']['code']}"
     flags = f" [{' '.join(record['tcp_flags'])}]" if record.get("tcp_flags") else ""
     verdict = "" if record.get("verdict", "forwarded") == "forwarded" else f" {record['verdict'].upper()}"
+    if record.get("drop_reason"):
+        verdict += f" ({record['drop_reason']})"
+    if record.get("tcp_retransmits"):
+        flags += f" {record['tcp_retransmits']} retransmits"
     return (f"{stamp} {record['node']}: {_end(record['source'])} -> {_end(record['destination'])} "
             f"{protocol}{flags} {record['observation']}{verdict} {record['packets']} pkts {record['bytes']} B\n")

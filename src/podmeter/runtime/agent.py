@@ -32,10 +32,12 @@ from podmeter.adapters.metrics.agent_state import AgentSnapshot, FlowSnapshot
 from podmeter.model.configuration import MetricsConfiguration
 from podmeter.model.datapath import Datapath
 from podmeter.model.deltas import Collection, Replace
+from podmeter.model.drops import DropLedger, DropSource
 from podmeter.model.flow_series import WorkloadFlows
 from podmeter.model.flows import FlowSource
 from podmeter.model.traffic import TrafficLedger
 from podmeter.model.view import NodeView, ViewDelta
+from podmeter.runtime.drop_drain import DropDrainer
 from podmeter.runtime.flow_drain import FlowDrainer
 from podmeter.runtime.flow_feed import FlowFeed
 from podmeter.runtime.supervision import Supervisor
@@ -74,7 +76,7 @@ class Agent:
     """The running agent. Invariant: only :meth:`_write_loop` mutates ``writer`` (and so the datapath)."""
 
     def __init__(self, settings: AgentSettings, connection: Connection, datapath: Datapath,
-                 flows: FlowSource | None = None) -> None:
+                 flows: FlowSource | None = None, drops: DropSource | None = None) -> None:
         self.settings = settings
         self.connection = connection
         self.datapath = datapath
@@ -84,7 +86,11 @@ class Agent:
         self.flow_feed = FlowFeed(settings.flow_buffer)
         self.workload_flows = WorkloadFlows(settings.node_name, settings.flow_series_limit,
                                             settings.flow_series_idle)
-        self.flows = (FlowDrainer(flows, settings.node_name, self.flow_feed, self.workload_flows, [self.view.cluster])
+        self.drop_ledger = DropLedger(settings.series_grace)  # per-pod drops and TCP health (runtime.drop_drain)
+        self.drops = (DropDrainer(drops, self.drop_ledger, settings.node_name, self.flow_feed, [self.view.cluster],
+                                  annotate_flows=flows is not None) if drops else None)
+        self.flows = (FlowDrainer(flows, settings.node_name, self.flow_feed, self.workload_flows, [self.view.cluster],
+                                  annotate=self.drops.annotate if self.drops else None)
                       if flows else None)
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=10_000)
         self.synced: set[Collection[Any]] = set()
@@ -111,7 +117,7 @@ class Agent:
         spawn(self._write_loop(), "writer")
         spawn(every(self.settings.resync_interval, self.queue, Tick.RESYNC), "resync-timer")
         spawn(every(max(0.2, self.settings.series_grace / 4), self.queue, Tick.EXPIRE), "expire-timer")
-        if self.flows is not None:
+        if self.flows is not None or self.drops is not None:
             spawn(every(self.settings.flow_interval, self.queue, Tick.DRAIN), "flow-drain-timer")
 
     @property
@@ -140,9 +146,9 @@ class Agent:
         """Apply queued items, then push the result to the datapath. Only the writer task calls this
         (tests and benchmarks drive it directly, without reflectors)."""
         interest = self.view.interest
-        if self.flows is not None and self.ready.is_set() and any(
+        if (self.flows is not None or self.drops is not None) and self.ready.is_set() and any(
                 not isinstance(item, Tick) and self.view.renames(item) for item in items):
-            self.flows.drain(self.view.pods.values())  # named as the view is, before anyone changes hands
+            self._drain()  # named as the view is, before anyone changes hands
         for item in items:
             self._apply(item)
         if self.view.interest != interest:
@@ -163,18 +169,28 @@ class Agent:
         elif item is Tick.EXPIRE:
             self.ledger.expire(time.monotonic())
             self.workload_flows.expire(time.monotonic())
+            self.drop_ledger.expire(time.monotonic())
         elif item is Tick.DRAIN:
-            if self.flows is not None and self.ready.is_set():
-                self.flows.drain(self.view.pods.values())
+            if self.ready.is_set():
+                self._drain()
         elif not isinstance(item, Tick):
             self.view.apply(item)
             if isinstance(item, Replace):
                 self.synced.add(item.collection)
 
+    def _drain(self) -> None:
+        """Drops first: the retransmits they hold go on the records of the flow drain that follows."""
+        if self.drops is not None:
+            self.drops.drain(self.view.pods.values())
+        if self.flows is not None:
+            self.flows.drain(self.view.pods.values())
+
     def _push(self) -> None:
         if not self.ready.is_set():
             if not self.synced >= REQUIRED:
                 return
+            if self.drops is not None:  # what was counted before anyone owned an IP: node totals only
+                self.drops.drain(self.view.pods.values())
             self._resync()  # the first push: adopt or clean what a predecessor pinned
             self.ready.set()
             log.info("ready: %d pods, %d desired IPs", len(self.view.pods), len(self.view.desired))
@@ -195,12 +211,15 @@ class Agent:
         now = time.monotonic()
         if pushed.released:
             self.ledger.release(pushed.released, pushed.final, now)
+            self.drop_ledger.release(pushed.released, now)
         moved = self.view.desired.take_moved()
         if not moved:
             return
         kernel = self.datapath.read_counters()
         for ip in moved:
-            self.ledger.assign(ip, self.view.owner(ip), kernel, now)
+            owner = self.view.owner(ip)
+            self.ledger.assign(ip, owner, kernel, now)
+            self.drop_ledger.assign(ip, owner, now)
 
     def _schedule_retry(self) -> None:
         if self._retry_scheduled:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from podmeter.model.endpoints import AddressBook, ChainedNames, Names
-from podmeter.model.flow_records import name_flows
+from podmeter.model.flow_records import FlowRecord, name_flows
 from podmeter.model.flow_series import WorkloadFlows
 from podmeter.model.flows import FlowSource
 from podmeter.model.records import Pod
@@ -45,9 +45,11 @@ class FlowDrainer:
     """
 
     def __init__(self, source: FlowSource, node: str, feed: FlowFeed, series: WorkloadFlows,
-                 others: Sequence[Names] = ()) -> None:
+                 others: Sequence[Names] = (), *,
+                 annotate: Callable[[list[FlowRecord]], list[FlowRecord]] | None = None) -> None:
         self.source, self.node, self.feed, self.series = source, node, feed, series
         self.others = list(others)
+        self.annotate = annotate  # e.g. the drop drainer's retransmits (runtime.drop_drain)
         self.stats = DrainStats()
 
     def drain(self, pods: Iterable[Pod]) -> int:
@@ -65,6 +67,8 @@ class FlowDrainer:
             names = ChainedNames(AddressBook(pods, published), *self.others)
             wall_offset = time.time() - time.monotonic()  # the kernel stamps CLOCK_MONOTONIC nanoseconds
             records = name_flows(entries, names, self.node, wall_offset)
+            if self.annotate is not None:
+                records = self.annotate(records)
             self.feed.publish(records)
             self.series.add(records, time.monotonic())
         self.stats.entries += len(entries)

@@ -1,0 +1,98 @@
+"""Per-pod drops and TCP health series, rendered in the Prometheus text format at scrape time.
+
+Series (docs/metrics.md, docs/drops.md):
+
+* ``podmeter_pod_drops_total{namespace,pod,direction,reason}``: packets of the pod the kernel dropped
+  (``direction`` egress: the pod sent them; ingress: they were for it), ``reason`` as the kernel names
+  it (``NETFILTER_DROP``); a series per (direction, reason) that occurred;
+* ``podmeter_pod_tcp_retransmits_total{namespace,pod}``: segments the pod's sockets retransmitted;
+* ``podmeter_pod_tcp_resets_total{namespace,pod,direction}``: RSTs the pod sent (egress) and its sockets
+  received (ingress);
+* ``podmeter_node_drops_total{direction,reason}``: every drop of an observed IP on this node, including
+  pods whose series are gone;
+* ``podmeter_drops_lost_total{map}``: events not counted because a kernel map was full;
+* ``podmeter_drop_tracing_enabled{hook}``: 1 while the hook is attached, 0 when it is off (a kernel
+  without the tracepoint or BTF, the memory datapath, ``--drop-map-size 0``);
+* ``podmeter_drop_drains_total``, ``podmeter_drop_drain_errors_total``.
+
+The retransmit and reset series of a live pod exist from the moment it is observed (at 0), so ``rate()``
+sees the first event; drop series appear with their first drop. Written as text, like the traffic series,
+with label strings cached per series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from podmeter.adapters.metrics.pod_traffic import escape
+from podmeter.model.datapath import Direction
+from podmeter.model.drops import HOOKS, DropLedger, DropSeries, DropStats, TcpEvent
+
+_HEADERS = {
+    "podmeter_pod_drops_total": ("counter", "Packets of an observed pod the kernel dropped, by direction and reason."),
+    "podmeter_pod_tcp_retransmits_total": ("counter", "TCP segments an observed pod's sockets retransmitted."),
+    "podmeter_pod_tcp_resets_total": ("counter", "TCP resets an observed pod sent (egress) and received (ingress)."),
+    "podmeter_node_drops_total": ("counter", "Dropped packets of observed IPs on this node, by direction and reason."),
+    "podmeter_drops_lost_total": ("counter", "Drop and TCP events not counted because a kernel map was full."),
+    "podmeter_drop_tracing_enabled": ("gauge", "1 while the hook is attached; 0: drops or TCP health are off."),
+    "podmeter_drop_drains_total": ("counter", "Drains of the kernel drop and TCP maps."),
+    "podmeter_drop_drain_errors_total": ("counter", "Drains of the kernel drop and TCP maps that failed."),
+}
+_RESETS = ((Direction.EGRESS, TcpEvent.RESET_SENT), (Direction.INGRESS, TcpEvent.RESET_RECEIVED))
+
+
+class PodDropExposition:
+    """Renders the drop series from the ledger, the hooks and the loss counters of the moment."""
+
+    def __init__(self, ledger: DropLedger, hooks: Callable[[], Mapping[str, bool]],
+                 lost: Callable[[], Mapping[str, int]] | None = None, stats: DropStats | None = None) -> None:
+        self._ledger = ledger
+        self._hooks = hooks
+        self._lost = lost
+        self._stats = stats
+        self._labels: dict[str, str] = {}
+
+    def render(self) -> bytes:
+        lines: dict[str, list[str]] = {name: [] for name in _HEADERS}
+        drops, retransmits = lines["podmeter_pod_drops_total"], lines["podmeter_pod_tcp_retransmits_total"]
+        resets = lines["podmeter_pod_tcp_resets_total"]
+        for series in self._ledger.values():
+            pod = self._pod_labels(series)
+            for (direction, reason), packets in sorted(series.drops.items()):
+                drops.append(f'podmeter_pod_drops_total{{{pod},direction="{direction.value}",'
+                             f'reason="{escape(reason)}"}} {packets}')
+            retransmits.append(f"podmeter_pod_tcp_retransmits_total{{{pod}}} {series.tcp.get(TcpEvent.RETRANSMIT, 0)}")
+            for direction, event in _RESETS:
+                resets.append(f'podmeter_pod_tcp_resets_total{{{pod},direction="{direction.value}"}} '
+                              f"{series.tcp.get(event, 0)}")
+        for (direction, reason), packets in sorted(self._ledger.node_drops.items()):
+            lines["podmeter_node_drops_total"].append(
+                f'podmeter_node_drops_total{{direction="{direction.value}",reason="{escape(reason)}"}} {packets}')
+        for name, count in sorted((self._lost() if self._lost else {}).items()):
+            lines["podmeter_drops_lost_total"].append(f'podmeter_drops_lost_total{{map="{name}"}} {count}')
+        hooks = self._hooks()
+        for hook in HOOKS:
+            lines["podmeter_drop_tracing_enabled"].append(
+                f'podmeter_drop_tracing_enabled{{hook="{hook}"}} {int(hooks.get(hook, False))}')
+        if self._stats is not None:
+            lines["podmeter_drop_drains_total"].append(f"podmeter_drop_drains_total {self._stats.drains}")
+            lines["podmeter_drop_drain_errors_total"].append(f"podmeter_drop_drain_errors_total {self._stats.errors}")
+        self._prune()
+        out: list[str] = []
+        for name, samples in lines.items():
+            if not samples and name in ("podmeter_drop_drains_total", "podmeter_drop_drain_errors_total"):
+                continue
+            kind, help_text = _HEADERS[name]
+            out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
+        return ("\n".join(out) + "\n").encode()
+
+    def _pod_labels(self, series: DropSeries) -> str:
+        text = self._labels.get(series.uid)
+        if text is None:
+            text = self._labels[series.uid] = f'namespace="{escape(series.namespace)}",pod="{escape(series.name)}"'
+        return text
+
+    def _prune(self) -> None:
+        live = self._ledger.series
+        if len(self._labels) > 2 * len(live) + 1024:
+            self._labels = {uid: text for uid, text in self._labels.items() if uid in live}
