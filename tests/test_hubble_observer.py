@@ -307,6 +307,16 @@ async def test_a_flow_carries_what_podmeter_knows_in_hubbles_fields(hubble: Any)
     assert not tcp.HasField("is_reply")  # unknown, printed as <> by hubble observe
 
 
+async def test_a_dropped_record_is_a_dropped_flow_and_the_verdict_filter_selects_it(hubble: Any) -> None:
+    feed, _, client = hubble
+    forwarded, dropped = records(2)
+    feed.publish([forwarded, msgspec.structs.replace(dropped, verdict="dropped", drop_reason="NETFILTER_DROP")])
+    assert [r.flow.verdict for r in await client.flows(number=10)] == [flow_pb2.FORWARDED, flow_pb2.DROPPED]
+    (only,) = await client.flows(number=10, whitelist=[flow_pb2.FlowFilter(verdict=[flow_pb2.DROPPED])])
+    assert only.flow.drop_reason_desc == flow_pb2.DROP_REASON_UNKNOWN  # the kernel's reasons are not Cilium's codes
+    assert only.flow.trace_observation_point == flow_pb2.FROM_ENDPOINT
+
+
 async def test_labels_of_a_pod_the_agent_no_longer_knows_are_absent(hubble: Any) -> None:
     feed, _, client = hubble
     gone = make_pod("gone", "shop", ips=("10.0.0.7",))

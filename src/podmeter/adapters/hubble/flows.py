@@ -13,11 +13,13 @@ What a record carries maps onto Hubble's message like this (the compatibility ta
   one leaving it (``from-pod``) egress. ``trace_observation_point`` is ``TO_ENDPOINT``/``FROM_ENDPOINT``,
   and ``event_type`` the matching trace event (type 4, sub-type 0 or 5), which Hubble's printers show as
   ``to-endpoint``/``from-endpoint``.
-- ``Type`` is ``L3_L4``, ``verdict`` ``FORWARDED`` (``DROPPED`` for a dropped record), ``is_reply`` unset
-  (podmeter tracks no connections, so it does not know).
+- ``Type`` is ``L3_L4``, ``verdict`` ``FORWARDED``, or ``DROPPED`` for a record of dropped packets (its
+  ``drop_reason_desc`` stays unknown: Hubble's reasons are Cilium's datapath codes, podmeter's the
+  kernel's ``skb_drop_reason`` names), ``is_reply`` unset (podmeter tracks no connections, so it does not
+  know).
 
-Hubble's flow has no packet or byte counts: they are absent from the message (``podmeter observe`` and the
-workload metrics have them).
+Hubble's flow has no packet or byte counts, no retransmit count and no field for the kernel's drop reason:
+they are absent from the message (``podmeter observe -o json`` and the metrics have them).
 """
 
 from __future__ import annotations
