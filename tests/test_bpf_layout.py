@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from podmeter.adapters.datapath.ebpf import InterfaceRule, layout
 from podmeter.adapters.datapath.ebpf import frames as f
+from podmeter.adapters.datapath.ebpf.links import LinkInfo
 from podmeter.model.datapath import Direction, Traffic
 from podmeter.model.records import canonical_ip
 
@@ -58,17 +59,20 @@ def test_per_cpu_values_are_summed() -> None:
 
 
 def test_interface_rule() -> None:
+    """Pod links by what they are, whatever their names (more in tests/test_bpf_cni.py)."""
     rule = InterfaceRule()
-    assert rule.matches("pm1234x5", "veth")
-    assert rule.matches("veth9a8b7c", "veth")
-    assert rule.matches("lxc12ab", "veth")
-    assert rule.matches("cali0123", "veth")
-    assert not rule.matches("eth0", "veth")
-    assert not rule.matches("pm-bridge", "bridge")  # the name matches, but it is not a veth
-    assert not rule.matches("pmvx", None)
-    explicit = InterfaceRule(patterns=(), explicit=("ens5",))
-    assert explicit.matches("ens5", None)
-    assert not explicit.matches("veth1", "veth")
+    for name in ("pm1234x5", "veth9a8b7c", "lxc12ab", "cali0123", "eni1a2b3c4d5e6", "azv0a1b2c3d4e", "3f2a9c1b0d4e5f6"):
+        assert rule.selects(LinkInfo(name, "veth", 3, 2))  # the peer in another netns
+    assert rule.selects(LinkInfo("lxc12ab", "netkit", 3, 2, netkit_mode=0, netkit_primary=True))
+    assert not rule.selects(LinkInfo("veth9a8b7c", "veth"))  # both ends here
+    assert not rule.selects(LinkInfo("eth0", "veth", 0, 7), uplink=True)  # a node that is a container: its uplink
+    assert not rule.selects(LinkInfo("pm-bridge", "bridge"))
+    assert not rule.selects(LinkInfo("pmvx", None))
+    patterns = InterfaceRule(patterns=("eni*",))
+    assert patterns.selects(LinkInfo("eni1", "veth")) and patterns.selects(LinkInfo("eni2", None))
+    assert not patterns.selects(LinkInfo("veth1", "veth", 3, 2))  # patterns replace the detection
+    explicit = InterfaceRule(explicit=("ens5",))
+    assert explicit.selects(LinkInfo("ens5", None))
 
 
 def test_frames_carry_vlan_tags_outer_first() -> None:

@@ -1,7 +1,8 @@
 """The rtnetlink link reader of the attach manager, against the kernel and against a second opinion.
 
-``dump_links`` must agree with ``ip -j link`` (iproute2, an independent reader of the same kernel
-table), and the notifications it parses must describe each change as the kernel made it.
+``dump_links``/``read_links`` must agree with ``ip -j -d link`` (iproute2, an independent reader of the
+same kernel table), names, kinds and where each peer is, and the notifications it parses must describe
+each change as the kernel made it.
 """
 
 from __future__ import annotations
@@ -10,20 +11,33 @@ import json
 import struct
 import subprocess
 import threading
+from typing import Any
 
 import pytest
 
 from podmeter.adapters.datapath.ebpf import links
-from podmeter.adapters.datapath.ebpf.links import LinkChange, changes, dump_links, link_events, read_changes
+from podmeter.adapters.datapath.ebpf.links import (
+    LinkChange,
+    LinkInfo,
+    changes,
+    dump_links,
+    link_events,
+    read_changes,
+    read_links,
+)
 from test_bpf_support import Topology, needs_root, run, unique
 
 pytestmark = needs_root
 pytest_plugins = ["test_bpf_support"]  # its fixtures: topology
 
 
+def ip_rows(topology: Topology) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = json.loads(run("ip", "-n", topology.host, "-j", "-d", "link", "show"))
+    return rows
+
+
 def ip_links(topology: Topology) -> dict[int, tuple[str, str | None]]:
-    rows = json.loads(run("ip", "-n", topology.host, "-j", "-d", "link", "show"))
-    return {row["ifindex"]: (row["ifname"], (row.get("linkinfo") or {}).get("info_kind")) for row in rows}
+    return {row["ifindex"]: (row["ifname"], (row.get("linkinfo") or {}).get("info_kind")) for row in ip_rows(topology)}
 
 
 def test_dump_agrees_with_iproute2(topology: Topology) -> None:
@@ -38,6 +52,21 @@ def test_dump_agrees_with_iproute2(topology: Topology) -> None:
     assert ("lo", None) in mine.values()
 
 
+def test_peers_agree_with_iproute2(topology: Topology) -> None:
+    """Where each link's peer is: in another netns (its id and the peer's index there) or here (none)."""
+    pods = [topology.add_pod() for _ in range(3)]
+    run("ip", "-n", topology.host, "link", "add", unique("qd"), "type", "veth", "peer", "name", unique("qd"))
+    with topology.in_host():
+        mine = read_links()
+    for row in ip_rows(topology):
+        link = mine[row["ifindex"]]
+        assert link.name == row["ifname"]
+        assert link.peer_netnsid == row.get("link_netnsid")
+        assert link.peer_index == (row.get("link_index") if "link_netnsid" in row else None)
+    elsewhere = {link.name for link in mine.values() if link.peer_elsewhere}
+    assert elsewhere == {pod.host_veth for pod in pods}
+
+
 def test_notifications_describe_each_change(topology: Topology) -> None:
     name, peer = unique("pme"), unique("qe")
     with topology.in_host(), link_events() as events:
@@ -49,8 +78,8 @@ def test_notifications_describe_each_change(topology: Topology) -> None:
         found = read_changes(events)
     assert found is not None
     mine = [c for c in found if c.index == index]
-    assert mine[0] == LinkChange(index, (name, "veth"))
-    assert LinkChange(index, (name + "r", "veth")) in mine
+    assert mine[0] == LinkChange(index, LinkInfo(name, "veth"))
+    assert LinkChange(index, LinkInfo(name + "r", "veth")) in mine
     assert mine[-1] == LinkChange(index, None)
 
 
@@ -59,7 +88,7 @@ def test_malformed_messages_end_the_walk_instead_of_looping() -> None:
     assert list(changes(memoryview(header + bytes(64)))) == []
     body = bytes(4) + struct.pack("=i", 7) + bytes(8) + struct.pack("=HH", 2, 3)  # an attribute of length 2
     message = struct.pack("=IHHII", 16 + len(body), 16, 0, 0, 0) + body
-    assert list(changes(memoryview(message))) == [LinkChange(7, ("", None))]
+    assert list(changes(memoryview(message))) == [LinkChange(7, LinkInfo("", None))]
 
 
 def test_links_that_exist_throughout_are_in_every_dump_taken_during_churn(topology: Topology) -> None:
@@ -88,10 +117,11 @@ def test_links_that_exist_throughout_are_in_every_dump_taken_during_churn(topolo
 
 
 def test_an_interrupted_dump_is_taken_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    answers = [({1: ("lo", None)}, False), ({1: ("lo", None)}, False), ({1: ("lo", None), 2: ("pm1", "veth")}, True)]
+    lo, pm1 = LinkInfo("lo"), LinkInfo("pm1", "veth", 0, 2)
+    answers = [({1: lo}, False), ({1: lo}, False), ({1: lo, 2: pm1}, True)]
     monkeypatch.setattr(links, "_dump_once", lambda: answers.pop(0))
     assert dump_links() == {1: ("lo", None), 2: ("pm1", "veth")}
-    always_interrupted = [({1: ("lo", None)}, False)] * links.DUMP_ATTEMPTS
+    always_interrupted = [({1: lo}, False)] * links.DUMP_ATTEMPTS
     monkeypatch.setattr(links, "_dump_once", lambda: always_interrupted.pop(0))
     assert dump_links() == {1: ("lo", None)}  # the last one is used: notifications correct it
     assert always_interrupted == []

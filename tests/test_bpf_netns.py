@@ -239,21 +239,28 @@ def test_manager_follows_link_events(topology: Topology, open_datapath: Opener) 
         run("ip", "-n", topology.host, "link", "add", stray, "type", "veth", "peer", "name", unique("qr"))
         wait_until(lambda: pod.host_veth in manager.attached())
         manager.sync()
-        assert set(manager.attached()) == {pod.host_veth}  # the stray veth does not match the rule
+        assert set(manager.attached()) == {pod.host_veth}  # the stray veth has both ends here: no pod's
         run("ip", "-n", topology.host, "link", "del", pod.host_veth)
         wait_until(lambda: manager.attached() == {})
 
 
 def test_manager_follows_renames(topology: Topology, open_datapath: Opener) -> None:
-    """A rename is a change of the rule's input: renamed away from the pattern, detached; back, attached."""
+    """With name patterns a rename is a change of the rule's input: renamed away from the pattern,
+    detached; back, attached. Found by what it is, a pod link stays one under any name."""
     datapath = open_datapath(8)
     assert datapath.programs is not None
     pod = topology.add_pod()
     other = unique("qn")
-    with AttachManager(datapath.programs, netns=topology.host_path, resync_interval=3600) as manager:
+    rule = InterfaceRule(patterns=("pm*",))
+    with AttachManager(datapath.programs, rule=rule, netns=topology.host_path, resync_interval=3600) as manager:
         assert set(manager.attached()) == {pod.host_veth}
         run("ip", "-n", topology.host, "link", "set", pod.host_veth, "name", other)
         wait_until(lambda: manager.attached() == {})
+        run("ip", "-n", topology.host, "link", "set", other, "name", pod.host_veth)
+        wait_until(lambda: set(manager.attached()) == {pod.host_veth})
+    with AttachManager(datapath.programs, netns=topology.host_path, resync_interval=3600) as manager:
+        run("ip", "-n", topology.host, "link", "set", pod.host_veth, "name", other)
+        wait_until(lambda: set(manager.attached()) == {other})
         run("ip", "-n", topology.host, "link", "set", other, "name", pod.host_veth)
         wait_until(lambda: set(manager.attached()) == {pod.host_veth})
 
@@ -313,19 +320,24 @@ def test_capture_parser_reads_ipv4_addresses() -> None:
 
 
 def test_manager_keeps_up_with_a_burst_of_links(topology: Topology, open_datapath: Opener, tmp_path: Path) -> None:
-    """30 veths appear at once, then vanish at once: every one is attached, then none."""
+    """30 pod veths appear at once, then vanish at once: every one is attached, then none."""
     datapath = open_datapath(8)
     assert datapath.programs is not None
+    peers = unique("pmq")  # one namespace holds every peer: each host side's peer is elsewhere
+    run("ip", "netns", "add", peers)
     names = [unique("pmb") for _ in range(30)]
-    adds = "".join(f"link add {name} type veth peer name {unique('qb')}\n" for name in names)
+    adds = "".join(f"link add {name} type veth peer name {unique('qb')} netns {peers}\n" for name in names)
     dels = "".join(f"link del {name}\n" for name in names)
     (tmp_path / "add").write_text(adds)
     (tmp_path / "del").write_text(dels)
-    with AttachManager(datapath.programs, netns=topology.host_path, resync_interval=3600) as manager:
-        run("ip", "-n", topology.host, "-batch", str(tmp_path / "add"))
-        wait_until(lambda: set(manager.attached()) == set(names))
-        run("ip", "-n", topology.host, "-batch", str(tmp_path / "del"))
-        wait_until(lambda: manager.attached() == {})
+    try:
+        with AttachManager(datapath.programs, netns=topology.host_path, resync_interval=3600) as manager:
+            run("ip", "-n", topology.host, "-batch", str(tmp_path / "add"))
+            wait_until(lambda: set(manager.attached()) == set(names))
+            run("ip", "-n", topology.host, "-batch", str(tmp_path / "del"))
+            wait_until(lambda: manager.attached() == {})
+    finally:
+        run("ip", "netns", "del", peers)
 
 
 def open_fds() -> int:

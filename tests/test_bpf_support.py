@@ -106,10 +106,11 @@ class Topology:
         self._disable_ipv6(self.host, "default")
         run("ip", "-n", self.host, "link", "set", "lo", "up")
 
-    def add_pod(self, ipv6: bool = False) -> Pod:
-        """A pod with IPv4; with ``ipv6`` also IPv6 (and then the kernel's own ND/MLD traffic)."""
+    def add_pod(self, ipv6: bool = False, host_veth: str | None = None) -> Pod:
+        """A pod with IPv4; with ``ipv6`` also IPv6 (and then the kernel's own ND/MLD traffic).
+        ``host_veth``: the name of the host side (default ``pm...``, as the lab's node names them)."""
         n = next(self._subnets)
-        pod = Pod(unique("pmp"), unique("pm"), f"10.231.{n}.2", f"10.231.{n}.1")
+        pod = Pod(unique("pmp"), host_veth or unique("pm"), f"10.231.{n}.2", f"10.231.{n}.1")
         if ipv6:
             pod.ip6, pod.host_ip6 = f"fd00:231:{n}::2", f"fd00:231:{n}::1"
         run("ip", "netns", "add", pod.netns)

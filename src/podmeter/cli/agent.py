@@ -39,9 +39,13 @@ def register(subparsers: Any) -> None:
                    help="ebpf: the kernel (root); memory: no kernel, for the lab and tests (default ebpf)")
     p.add_argument("--bpffs", default="/sys/fs/bpf/podmeter", help="pin directory of the eBPF maps")
     p.add_argument("--filter-map-size", type=_positive, default=65536, help="filter map max_entries")
-    p.add_argument("--interface", action="append", default=[],
-                   help="also attach to this interface (repeatable); veths named pm*, veth*, lxc*, cali* "
-                        "are found by themselves")
+    p.add_argument("--interface", action="append", default=[], metavar="NAME",
+                   help="also attach to this interface, whatever its kind (repeatable); pod links (a veth or "
+                        "netkit whose peer is in another network namespace) are found by themselves")
+    p.add_argument("--interface-pattern", action="append", default=[], metavar="GLOB",
+                   help="attach to the links whose names match this glob instead of finding pod links by "
+                        "what they are (repeatable; e.g. 'eni*'; default: none, pod links are found by "
+                        "themselves)")
     p.add_argument("--listen", default="127.0.0.1:9978", help="HTTP address for /metrics, /healthz, /readyz")
     p.add_argument("--metrics-min-interval", type=float, default=1.0,
                    help="seconds between two renderings of /metrics at most: scrapers within it get the last "
@@ -111,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         opened = open_datapath(args.datapath, args.bpffs, args.filter_map_size, tuple(args.interface),
-                               flow_map_size=args.flow_map_size)
+                               tuple(args.interface_pattern) or None, flow_map_size=args.flow_map_size)
     except Exception as exc:  # setup errors carry an actionable message; refuse to run half-blind
         log.error("cannot open the %s datapath: %s", args.datapath, exc)
         return 1
@@ -130,6 +134,7 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
                              flow_buffer=args.flow_buffer, flow_series_limit=args.flow_series_limit)
     datapath = opened.datapath
     agent = Agent(settings, connection, datapath, opened.flows, drops.source)
+    agent.links = opened.links
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)

@@ -37,6 +37,7 @@ from podmeter.model.flow_series import WorkloadFlows
 from podmeter.model.flows import FlowSource
 from podmeter.model.traffic import TrafficLedger
 from podmeter.model.view import NodeView, ViewDelta
+from podmeter.runtime.datapaths import PodLinks
 from podmeter.runtime.drop_drain import DropDrainer
 from podmeter.runtime.flow_drain import FlowDrainer
 from podmeter.runtime.flow_feed import FlowFeed
@@ -74,6 +75,8 @@ Item = ViewDelta | Tick
 
 class Agent:
     """The running agent. Invariant: only :meth:`_write_loop` mutates ``writer`` (and so the datapath)."""
+
+    links: PodLinks | None = None  # which pod IPs reach a link the datapath counts on (set by the CLI for eBPF)
 
     def __init__(self, settings: AgentSettings, connection: Connection, datapath: Datapath,
                  flows: FlowSource | None = None, drops: DropSource | None = None) -> None:
@@ -259,6 +262,7 @@ class Agent:
             flows=self._flow_snapshot(),
             unusable_pod_ips=sum(len(p.unusable_ips) for p in view.pods.values()),
             task_failures=dict(self.task_failures),
+            pods_without_link=None if (unlinked := self.pods_without_link()) is None else len(unlinked),
         )
 
     def _flow_snapshot(self) -> FlowSnapshot | None:
@@ -293,6 +297,7 @@ class Agent:
                 "missing": sorted(set(desired) - set(actual) - set(self.writer.pending)),
             },
             "last_resync": self.last_resync,
+            "pods_without_link": self.pods_without_link(),
             "drift_repaired": dict(self.writer.stats.drift_repaired),
             "write_errors": {f"{op}/{errno}": n for (op, errno), n in self.writer.stats.write_errors.items()},
             "reflectors": {r.kind.name: {"resourceVersion": r.resource_version, "relists": dict(r.stats.relists),
@@ -300,6 +305,14 @@ class Agent:
                                          "decode_errors": r.stats.decode_errors}
                            for r in self._reflectors},
         }
+
+    def pods_without_link(self) -> list[str] | None:
+        """Observed pods (``namespace/name``) none of whose IPs reach a link the datapath counts on: their
+        traffic is not counted. None when the datapath has no links (memory)."""
+        if self.links is None:
+            return None
+        unlinked = self.links.unlinked(self.view.desired)
+        return sorted({pod.key for ip in unlinked for pod in self.view.owners(ip)})
 
     def debug_endpoints(self) -> dict[str, Any]:
         """The cluster-wide endpoint cache, IP -> endpoint (the lab's I7 check compares it with the pods)."""

@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.datapath import Datapath
 from podmeter.model.flows import FlowSource
 
 log = logging.getLogger("podmeter.datapath")
+
+
+class PodLinks(Protocol):
+    """Which pod IPs reach a link the datapath counts on (the eBPF attach manager)."""
+
+    def unlinked(self, ips: Iterable[str]) -> frozenset[str]:
+        """The IPs among ``ips`` that reach no counted link (cheap: called at every scrape)."""
+        ...
 
 
 @dataclass
@@ -20,6 +29,7 @@ class OpenDatapath:
     datapath: Datapath
     flows: FlowSource | None = None  # the same object when the datapath aggregates flows
     closers: list[Callable[[], None]] = field(default_factory=list)
+    links: PodLinks | None = None  # None: the datapath has no links (memory)
 
     def close(self) -> None:
         for close in reversed(self.closers):
@@ -41,7 +51,7 @@ def open_datapath(kind: str, bpffs: str, filter_map_size: int, interfaces: tuple
 
     datapath = EbpfDatapath.open(bpffs, filter_size=filter_map_size, flow_size=flow_map_size)
     assert datapath.programs is not None, "EbpfDatapath.open loads the programs"
-    rule = InterfaceRule(explicit=interfaces) if patterns is None else InterfaceRule(patterns, interfaces)
+    rule = InterfaceRule(patterns or (), interfaces)  # no patterns: pod links found by what they are
     manager = AttachManager(datapath.programs, rule=rule)
     try:
         manager.start()
@@ -50,4 +60,4 @@ def open_datapath(kind: str, bpffs: str, filter_map_size: int, interfaces: tuple
         raise
     log.info("eBPF datapath open: pins in %s, filter size %d, flow map size %d", bpffs, datapath.capacity,
              flow_map_size)
-    return OpenDatapath(datapath, datapath, [datapath.close, manager.stop])
+    return OpenDatapath(datapath, datapath, [datapath.close, manager.stop], links=manager)

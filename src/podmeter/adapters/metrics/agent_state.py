@@ -36,6 +36,7 @@ class AgentSnapshot:
     unusable_pod_ips: int = 0  # addresses of stored pods podmeter cannot key on (zone-scoped IPv6)
     task_failures: Mapping[str, int] = field(default_factory=dict)  # task name
     flows: FlowSnapshot | None = None  # None: the datapath aggregates no flows
+    pods_without_link: int | None = None  # observed pods whose IPs reach no counted link; None: no links
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,10 @@ class AgentStateCollector(Collector):
                     s.unusable_pod_ips)
         yield counter("podmeter_task_failures", "Long-running tasks that died of an unexpected error.", ("task",),
                       by_one(s.task_failures))
+        if s.pods_without_link is not None:
+            yield gauge("podmeter_pods_without_link",
+                        "Observed pods whose IPs reach no link the datapath is attached to (not counted).",
+                        s.pods_without_link)
         yield from watch_families(s.watch_events, s.relists, s.decode_errors, s.store_objects, s.watch_failures)
         if s.flows is not None:
             yield from flow_families(s.flows)

@@ -1,18 +1,25 @@
-"""Attaching the counting programs to the host side of every pod veth, as interfaces come and go.
+"""Attaching the counting programs to the host side of every pod's link, as links come and go.
 
-The rule (:class:`InterfaceRule`): an interface is a pod's host-side veth when its link kind is ``veth``
-and its name matches one of the glob patterns (default ``pm*`` for the lab node, and the common CNI
-prefixes ``veth*``, ``lxc*``, ``cali*``); interfaces named explicitly (``--interface``) are attached
-whatever their kind. ``pm_from_pod`` goes on tc ingress (packets leaving the pod), ``pm_to_pod`` on tc
-egress (packets entering it).
+The rule (:class:`InterfaceRule`) finds pod links by what they are, whatever the CNI names them: a link
+of kind ``veth`` or ``netkit`` whose peer lives in **another network namespace** (the kernel reports the
+peer's netns id, ``IFLA_LINK_NETNSID``), except the links that carry the node's default routes (a node
+that is itself a container, as in kind, has such an uplink). A veth with both ends on the node, a
+bridge, a tunnel or a physical NIC is not a pod link. Name patterns (``--interface-pattern GLOB``) are
+the override: given, the links whose names match are attached instead, whatever their kind; links named
+explicitly (``--interface``) are attached in every case. ``pm_from_pod`` goes on tc ingress (packets
+leaving the pod), ``pm_to_pod`` on tc egress (packets entering it).
 
-The manager converges the attachments towards the links that exist: for an interface, attached iff it
-exists and the rule selects it. It keeps its own table of links (ifindex -> name, kind), read whole by a
-dump at start, on :meth:`AttachManager.sync`, every ``resync_interval`` seconds and whenever the kernel
-reports lost notifications (ENOBUFS); between dumps, each link notification updates the table and only
-the interfaces it names are converged. So a lost or misread event delays an attach until the next dump,
-never loses it, and a busy node costs one small parse per change instead of a dump per change
+The manager converges the attachments towards the links that exist: for a link, attached iff it
+exists and the rule selects it. It keeps its own table of links (ifindex -> name, kind, peer), read
+whole by a dump at start, on :meth:`AttachManager.sync`, every ``resync_interval`` seconds and whenever
+the kernel reports lost notifications (ENOBUFS); between dumps, each link notification updates the table
+and only the links it names are converged. So a lost or misread event delays an attach until the next
+dump, never loses it, and a busy node costs one small parse per change instead of a dump per change
 (:mod:`.links` explains why that matters for the agent's latency).
+
+Which pod a link serves: the addresses of its peer, read in the pod's netns without entering it; for an
+address no attached link's peer holds, the link the node routes it through. :meth:`AttachManager.unlinked`
+tells the agent which of its pods' IPs reach no attached link (the pods it cannot count).
 
 Mechanisms:
 * TCX (kernel >= 6.6): a BPF link per hook, placed before other programs of the hook; the link lives as
@@ -35,6 +42,8 @@ import os
 import select
 import socket
 import threading
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pyroute2 import IPRoute
@@ -55,15 +64,25 @@ from podmeter.adapters.datapath.ebpf.libbpf import (
     TcOpts,
     libbpf,
 )
-from podmeter.adapters.datapath.ebpf.links import Link, dump_links, link_events, read_changes
+from podmeter.adapters.datapath.ebpf.links import (
+    NETKIT_L3,
+    LinkInfo,
+    NetlinkError,
+    Rtnl,
+    link_events,
+    read_changes,
+    read_links,
+)
 from podmeter.adapters.datapath.ebpf.loader import Program
 from podmeter.adapters.datapath.ebpf.netns import enter_netns
 
 log = logging.getLogger("podmeter.attach")
 
-DEFAULT_PATTERNS = ("pm*", "veth*", "lxc*", "cali*")
 TC_HANDLE = 0x706D  # "pm": podmeter's cls_bpf filter handle
 TC_PRIORITY = 1  # first in line, so filters of other tools that end processing cannot hide packets
+ADDRESS_REFRESH = 5.0  # seconds: an IP no peer holds rereads every attached link's peer at most this often
+ASKED_FOR = 600.0  # seconds an IP asked about by unlinked() keeps being resolved on every full pass
+_UNKNOWN = object()
 
 
 class AttachMode(enum.Enum):
@@ -74,15 +93,26 @@ class AttachMode(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class InterfaceRule:
-    """Which interfaces are the host side of a pod veth."""
+    """Which links are the host side of a pod's link.
 
-    patterns: tuple[str, ...] = DEFAULT_PATTERNS
+    Without ``patterns``: a veth or netkit whose peer is in another netns, unless it is an ``uplink``
+    (carries a default route of the node). With ``patterns`` (globs): the links whose names match one,
+    whatever their kind or peer, instead. ``explicit`` names are selected in both cases."""
+
+    patterns: tuple[str, ...] = ()
     explicit: tuple[str, ...] = ()
 
-    def matches(self, name: str, kind: str | None) -> bool:
-        if name in self.explicit:
+    @property
+    def detects(self) -> bool:
+        """Whether pod links are found by what they are (no patterns given)."""
+        return not self.patterns
+
+    def selects(self, link: LinkInfo, uplink: bool = False) -> bool:
+        if link.name in self.explicit:
             return True
-        return kind == "veth" and any(fnmatch.fnmatchcase(name, pattern) for pattern in self.patterns)
+        if self.patterns:
+            return any(fnmatch.fnmatchcase(link.name, pattern) for pattern in self.patterns)
+        return link.peer_elsewhere and not uplink
 
 
 @dataclass
@@ -172,11 +202,11 @@ class Attacher:
 
 
 class AttachManager:
-    """Keeps the programs attached to exactly the interfaces the rule selects, in one netns.
+    """Keeps the programs attached to exactly the links the rule selects, in one netns.
 
     All netlink and attach work happens on one worker thread (entered into ``netns`` if given, a path
     like ``/run/netns/NAME``). Invariant after each pass: ``attached()`` holds one entry per existing
-    selected interface whose attach succeeded, and nothing else; failures are in ``errors``.
+    selected link whose attach succeeded, and nothing else; failures are in ``errors``.
     """
 
     def __init__(
@@ -195,7 +225,18 @@ class AttachManager:
         self._attached: dict[int, Attachment] = {}
         self._lock = threading.Condition()
         self._passes = 0  # full passes (dumps) done
-        self._links: dict[int, Link] = {}  # the worker's table: ifindex -> (name, kind)
+        self._links: dict[int, LinkInfo] = {}  # the worker's table
+        self._uplinks: frozenset[int] = frozenset()  # the worker's: links with a default route
+        self._peers: dict[int, frozenset[str]] = {}  # the worker's: attached ifindex -> its peer's addresses
+        self._peers_read = 0.0  # monotonic time the peers of every attached link were last read
+        self._next_pass = 0.0
+        # Shared with callers of unlinked(), under the lock:
+        self._placed: dict[str, str] = {}  # IP -> name of the attached link whose peer holds it
+        self._routed: dict[str, str | None] = {}  # IP no peer holds -> attached link it is routed to, or None
+        self._asked: dict[str, float] = {}  # IP -> when unlinked() was last asked about it (unplaced)
+        self._pending: set[str] = set()  # asked about, not resolved yet
+        self._resolving = False  # a resolve request is on its way to the worker
+        self._resolved_at = 0.0  # monotonic time of the last resolve
         self._stopping = False
         self._failure: BaseException | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -230,6 +271,40 @@ class AttachManager:
         changes, on sync() and on every dump."""
         with self._lock:
             return dict(self._errors)
+
+    def placed(self) -> dict[str, str]:
+        """The addresses the peers of attached links hold: IP -> the attached link's name."""
+        with self._lock:
+            return dict(self._placed)
+
+    def unlinked(self, ips: Iterable[str]) -> frozenset[str]:
+        """The IPs among ``ips`` that reach no attached link: no attached link's peer holds them, and the
+        node does not route them through one. Cheap (no syscall; call it at every scrape): the answer is
+        what the worker last found. An IP it has not looked at yet is not in the answer; the worker is
+        woken to look (and, if no peer holds it, to read the peers again, at most every
+        ``ADDRESS_REFRESH`` seconds), so from the next call on it is. An IP found unlinked is looked at
+        again at most every ``ADDRESS_REFRESH`` seconds (its pod's address may have come late)."""
+        out: set[str] = set()
+        now = time.monotonic()
+        with self._lock:
+            new = False
+            stale = now - self._resolved_at >= ADDRESS_REFRESH
+            for ip in ips:
+                if ip in self._placed:
+                    continue
+                self._asked[ip] = now
+                verdict = self._routed.get(ip, _UNKNOWN)
+                if verdict is None:
+                    out.add(ip)
+                if (verdict is _UNKNOWN or (verdict is None and stale)) and ip not in self._pending:
+                    self._pending.add(ip)
+                    new = True
+            wake = new and not self._resolving and self._thread is not None and not self._stopping
+            if wake:
+                self._resolving = True
+        if wake:
+            os.write(self._wake_w, b"r")
+        return frozenset(out)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Detach from every interface and stop the worker (idempotent)."""
@@ -277,19 +352,20 @@ class AttachManager:
             self._forget(index)
 
     def _detach_all(self) -> None:
-        present = dump_links()
+        present = read_links()
         for index, attachment in list(self._attached.items()):
             self.attacher.detach(attachment, exists=index in present)
             self._forget(index)
 
     def _wait(self, events: socket.socket) -> None:
-        """Sleep until a link changes, a sync is asked for or the resync period ends; then converge."""
-        readable, _, _ = select.select([events.fileno(), self._wake_r], [], [], self.resync_interval)
-        woken = self._wake_r in readable
-        if woken:
-            os.read(self._wake_r, 4096)
+        """Sleep until a link changes, a caller wakes the worker or the resync period ends; then converge."""
+        timeout = max(0.0, self._next_pass - time.monotonic())
+        readable, _, _ = select.select([events.fileno(), self._wake_r], [], [], timeout)
+        asked = os.read(self._wake_r, 4096) if self._wake_r in readable else b""
         found = read_changes(events) if events.fileno() in readable else []
-        if woken or not readable or found is None:
+        if self._stopping:
+            return
+        if b"s" in asked or found is None or time.monotonic() >= self._next_pass:
             self._full_pass()
             return
         for change in found:
@@ -297,47 +373,140 @@ class AttachManager:
                 self._links.pop(change.index, None)
             else:
                 self._links[change.index] = change.link
-        self._converge({change.index for change in found})
+        changed = {change.index for change in found}
+        self._converge(changed)
+        if changed & self._attached.keys():  # an attached link changed (up, renamed...): its peer may too
+            with Rtnl() as rtnl:
+                self._read_peers(rtnl, changed & self._attached.keys())
+            self._publish_placements()
+        if b"r" in asked:
+            self._resolve(full=False)
 
     def _full_pass(self) -> None:
-        self._links = dump_links()
+        self._links = read_links()
+        if self.rule.detects:
+            self._uplinks = self._read_uplinks()
         self._converge(set(self._links) | set(self._attached))
-        wanted = {name for name, kind in self._links.values() if self.rule.matches(name, kind)}
+        self._resolve(full=True)
+        wanted = {link.name for index, link in self._links.items() if self._selects(index, link)}
+        self._next_pass = time.monotonic() + self.resync_interval
         with self._lock:
             self._errors = {name: e for name, e in self._errors.items() if name in wanted}
             self._passes += 1
             self._lock.notify_all()
 
+    def _read_uplinks(self) -> frozenset[int]:
+        try:
+            with Rtnl() as rtnl:
+                return rtnl.default_route_links()
+        except OSError as error:  # keep the last known ones: a pod link is never an uplink
+            log.warning("cannot read the default routes: %s", error)
+            return self._uplinks
+
+    def _selects(self, index: int, link: LinkInfo) -> bool:
+        return self.rule.selects(link, uplink=index in self._uplinks)
+
     def _converge(self, indexes: set[int]) -> None:
         """Attached iff the link exists and the rule selects it, for each of ``indexes``."""
         for index in sorted(indexes):
             link = self._links.get(index)
-            selected = link[0] if link is not None and self.rule.matches(*link) else None  # its name
+            selected = link if link is not None and self._selects(index, link) else None
             attachment = self._attached.get(index)
-            if attachment is not None and attachment.ifname != selected:  # gone, renamed or unselected
-                self.attacher.detach(attachment, exists=link is not None)
+            if attachment is not None and (selected is None or attachment.ifname != selected.name):
+                self.attacher.detach(attachment, exists=link is not None)  # gone, renamed or unselected
                 self._forget(index)
                 attachment = None
             if selected is not None and attachment is None:
                 self._attach(index, selected)
 
-    def _attach(self, index: int, name: str) -> None:
+    def _attach(self, index: int, link: LinkInfo) -> None:
         try:
-            attachment = self.attacher.attach(index, name)
+            if link.kind == "netkit" and link.netkit_mode == NETKIT_L3:
+                raise AttachError(
+                    f"{link.name} is a netkit device in L3 mode: its packets carry no Ethernet header, which "
+                    "podmeter's programs parse, so nothing would be counted; not attached (netkit in L2 mode "
+                    "is supported)")
+            attachment = self.attacher.attach(index, link.name)
         except AttachError as error:
             with self._lock:
-                self._errors[name] = str(error)
+                self._errors[link.name] = str(error)
             log.warning("%s", error)
             return
-        log.info("attached to %s (ifindex %d, %s)", name, index, attachment.mode.value)
+        log.info("attached to %s (ifindex %d, %s)", link.name, index, attachment.mode.value)
         with self._lock:
-            self._errors.pop(name, None)
+            self._errors.pop(link.name, None)
             self._attached[index] = attachment
 
     def _forget(self, index: int) -> None:
         with self._lock:
             attachment = self._attached.pop(index)
+            self._routed = {ip: name for ip, name in self._routed.items() if name != attachment.ifname}
+        if self._peers.pop(index, None):
+            self._publish_placements()
         log.info("detached from %s (ifindex %d)", attachment.ifname, index)
+
+    # --- which pod a link serves ----------------------------------------------------------------
+
+    def _read_peers(self, rtnl: Rtnl, indexes: Iterable[int]) -> None:
+        """Read the addresses of the peers of these attached links (a pod's own IPs)."""
+        for index in indexes:
+            link = self._links.get(index)
+            if link is None or link.peer_netnsid is None or link.peer_index is None or link.peer_netnsid < 0:
+                self._peers[index] = frozenset()
+                continue
+            try:
+                self._peers[index] = rtnl.peer_addresses(link.peer_netnsid, link.peer_index)
+            except NetlinkError as error:  # the peer's netns is going away, or a kernel without the filter
+                log.debug("reading the peer addresses of %s: %s", link.name, error)
+                self._peers[index] = frozenset()
+
+    def _publish_placements(self) -> None:
+        placed = {ip: self._attached[index].ifname
+                  for index, ips in self._peers.items() if index in self._attached for ip in ips}
+        with self._lock:
+            self._placed = placed
+
+    def _resolve(self, full: bool) -> None:
+        """Place the IPs unlinked() was asked about: read the peers (on a full pass all, else those never
+        read or empty, and all if an asked IP is still unplaced and the last read is ADDRESS_REFRESH old),
+        then look up the route of every IP still unplaced."""
+        now = time.monotonic()
+        with self._lock:
+            self._resolving = False
+            if full:
+                self._asked = {ip: t for ip, t in self._asked.items() if now - t < ASKED_FOR}
+                targets = set(self._asked) | self._pending
+            else:
+                targets = set(self._pending)
+        try:
+            with Rtnl() as rtnl:
+                attached = set(self._attached)
+                if full:
+                    self._read_peers(rtnl, attached)
+                    self._peers_read = now
+                else:
+                    self._read_peers(rtnl, {i for i in attached if not self._peers.get(i)})
+                    held = {ip for ips in self._peers.values() for ip in ips}
+                    if targets - held and now - self._peers_read >= ADDRESS_REFRESH:
+                        self._read_peers(rtnl, attached)
+                        self._peers_read = now
+                self._publish_placements()
+                held = {ip for index, ips in self._peers.items() if index in self._attached for ip in ips}
+                routed: dict[str, str | None] = {}
+                for ip in targets - held:
+                    oif = rtnl.route_link(ip)
+                    attachment = self._attached.get(oif) if oif is not None else None
+                    routed[ip] = attachment.ifname if attachment is not None else None
+        except (OSError, ValueError) as error:  # report what is known; the next pass tries again
+            log.warning("cannot tell which links the pods' IPs reach: %s", error)
+            return
+        with self._lock:
+            if full:
+                self._routed = routed
+            else:
+                self._routed.update(routed)
+            self._pending -= targets
+            self._resolved_at = time.monotonic()
 
     def _wait_for_pass(self, target: int, timeout: float) -> None:
         with self._lock:

@@ -1,0 +1,330 @@
+"""Any CNI: pod links are found by what they are, not by their names.
+
+A pod link is a veth (or netkit) whose peer lives in another network namespace; the node's other links
+(a veth with both ends on the node, a bridge, an ifb, a dummy, the uplink of a node that is itself a
+container) are left alone. Real namespaces and packets: veth pairs named as AWS VPC CNI, Azure CNI,
+Antrea, OVN-Kubernetes, Calico, Cilium and the bridge plugin name them are attached and count exactly.
+And the other half of "never silently count nothing": which observed pods' IPs reach no attached link,
+from the attach manager and from a real `podmeter agent` (metric and /debug/state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agent_harness import Cluster
+from lab_server import LabServer
+from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath, InterfaceRule
+from podmeter.adapters.datapath.ebpf import links as nl
+from podmeter.adapters.datapath.ebpf.links import LinkInfo, changes
+from podmeter.model.datapath import Direction, Traffic
+from test_bpf_netns import UDP_HEADERS, udp_echo
+from test_bpf_support import Topology, needs_root, run, unique
+from waiting import stop_process, wait_for
+
+pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
+
+Opener = Callable[..., EbpfDatapath]
+
+
+def cni_names() -> dict[str, str]:
+    """How CNIs name the host side of a pod's link (unique to this process, at most 15 characters)."""
+    serial = unique("")  # "<pid>x<n>"
+    digits = "".join(c for c in serial if c.isdigit())
+    return {
+        "aws-vpc-cni": f"eni{digits}"[:15],  # eni + a hash of the pod
+        "azure-cni": f"azv{digits}"[:15],  # azv + a hash of the container
+        "antrea": f"web-{digits}"[:15],  # the pod's name, a dash and a hash
+        "ovn-kubernetes": f"{int(digits):015x}"[-15:],  # the sandbox id's first 15 characters
+        "calico": f"cali{digits}"[:15],
+        "cilium": f"lxc{digits}"[:15],
+        "bridge-plugin": f"veth{digits}"[:15],  # flannel, kindnet...
+    }
+
+
+@pytest.fixture(params=[AttachMode.TCX, AttachMode.TC], ids=["tcx", "tc"])
+def mode(request: pytest.FixtureRequest) -> AttachMode:
+    param: AttachMode = request.param
+    return param
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    wait_for(condition, timeout)
+
+
+@needs_root
+def test_pod_links_named_like_other_cnis_are_attached_and_count_exactly(
+        topology: Topology, open_datapath: Opener, mode: AttachMode) -> None:
+    datapath = open_datapath(64)
+    assert datapath.programs is not None
+    pods = {cni: topology.add_pod(host_veth=name) for cni, name in cni_names().items()}
+    assert datapath.insert([pod.ip for pod in pods.values()]).error is None
+    sizes = [1, 300, 1400]
+    with AttachManager(datapath.programs, mode=mode, netns=topology.host_path) as manager:
+        assert set(manager.attached()) == {pod.host_veth for pod in pods.values()}
+        assert manager.errors == {}
+        for pod in pods.values():
+            udp_echo(topology, pod, sizes)
+    one_round = Traffic(len(sizes), sum(size + UDP_HEADERS for size in sizes))
+    assert datapath.read_counters() == {
+        (pod.ip, direction): one_round for pod in pods.values() for direction in Direction
+    }
+
+
+def add_link(topology: Topology, *args: str) -> bool:
+    """``ip link add`` in the host netns; False when this kernel lacks the kind (no module)."""
+    result = subprocess.run(["ip", "-n", topology.host, "link", "add", *args], capture_output=True, text=True)
+    if result.returncode != 0 and "Unknown device type" in result.stderr:
+        return False
+    assert result.returncode == 0, result.stderr
+    return True
+
+
+@pytest.fixture
+def outside() -> Iterator[str]:
+    """A namespace for the far end of the node's uplink (the host a node container runs on)."""
+    name = unique("pmo")
+    run("ip", "netns", "add", name)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+@needs_root
+def test_links_of_the_node_that_are_not_pod_links_are_left_alone(
+        topology: Topology, open_datapath: Opener, outside: str) -> None:
+    datapath = open_datapath(8)
+    assert datapath.programs is not None
+    pod = topology.add_pod(host_veth=cni_names()["aws-vpc-cni"])
+    add_link(topology, unique("qs"), "type", "veth", "peer", "name", unique("qt"))  # both ends on the node
+    add_link(topology, unique("pmbr"), "type", "bridge")
+    add_link(topology, unique("pmifb"), "type", "ifb")
+    add_link(topology, unique("pmdum"), "type", "dummy")  # where the kernel has dummy devices
+    # A node that is a container (kind, k3d): its eth0 is a veth whose peer is on the machine outside,
+    # and it carries the node's default route: an uplink, not a pod link.
+    uplink = unique("pmup")
+    add_link(topology, uplink, "type", "veth", "peer", "name", "eth0", "netns", outside)
+    for args in (("addr", "add", "10.232.0.2/24", "dev", uplink), ("link", "set", uplink, "up"),
+                 ("route", "add", "default", "via", "10.232.0.1", "dev", uplink)):
+        run("ip", "-n", topology.host, *args)
+    with AttachManager(datapath.programs, netns=topology.host_path, resync_interval=3600) as manager:
+        assert set(manager.attached()) == {pod.host_veth}
+        assert manager.errors == {}
+        run("ip", "-n", topology.host, "route", "del", "default")  # no longer the uplink: a veth to elsewhere
+        manager.sync()
+        assert set(manager.attached()) == {pod.host_veth, uplink}
+
+
+@needs_root
+def test_every_link_of_a_multipath_default_route_is_an_uplink(
+        topology: Topology, open_datapath: Opener, outside: str) -> None:
+    datapath = open_datapath(8)
+    assert datapath.programs is not None
+    pod = topology.add_pod()
+    uplinks = [unique("pmup"), unique("pmup")]
+    for n, name in enumerate(uplinks):
+        add_link(topology, name, "type", "veth", "peer", "name", f"eth{n}", "netns", outside)
+        run("ip", "-n", topology.host, "addr", "add", f"10.233.{n}.2/24", "dev", name)
+        run("ip", "-n", topology.host, "link", "set", name, "up")
+    run("ip", "-n", topology.host, "route", "add", "default", "nexthop", "via", "10.233.0.1", "dev", uplinks[0],
+        "nexthop", "via", "10.233.1.1", "dev", uplinks[1])
+    with AttachManager(datapath.programs, netns=topology.host_path, resync_interval=3600) as manager:
+        assert set(manager.attached()) == {pod.host_veth}
+
+
+@needs_root
+def test_name_patterns_override_the_detection(topology: Topology, open_datapath: Opener) -> None:
+    """``--interface-pattern``: the links whose names match, whatever they are, and no others."""
+    datapath = open_datapath(8)
+    assert datapath.programs is not None
+    names = cni_names()
+    eni, azv = topology.add_pod(host_veth=names["aws-vpc-cni"]), topology.add_pod(host_veth=names["azure-cni"])
+    stray = "eni" + unique("s")
+    add_link(topology, stray, "type", "veth", "peer", "name", unique("qt"))
+    rule = InterfaceRule(patterns=("eni*",))
+    with AttachManager(datapath.programs, rule=rule, netns=topology.host_path) as manager:
+        assert set(manager.attached()) == {eni.host_veth, stray}
+    with AttachManager(datapath.programs, rule=InterfaceRule(explicit=(stray,)), netns=topology.host_path) as manager:
+        assert set(manager.attached()) == {eni.host_veth, azv.host_veth, stray}  # detection plus the name
+
+
+def settled_unlinked(manager: AttachManager, ips: set[str], expected: set[str], timeout: float = 10.0) -> None:
+    wait_for(lambda: manager.unlinked(ips) == expected, timeout, f"unlinked == {sorted(expected)}",
+             lambda: f"unlinked is {sorted(manager.unlinked(ips))}, placed {manager.placed()}")
+
+
+@needs_root
+def test_which_pod_ips_reach_no_attached_link(topology: Topology, open_datapath: Opener) -> None:
+    datapath = open_datapath(8)
+    assert datapath.programs is not None
+    web = topology.add_pod(host_veth=cni_names()["aws-vpc-cni"])
+    db = topology.add_pod(host_veth=cni_names()["antrea"])
+    ghost = "10.99.0.7"  # a pod whose link does not exist: no peer holds it, no route
+    routed = "10.98.0.5"  # no peer holds it, but the node routes it through web's link
+    bridged = "10.97.0.5"  # routed through a link that is not a pod's
+    bridge = unique("pmbr")
+    add_link(topology, bridge, "type", "bridge")
+    run("ip", "-n", topology.host, "addr", "add", "10.97.0.1/24", "dev", bridge)
+    run("ip", "-n", topology.host, "link", "set", bridge, "up")
+    run("ip", "-n", topology.host, "route", "add", f"{routed}/32", "dev", web.host_veth)
+    ips = {web.ip, db.ip, ghost, routed, bridged}
+    with AttachManager(datapath.programs, netns=topology.host_path, resync_interval=3600) as manager:
+        assert manager.placed() == {web.ip: web.host_veth, db.ip: db.host_veth}  # the pods' own addresses
+        assert manager.unlinked(ips) == set()  # not looked at yet: nothing is reported before it is
+        settled_unlinked(manager, ips, {ghost, bridged})
+        run("ip", "-n", topology.host, "link", "del", db.host_veth)  # the pod's link goes
+        settled_unlinked(manager, ips, {ghost, bridged, db.ip})
+
+        # A pod whose address comes after its link was attached (and read): found on a later look.
+        late_ns, late_host, late_ip = unique("pmp"), unique("pml"), "10.96.0.9"
+        run("ip", "netns", "add", late_ns)
+        topology.pods.append(type(web)(late_ns, late_host, late_ip, ""))  # removed with the topology
+        add_link(topology, late_host, "type", "veth", "peer", "name", "eth0", "netns", late_ns)
+        run("ip", "-n", topology.host, "link", "set", late_host, "up")
+        run("ip", "-n", late_ns, "link", "set", "eth0", "up")
+        wait_until(lambda: late_host in manager.attached())
+        settled_unlinked(manager, ips | {late_ip}, {ghost, bridged, db.ip, late_ip})
+        run("ip", "-n", late_ns, "addr", "add", f"{late_ip}/32", "dev", "eth0")
+        settled_unlinked(manager, ips | {late_ip}, {ghost, bridged, db.ip}, timeout=20)
+        assert manager.placed()[late_ip] == late_host
+
+
+# --- netkit (not in every kernel: the parser and the rule against the wire format) --------------------------
+
+
+def attr(kind: int, payload: bytes) -> bytes:
+    length = 4 + len(payload)
+    return struct.pack("=HH", length, kind) + payload + bytes(-length % 4)
+
+
+def newlink(index: int, *attributes: bytes) -> bytes:
+    body = struct.pack("=BBHiII", 0, 0, 1, index, 0, 0) + b"".join(attributes)
+    return struct.pack("=IHHII", 16 + len(body), nl.RTM_NEWLINK, 0, 0, 0) + body
+
+
+def netkit(index: int, name: str, mode: int, primary: bool = True, peer_elsewhere: bool = True) -> bytes:
+    data = attr(nl.IFLA_NETKIT_PRIMARY, bytes([primary])) + attr(nl.IFLA_NETKIT_MODE, struct.pack("=I", mode))
+    info = attr(nl.IFLA_INFO_KIND, b"netkit\0") + attr(nl.IFLA_INFO_DATA | 0x8000, data)  # NLA_F_NESTED
+    peer = [attr(nl.IFLA_LINK_NETNSID, struct.pack("=i", 4)), attr(nl.IFLA_LINK, struct.pack("=i", 2))]
+    return newlink(index, attr(nl.IFLA_IFNAME, name.encode() + b"\0"), attr(nl.IFLA_LINKINFO | 0x8000, info),
+                   *(peer if peer_elsewhere else []))
+
+
+def test_netkit_devices_are_read_from_the_wire() -> None:
+    """The attributes as netkit_fill_info() writes them (include/uapi/linux/if_link.h: PRIMARY 2, MODE 5)."""
+    datagram = netkit(9, "lxc1a2b", nl.NETKIT_L2) + netkit(10, "lxc3c4d", nl.NETKIT_L3) + \
+        netkit(11, "nk-peer", nl.NETKIT_L2, primary=False) + netkit(12, "nk-here", nl.NETKIT_L2, peer_elsewhere=False)
+    found = {c.index: c.link for c in changes(memoryview(datagram))}
+    assert found[9] == LinkInfo("lxc1a2b", "netkit", 4, 2, nl.NETKIT_L2, True)
+    assert found[10] == LinkInfo("lxc3c4d", "netkit", 4, 2, nl.NETKIT_L3, True)
+    rule = InterfaceRule()
+    selected = {index for index, link in found.items() if link is not None and rule.selects(link)}
+    assert selected == {9, 10}  # primaries with their peer elsewhere; not a peer end, not a pair on the node
+
+
+class Untouchable:
+    """Stands for the attacher: an L3 netkit device must be refused before anything is attached."""
+
+    mode = AttachMode.TCX
+
+    def attach(self, ifindex: int, ifname: str) -> None:
+        raise AssertionError("attach called")
+
+
+def test_a_netkit_device_in_l3_mode_is_refused_with_the_reason() -> None:
+    """Its packets carry no Ethernet header, which the programs parse: attached, it would count nothing."""
+    manager = AttachManager.__new__(AttachManager)
+    AttachManager.__init__(manager, programs=None)  # type: ignore[arg-type]
+    manager.attacher = Untouchable()  # type: ignore[assignment]
+    try:
+        manager._attach(10, LinkInfo("lxc3c4d", "netkit", 4, 2, nl.NETKIT_L3, True))
+        assert manager.attached() == {}
+        assert "L3 mode" in manager.errors["lxc3c4d"]
+        assert "Ethernet header" in manager.errors["lxc3c4d"]
+    finally:
+        manager.stop()
+
+
+# --- the agent: pods whose link was not found, as a metric and in /debug/state --------------------------------
+
+
+@pytest.fixture
+def server(topology: Topology) -> Iterator[LabServer]:
+    with topology.in_host():
+        lab = LabServer(process=False)
+        lab.start()
+    try:
+        yield lab
+    finally:
+        lab.stop()
+
+
+def get(topology: Topology, url: str) -> bytes:
+    with topology.in_host():  # loopback of the host netns
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=5) as response:
+            body: bytes = response.read()
+            return body
+
+
+def metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@needs_root
+def test_the_agent_reports_observed_pods_whose_link_was_not_found(
+        topology: Topology, server: LabServer, pin_dir: Path, tmp_path: Path) -> None:
+    web = topology.add_pod(host_veth=cni_names()["aws-vpc-cni"])
+    cluster = Cluster(server)
+    with topology.in_host():
+        cluster.namespace("shop", observe=True)
+        cluster.pod("shop", "web", web.ip)
+        cluster.pod("shop", "ghost", "10.99.0.7")  # observed, but no link leads to it
+        port = free_port(topology)
+    argv = ["nsenter", f"--net={topology.host_path}", "--", sys.executable, "-m", "podmeter", "agent",
+            "--node-name", "node-a", "--datapath", "ebpf", "--bpffs", str(pin_dir), "--filter-map-size", "64",
+            "--listen", f"127.0.0.1:{port}", "--metrics-min-interval", "0.1"]
+    env = {**os.environ, "KUBECONFIG": str(server.kubeconfig)}
+    log_path = tmp_path / "agent.log"
+    with open(log_path, "wb") as log:
+        agent = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def scrape() -> str:
+            try:
+                return get(topology, f"http://127.0.0.1:{port}/metrics").decode()
+            except OSError:
+                return ""
+
+        wait_for(lambda: metric(scrape(), "podmeter_pods_without_link") == 1, 30, "pods_without_link 1",
+                 lambda: log_path.read_text()[-3000:])
+        state = json.loads(get(topology, f"http://127.0.0.1:{port}/debug/state"))
+        assert state["pods_without_link"] == ["shop/ghost"]
+        udp_echo(topology, web, [100])
+        wanted = ('podmeter_pod_bytes_total{', 'namespace="shop"', 'pod="web"', 'direction="egress"')
+        wait_for(lambda: any(all(part in line for part in wanted) and float(line.rsplit(" ", 1)[1]) == 100 + UDP_HEADERS
+                             for line in scrape().splitlines()), 10, "web's traffic counted")
+        with topology.in_host():
+            cluster.delete_pod("shop", "ghost")
+        wait_for(lambda: metric(scrape(), "podmeter_pods_without_link") == 0, 30, "pods_without_link 0")
+    finally:
+        stop_process(agent)
+
+
+def free_port(topology: Topology) -> int:
+    with topology.in_host(), socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
