@@ -1,0 +1,188 @@
+"""`podmeter agent --datapath ebpf` with drops and TCP health, end to end (root): lab API server, a real agent
+process, netns pods, induced drops and loss; /metrics, /debug/flows and `podmeter observe --verdict dropped`.
+And an agent on a kernel without the tracepoint or BTF (simulated): a notice, drops off, ready anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent_harness import Cluster, wait_for
+from lab_server import LabServer
+from test_bpf_drops import lossy_link, nft, routed_pod, send, udp_socket, upload, warm
+from test_bpf_support import Topology, needs_root
+from waiting import stop_process
+
+pytestmark = needs_root
+pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, topology
+
+# Runs the agent with the BTF path or a tracepoint name replaced, as on a kernel that lacks them.
+SIMULATED = {
+    "no-btf": "import podmeter.adapters.datapath.ebpf.btf as btf; btf.VMLINUX = '/nonexistent/vmlinux'",
+    "no-kfree_skb": (
+        "import podmeter.adapters.datapath.ebpf.drops as d; _open = d.DropTracer.open.__func__; "
+        "d.DropTracer.open = classmethod(lambda cls, *a, **k: _open(cls, *a, **{**k, 'tracepoints': "
+        "{'kfree_skb': 'kfree_skb_gone'}}))"),
+}
+
+
+@pytest.fixture
+def server(topology: Topology) -> Iterator[LabServer]:
+    with topology.in_host():
+        lab = LabServer(process=False)
+        lab.start()
+    try:
+        yield lab
+    finally:
+        lab.stop()
+
+
+class Agent:
+    """One `podmeter agent` process in the topology's host netns."""
+
+    def __init__(self, topology: Topology, server: LabServer, pins: Path, log: Path, simulate: str | None = None):
+        self.topology, self.log_path = topology, log
+        with topology.in_host(), socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        python = [sys.executable, "-c", f"{SIMULATED[simulate]}\nfrom podmeter.cli.main import main\n"
+                  "raise SystemExit(main())"] if simulate else [sys.executable, "-m", "podmeter"]
+        argv = ["nsenter", f"--net={topology.host_path}", "--", *python, "agent", "--node-name", "node-a",
+                "--datapath", "ebpf", "--bpffs", str(pins), "--filter-map-size", "64", "--listen",
+                f"127.0.0.1:{self.port}", "--flow-interval", "0.3", "--series-grace", "1",
+                "--metrics-min-interval", "0"]
+        env = {**os.environ, "KUBECONFIG": str(server.kubeconfig)}
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def get(self, path: str) -> tuple[int, str]:
+        with self.topology.in_host():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as response:
+                    return response.status, response.read().decode()
+            except OSError as error:
+                return getattr(error, "code", 0), str(error)
+
+    def metric(self, pattern: str) -> int | None:
+        """The value of the first sample matching ``pattern`` (a regex over the sample's name and labels)."""
+        status, text = self.get("/metrics")
+        if status != 200:
+            return None
+        for line in text.splitlines():
+            if not line.startswith("#") and re.match(pattern + r" ", line):
+                return int(float(line.rsplit(" ", 1)[1]))
+        return None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+def test_induced_drops_and_loss_reach_metrics_records_and_observe(
+        topology: Topology, server: LabServer, pin_dir: Path, tmp_path: Path) -> None:
+    web, client, quiet = routed_pod(topology, None), routed_pod(topology, None), routed_pod(topology, None)
+    cluster = Cluster(server)
+    with topology.in_host():
+        cluster.namespace("shop", observe=True)
+        cluster.namespace("quiet")
+        cluster.pod("shop", "web", web.ip)
+        cluster.pod("shop", "client", client.ip)
+        cluster.pod("quiet", "other", quiet.ip)
+    agent = Agent(topology, server, pin_dir, tmp_path / "agent.log")
+    try:
+        wait_for(lambda: agent.get("/readyz")[0] == 200, 30, "agent ready", agent.log)
+        wait_for(lambda: agent.metric('podmeter_drop_tracing_enabled{hook="kfree_skb"}') == 1, 10, "drops on",
+                 agent.log)
+        wait_for(lambda: client.ip in json.loads(agent.get("/debug/state")[1])["filter"]["actual"], 10, "filter")
+        warm(client, web)
+        warm(quiet, web)
+        nft(web, "in udp dport 9998 drop")
+        with udp_socket(client) as sock:
+            send(sock, (web.ip, 9998), 6)
+        with udp_socket(quiet) as sock:
+            send(sock, (web.ip, 9998), 4)  # from an unobserved pod: counted for web only
+
+        web_in = 'podmeter_pod_drops_total{namespace="shop",pod="web",direction="ingress",reason="NETFILTER_DROP"}'
+        client_out = ('podmeter_pod_drops_total{namespace="shop",pod="client",direction="egress",'
+                      'reason="NETFILTER_DROP"}')
+        wait_for(lambda: agent.metric(re.escape(web_in)) == 10, 10, "web's drops", agent.log)
+        assert agent.metric(re.escape(client_out)) == 6
+        assert agent.metric(r'podmeter_pod_drops_total\{namespace="quiet"[^}]*\}') is None
+
+        # Loss on the client's link: the client retransmits, the web pod does not.
+        lossy_link(topology, client, "meta l4proto tcp ip length > 100 numgen random mod 4 0 drop")
+        client_port, web_port = upload(client, web, 2_000_000)
+        wait_for(lambda: (agent.metric(r'podmeter_pod_tcp_retransmits_total\{namespace="shop",pod="client"\}') or 0)
+                 > 0, 10, "client retransmits", agent.log)
+        assert agent.metric(r'podmeter_pod_tcp_retransmits_total\{namespace="shop",pod="web"\}') == 0
+
+        records = [json.loads(line) for line in agent.get("/debug/flows?last=100000")[1].splitlines()]
+        dropped = [r for r in records if r["verdict"] == "dropped" and r["destination"]["port"] == 9998]
+        assert sum(r["packets"] for r in dropped) == 10
+        assert {(r["source"]["pod"], r["destination"]["pod"], r["drop_reason"], r["observation"]) for r in dropped} == {
+            ("client", "web", "NETFILTER_DROP", "from-pod"), ("other", "web", "NETFILTER_DROP", "to-pod")}
+        retransmitted = [r for r in records if r["verdict"] == "forwarded" and r["protocol"] == "TCP"
+                         and r["source"]["port"] == client_port and r["destination"]["port"] == web_port]
+        assert sum(r["tcp_retransmits"] for r in retransmitted) > 0
+        assert {r["observation"] for r in retransmitted if r["tcp_retransmits"]} == {"from-pod"}
+
+        observe = subprocess.run(
+            ["nsenter", f"--net={topology.host_path}", "--", sys.executable, "-m", "podmeter", "observe", "--server",
+             f"127.0.0.1:{agent.port}", "--verdict", "dropped", "--last", "1000", "--port", "9998", "-o", "json"],
+            capture_output=True, text=True, timeout=30, check=True)
+        shown = [json.loads(line) for line in observe.stdout.splitlines()]
+        assert shown and all(r["verdict"] == "dropped" and r["drop_reason"] == "NETFILTER_DROP" for r in shown)
+        assert sum(r["packets"] for r in shown) == 10
+
+        with topology.in_host():  # the pod goes: its series go after the grace
+            cluster.delete_pod("shop", "web")
+        wait_for(lambda: agent.metric(re.escape(web_in)) is None, 10, "web's series gone", agent.log)
+        assert agent.metric(re.escape('podmeter_node_drops_total{direction="ingress",reason="NETFILTER_DROP"}')) >= 10
+    finally:
+        agent.stop()
+
+
+@pytest.mark.parametrize("simulate", ["no-btf", "no-kfree_skb"])
+def test_a_kernel_without_the_tracepoint_or_btf_gets_a_notice_and_an_agent_without_drops(
+        topology: Topology, server: LabServer, pin_dir: Path, tmp_path: Path, simulate: str) -> None:
+    web = routed_pod(topology, None)
+    cluster = Cluster(server)
+    with topology.in_host():
+        cluster.namespace("shop", observe=True)
+        cluster.pod("shop", "web", web.ip)
+    agent = Agent(topology, server, pin_dir, tmp_path / "agent.log", simulate)
+    try:
+        wait_for(lambda: agent.get("/readyz")[0] == 200, 30, "agent ready", agent.log)
+        assert agent.metric('podmeter_drop_tracing_enabled{hook="kfree_skb"}') == 0
+        tcp_on = 0 if simulate == "no-btf" else 1
+        assert agent.metric('podmeter_drop_tracing_enabled{hook="tcp_retransmit_skb"}') == tcp_on
+        log = agent.log()
+        if simulate == "no-btf":
+            assert "drops and TCP health are off, the agent runs without them: cannot read the kernel's BTF at " \
+                   "/nonexistent/vmlinux" in log
+        else:
+            assert "tracepoint skb:kfree_skb_gone is not in this kernel" in log
+        nft(web, "in udp dport 9998 drop")
+        with topology.in_host():
+            host = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with host:
+            send(host, (web.ip, 9998), 3)
+        received = r'podmeter_pod_packets_total\{namespace="shop",pod="web",direction="ingress"[^}]*\}'
+        wait_for(lambda: (agent.metric(received) or 0) >= 3, 10, "traffic still counted", agent.log)
+        assert agent.metric(r"podmeter_pod_drops_total\{[^}]*\}") is None
+        assert agent.proc.poll() is None
+    finally:
+        agent.stop()
+    assert agent.proc.returncode == 0, agent.log()
