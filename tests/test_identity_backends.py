@@ -45,8 +45,9 @@ async def test_memory_backend_lowest_free_and_idempotent() -> None:
 def test_parse_endpoint() -> None:
     assert parse_endpoint("http://127.0.0.1:2379") == ("127.0.0.1", 2379)
     assert parse_endpoint("etcd:4001") == ("etcd", 4001)
-    with pytest.raises(ValueError, match="TLS"):
-        parse_endpoint("https://etcd:2379")
+    assert parse_endpoint("https://etcd:2379") == ("etcd", 2379)  # TLS: tests/test_identity_etcd_tls.py
+    with pytest.raises(ValueError, match="expected https://HOST:PORT"):
+        parse_endpoint("ftp://etcd:2379")
 
 
 @pytest.fixture
@@ -225,14 +226,16 @@ async def test_bad_entries_in_the_store_are_counted_and_skipped(
     await a._client.put(b"/podmeter/identities/key/garbage", b"not-a-number")
     assert await a.acquire(key(1)) == 256
     assert await a.identities() == {256: key(1)}
-    assert a.bad_entries >= 1
+    assert a.store_corrupt() == {"bad_key": 1}
 
 
-
-async def test_a_corrupt_master_is_a_clear_error(backends: Callable[..., EtcdIdentityBackend]) -> None:
+async def test_a_corrupt_master_is_repaired_not_a_key_pending_forever(
+    backends: Callable[..., EtcdIdentityBackend],
+) -> None:
     a = backends(owner="a")
     await a.start()
     await a._client.put(b"/podmeter/identities/key/" + key(1).encode().encode(), b"oops")
-    with pytest.raises(IdentityBackendError, match="holds no ID"):
-        await a.acquire(key(1))
-    assert await a.acquire(key(2)) == 256  # other keys are unaffected
+    assert await a.acquire(key(1)) == 256  # the corrupt master is removed and the key gets a sound ID
+    assert await a.acquire(key(2)) == 257  # other keys are unaffected
+    assert a.store_corrupt() == {"not_a_number": 1}
+    assert await a.identities() == {256: key(1), 257: key(2)}

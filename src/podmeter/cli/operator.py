@@ -18,6 +18,7 @@ from podmeter.adapters.http import parse_listen
 from podmeter.adapters.http import serve as serve_http
 from podmeter.adapters.identity.base import IdentityBackend
 from podmeter.adapters.identity.etcd import EtcdIdentityBackend
+from podmeter.adapters.identity.etcd_access import EtcdAccess
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
 from podmeter.adapters.kube.connection import Connection, ConnectionConfigError, load_connection
 from podmeter.adapters.kube.lease import KubeLeaseStore
@@ -40,6 +41,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--identity-backend", choices=("memory", "etcd"), default="memory")
     p.add_argument("--etcd-endpoints", default="http://127.0.0.1:2379", help="comma-separated URLs")
     p.add_argument("--etcd-lease-ttl", type=int, default=10, help="seconds a dead operator's references live")
+    p.add_argument("--etcd-cacert", default="", metavar="FILE",
+                   help="CA bundle that signed the etcd servers' certificates (default: the system's CAs)")
+    p.add_argument("--etcd-cert", default="", metavar="FILE", help="client certificate for etcd (PEM)")
+    p.add_argument("--etcd-key", default="", metavar="FILE", help="the client certificate's private key (PEM)")
+    p.add_argument("--etcd-username", default="", help="etcd user (needs https endpoints)")
+    p.add_argument("--etcd-password-file", default="", metavar="FILE", help="file holding the etcd user's password")
     p.add_argument("--identity-range", default="256-65535", help="FIRST-LAST (inclusive)")
     p.add_argument("--exclude-labels", default="",
                    help="comma-separated label keys (or prefixes ending in *) left out of identities, "
@@ -90,9 +97,25 @@ def make_backend(args: argparse.Namespace) -> IdentityBackend:
     first, last = parse_range(args.identity_range)
     if args.identity_backend == "memory":
         return MemoryIdentityBackend(first, last)
-    endpoints = [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()]
-    return EtcdIdentityBackend(endpoints, lease_ttl=args.etcd_lease_ttl, first=first, last=last,
-                               owner=args.holder_identity or None)
+    return EtcdIdentityBackend(etcd_endpoints(args), lease_ttl=args.etcd_lease_ttl, first=first, last=last,
+                               owner=args.holder_identity or None, access=etcd_access(args))
+
+
+def etcd_endpoints(args: argparse.Namespace) -> list[str]:
+    return [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()]
+
+
+def etcd_access(args: argparse.Namespace) -> EtcdAccess:
+    return EtcdAccess(cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key,
+                      username=args.etcd_username, password_file=args.etcd_password_file)
+
+
+def check_etcd(args: argparse.Namespace) -> None:
+    """The etcd options agree with each other and their files are readable: EtcdAccessError otherwise.
+    (The files are read again at every connection, so a rotated Secret is picked up.)"""
+    access = etcd_access(args)
+    access.endpoints(etcd_endpoints(args))
+    access.load()
 
 
 def kube_client(connection: Connection) -> Any:
@@ -155,6 +178,8 @@ def _run(args: argparse.Namespace) -> int:
         label_filter(args)
         if not args.retry_period < args.renew_deadline < args.lease_duration:
             raise ValueError("need --retry-period < --renew-deadline < --lease-duration")
+        if args.identity_backend == "etcd":
+            check_etcd(args)  # an EtcdAccessError is a ValueError
     except (argparse.ArgumentTypeError, ValueError) as exc:
         print(f"podmeter operator: {exc}")
         return 2

@@ -40,6 +40,10 @@ class IdentityBackend(Protocol):
 
     def held(self) -> Mapping[IdentityKey, int]: ...
 
+    def store_corrupt(self) -> Mapping[str, int]:
+        """Corrupt store entries found so far, by kind (counted once per entry; never used)."""
+        ...
+
     async def identities(self) -> dict[int, IdentityKey]:
         """Every ID allocated in the store (all operators), with its key."""
         ...

@@ -47,6 +47,9 @@ class MemoryIdentityBackend:
     def held(self) -> Mapping[IdentityKey, int]:
         return self._ids
 
+    def store_corrupt(self) -> Mapping[str, int]:
+        return {}  # nothing is read back: there is nothing to find corrupt
+
     async def identities(self) -> dict[int, IdentityKey]:
         return {ident: key for key, ident in self._ids.items()}
 

@@ -30,6 +30,7 @@ class OperatorSnapshot:
     released: int = 0
     gc_released: int = 0
     store_gc_removed: int = 0
+    store_corrupt: Mapping[str, int] = field(default_factory=dict)  # kind (etcd_audit.KINDS)
     errors: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (op, reason)
     drift_repaired: Mapping[str, int] = field(default_factory=dict)  # kind
     watch_events: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (resource, type)
@@ -64,6 +65,8 @@ class OperatorStateCollector(Collector):
                       value=s.gc_released)
         yield counter("podmeter_identity_store_gc_removed", "Unreferenced IDs removed from the store.",
                       value=s.store_gc_removed)
+        yield counter("podmeter_identity_store_corrupt", "Corrupt identity store entries found (never used).",
+                      ("kind",), by_one(s.store_corrupt))
         yield counter("podmeter_identity_errors", "Identity operations that failed.", ("op", "reason"), s.errors)
         yield counter("podmeter_drift_repaired", "Differences a periodic resync repaired.", ("kind",),
                       by_one(s.drift_repaired))
