@@ -259,3 +259,37 @@ def test_a_to_pod_record_from_another_node_counts() -> None:
 
 def test_flow_end_equality_is_by_value() -> None:
     assert FlowEnd("10.0.0.1", 1) == FlowEnd("10.0.0.1", 1)
+
+
+def test_a_predecessors_flows_are_never_credited_to_the_pods_of_the_first_list() -> None:
+    """Found by the lab: A sent, the agent died, A went and A' got its IP, a new agent started."""
+    dp = MemoryDatapath()
+    dp.entries.add("10.0.0.7")  # the predecessor's pinned filter
+    dp.record_flow(key("10.0.0.7", "1.1.1.1"), 25, 2500, time.monotonic_ns())  # A's packets
+    agent = Agent(AgentSettings(node_name="node-a"), connection=None, datapath=dp, flows=dp)  # type: ignore[arg-type]
+    successor = make_pod("a-prime", ips=("10.0.0.7",), observe=True)
+    agent.apply_batch([Replace(PODS, [successor]), Replace(NAMESPACES, []), Replace(CONFIGURATIONS, [])])
+    agent.apply_batch([Tick.DRAIN])
+    assert sent_by(agent) == {}  # not A's packets credited to A'
+    (record,) = [r for _, r in agent.flow_feed.ring.after(0)]
+    assert record.source.endpoint is None and record.packets == 25  # kept, as world
+    assert agent.flows is not None and agent.flows.stats.unnamed == 1
+
+
+def test_a_failed_drain_before_a_change_of_hands_names_the_next_drain_world() -> None:
+    dp = MemoryDatapath()
+    agent = agent_with(dp)
+    old = make_pod("old", ips=("10.0.0.7",), observe=True)
+    agent.apply_batch([Upsert(PODS, old)])
+    dp.record_flow(key("10.0.0.7", "1.1.1.1"), 5, 500, time.monotonic_ns())
+    real_drain = dp.drain_flows
+
+    def failing() -> list[object]:
+        raise OSError("EIO")
+
+    dp.drain_flows = failing  # type: ignore[method-assign,assignment]
+    agent.apply_batch([Delete(PODS, old.uid), Upsert(PODS, make_pod("new", ips=("10.0.0.7",), observe=True))])
+    dp.drain_flows = real_drain  # type: ignore[method-assign]
+    agent.apply_batch([Tick.DRAIN])
+    assert sent_by(agent) == {}  # neither old nor new: unknown, so world
+    assert agent.flows is not None and agent.flows.stats.errors == 1 and agent.flows.stats.unnamed == 1

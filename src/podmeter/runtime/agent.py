@@ -151,7 +151,7 @@ class Agent:
         interest = self.view.interest
         if (self.flows is not None or self.drops is not None) and self.ready.is_set() and any(
                 not isinstance(item, Tick) and self.view.renames(item) for item in items):
-            self._drain()  # named as the view is, before anyone changes hands
+            self._drain(before_change=True)  # named as the view is, before anyone changes hands
         for item in items:
             self._apply(item)
         if self.view.interest != interest:
@@ -181,12 +181,14 @@ class Agent:
             if isinstance(item, Replace):
                 self.synced.add(item.collection)
 
-    def _drain(self) -> None:
-        """Drops first: the retransmits they hold go on the records of the flow drain that follows."""
+    def _drain(self, before_change: bool = False) -> None:
+        """Drops first: the retransmits they hold go on the records of the flow drain that follows. A drain
+        that fails before a change of hands leaves entries whose holders are unknown: the next one names
+        them world (never the next holder)."""
         if self.drops is not None:
             self.drops.drain(self.view.pods.values())
-        if self.flows is not None:
-            self.flows.drain(self.view.pods.values())
+        if self.flows is not None and not self.flows.drain(self.view.pods.values()) and before_change:
+            self.flows.owed = True
 
     def _push(self) -> None:
         if not self.ready.is_set():
@@ -194,6 +196,8 @@ class Agent:
                 return
             if self.drops is not None:  # what was counted before anyone owned an IP: node totals only
                 self.drops.drain(self.view.pods.values())
+            if self.flows is not None:  # a predecessor's entries: who held the IPs then is unknown
+                self.flows.drain((), named=False)
             self._resync()  # the first push: adopt or clean what a predecessor pinned
             self.ready.set()
             log.info("ready: %d pods, %d desired IPs", len(self.view.pods), len(self.view.desired))
@@ -274,7 +278,7 @@ class Agent:
             drains=d.drains, drain_errors=d.errors, entries=d.entries, last_drain_entries=d.last_entries,
             last_drain_seconds=d.last_seconds, series=len(self.workload_flows.pairs),
             series_folded=self.workload_flows.folded, followers=feed.followers,
-            followers_cut_off=feed.slow_followers, buffer_dropped=feed.ring.dropped,
+            followers_cut_off=feed.slow_followers, buffer_dropped=feed.ring.dropped, unnamed=d.unnamed,
         )
 
     def debug_state(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ class DrainStats:
     errors: int = 0
     last_entries: int = 0
     last_seconds: float = 0.0
+    unnamed: int = 0  # entries named world because their holders could not be known
 
 
 class FlowDrainer:
@@ -51,20 +52,30 @@ class FlowDrainer:
         self.others = list(others)
         self.annotate = annotate  # e.g. the drop drainer's retransmits (runtime.drop_drain)
         self.stats = DrainStats()
+        # True when addresses changed hands without a drain before (it failed): who held an IP while the
+        # entries now in the kernel were counted is unknown, so the next drain names every end world.
+        self.owed = False
 
-    def drain(self, pods: Iterable[Pod]) -> int:
-        """One drain, named with ``pods`` (the store as it is now); how many entries it took."""
+    def drain(self, pods: Iterable[Pod], *, named: bool = True) -> bool:
+        """One drain, named with ``pods`` (the store as it is now), or every end ``world`` (``named``
+        False: entries whose holders podmeter cannot know, e.g. a predecessor's); False if it failed."""
         started = time.perf_counter()
         try:
             entries = self.source.drain_flows()
         except Exception as exc:  # a kernel error: count it, keep the agent running, try next interval
             self.stats.errors += 1
             log.warning("flow drain failed (will retry next interval): %s: %s", type(exc).__name__, exc)
-            return 0
+            return False
         self.stats.drains += 1
+        if self.owed:
+            named, self.owed = False, False
         if entries:
-            published = self.others[0] if self.others else None
-            names = ChainedNames(AddressBook(pods, published), *self.others)
+            if named:
+                published = self.others[0] if self.others else None
+                names: Names = ChainedNames(AddressBook(pods, published), *self.others)
+            else:
+                names = ChainedNames(AddressBook(()))
+                self.stats.unnamed += len(entries)
             wall_offset = time.time() - time.monotonic()  # the kernel stamps CLOCK_MONOTONIC nanoseconds
             records = name_flows(entries, names, self.node, wall_offset)
             if self.annotate is not None:
@@ -74,4 +85,4 @@ class FlowDrainer:
         self.stats.entries += len(entries)
         self.stats.last_entries = len(entries)
         self.stats.last_seconds = time.perf_counter() - started
-        return len(entries)
+        return True

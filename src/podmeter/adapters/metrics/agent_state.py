@@ -55,6 +55,7 @@ class FlowSnapshot:
     followers: int = 0
     followers_cut_off: int = 0
     buffer_dropped: int = 0  # records that fell out of the ring of recent flows
+    unnamed: int = 0  # entries named world because who held their IPs when counted cannot be known
 
 
 class AgentStateCollector(Collector):
@@ -98,6 +99,9 @@ def flow_families(f: FlowSnapshot) -> Iterator[Metric]:
     yield counter("podmeter_flow_drains", "Drains of the kernel flow map.", value=f.drains)
     yield counter("podmeter_flow_drain_errors", "Drains of the kernel flow map that failed.", value=f.drain_errors)
     yield counter("podmeter_flow_entries_drained", "Flow entries drained from the kernel.", value=f.entries)
+    yield counter("podmeter_flow_entries_unnamed", "Flow entries named world: who held their IPs when they were "
+                  "counted cannot be known (a predecessor's, or a drain that failed before a change).",
+                  value=f.unnamed)
     yield gauge("podmeter_flow_last_drain_entries", "Entries the last drain took.", f.last_drain_entries)
     yield gauge("podmeter_flow_last_drain_seconds", "How long the last drain took, naming included.",
                 f.last_drain_seconds)
