@@ -16,6 +16,7 @@ import resource
 import stat
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -503,6 +504,39 @@ async def test_tls_accepts_a_client_certificate_of_the_ca_and_refuses_others(cer
                 with pytest.raises(grpc.aio.AioRpcError) as error:
                     await refused.flows(number=10, timeout=5)
                 assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(0)
+
+
+async def test_rotated_tls_files_are_used_by_new_connections_without_a_restart(tmp_path: Path) -> None:
+    first, second = make_certificates(tmp_path / "first"), make_certificates(tmp_path / "second")
+    live = tmp_path / "live"
+    live.mkdir()
+    files = {name: live / f"{name}.pem" for name in ("cert", "key", "ca")}
+
+    def install(certificates: Certificates) -> None:
+        for name, source in (("cert", certificates.server_cert), ("key", certificates.server_key),
+                             ("ca", certificates.ca)):
+            files[name].write_bytes(source.read_bytes())
+            os.utime(files[name], ns=(time.time_ns(), time.time_ns()))
+
+    install(first)
+    config = hubble_config("127.0.0.1:0", str(files["cert"]), str(files["key"]), str(files["ca"]))
+    assert config is not None
+    feed = FlowFeed(10)
+    feed.publish(records(2))
+    server = HubbleServer(feed, "node-a", config.address, tls=config.tls)
+    await server.start()
+    target = f"127.0.0.1:{server.port}"
+    try:
+        async with Client(target, first) as client:
+            assert len(await client.flows(number=10)) == 2
+        install(second)  # as cert-manager or a Secret update would
+        async with Client(target, second) as client:
+            assert len(await client.flows(number=10)) == 2
+        async with Client(target, first) as old:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await old.flows(number=10, timeout=5)
     finally:
         await server.stop(0)
 
