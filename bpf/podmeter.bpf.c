@@ -8,8 +8,10 @@
  * verdict, so tc filters of other tools after them keep running (under TCX, TC_ACT_OK would stop them).
  *
  * Flows: every parsed packet with at least one observed end (source or destination in `filter`) is also
- * added to its entry in `flows` (addresses, ports, protocol, observation point), which userspace drains
- * (reads and deletes) every interval. A packet that finds `flows` full is counted in `flows_lost`.
+ * added to its entry (addresses, ports, protocol, observation point) in the active flows map, `flows_a`
+ * or `flows_b`, whichever the one-slot map-in-map `flows` points to. To drain, userspace flips the slot
+ * and, once the kernel has waited for running programs, reads and clears the other map. A packet that
+ * finds the active map full is counted in `flows_lost`.
  * Built with -DPM_NO_FLOWS (podmeter_noflows.bpf.c, the benchmark's reference) the programs only count.
  *
  * Map layouts are documented in docs/datapath.md; userspace encodes the same structs in
@@ -86,15 +88,41 @@ struct flows_lost_value {
 	__u64 bytes;
 };
 
-/* Preallocated (about 128 bytes per max_entries, whatever the CPU count): inserts take a free element, and
- * the drain's batched lookup-and-delete returns elements to the free list, three times faster than freeing
- * them (BPF_F_NO_PREALLOC) for 100,000 entries. */
-struct {
+/* The flows are double-buffered: two identical hash maps, `flows_a` and `flows_b`, and `flows`, an
+ * ARRAY_OF_MAPS of one slot holding the active one. The programs look the active map up once per packet
+ * (an array lookup the verifier inlines: no helper call) and add to it. To drain, userspace points the
+ * slot at the other map; that syscall returns only after an RCU grace period (the kernel's
+ * maybe_wait_bpf_programs() after every map-in-map update), and each program run is one RCU read-side
+ * critical section that looks the slot up once, so when it returns no program can still hold the old
+ * map. Userspace then reads and clears the old map at leisure: no packet can land in it any more, and
+ * none lands between two drains (the loss of deleting an entry while another CPU adds to it, which a
+ * single map has, cannot happen). A tiny index map choosing between two statically referenced maps would
+ * need a grace period of userspace's own (an ARRAY update waits for nothing) and makes one helper call
+ * site see two maps (the verifier then stops inlining it). See docs/datapath.md.
+ *
+ * Each map is preallocated (about 144 bytes per max_entries, whatever the CPU count): inserts take a free
+ * element, and the drain's batched lookup-and-delete returns elements to the free list, three times
+ * faster than freeing them (BPF_F_NO_PREALLOC) for 100,000 entries. */
+struct flows_map {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1024); /* set by the loader (flow_size) */
 	__type(key, struct flow_key);
 	__type(value, struct flow_value);
-} flows SEC(".maps");
+};
+
+struct flows_map flows_a SEC(".maps"), flows_b SEC(".maps");
+
+/* Slot 0: the map the programs add to. libbpf sets it to flows_a when it creates the map; a pinned one
+ * keeps its slot, which userspace checks after the load (empty: packets would go to flows_lost). For a
+ * hash map the kernel checks an inner map's type, key and value sizes and flags, not max_entries. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__array(values, struct flows_map);
+} flows SEC(".maps") = {
+	.values = { [0] = &flows_a },
+};
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -174,12 +202,14 @@ static __always_inline void pm_flow_add(struct flow_value *value, __u64 len, __u
 		__sync_fetch_and_or(&value->tcp_flags, (__u64)tcp_flags);
 }
 
-/* Add one packet to its flow entry; a packet that finds the map full is counted in flows_lost. */
+/* Add one packet to its flow entry in the active flows map; a packet that finds it full (or no active
+ * map) is counted in flows_lost. */
 static __always_inline void pm_flow(struct __sk_buff *skb, const struct pm_packet *pkt, __u8 observation)
 {
 	struct flow_key key;
 	struct flow_value *value;
 	struct flows_lost_value *lost;
+	void *active;
 	__u64 now = bpf_ktime_get_coarse_ns();
 	__u32 zero = 0;
 	long err;
@@ -193,7 +223,12 @@ static __always_inline void pm_flow(struct __sk_buff *skb, const struct pm_packe
 	key.pad[0] = 0;
 	key.pad[1] = 0;
 
-	value = bpf_map_lookup_elem(&flows, &key);
+	/* Looked up once: everything below goes to the same map, even if userspace flips the slot meanwhile
+	 * (it then waits for this run to end before reading that map). */
+	active = bpf_map_lookup_elem(&flows, &zero);
+	if (!active)
+		goto lost;
+	value = bpf_map_lookup_elem(active, &key);
 	if (value) {
 		pm_flow_add(value, skb->len, now, pkt->tcp_flags);
 		return;
@@ -207,19 +242,19 @@ static __always_inline void pm_flow(struct __sk_buff *skb, const struct pm_packe
 			.tcp_flags = pkt->tcp_flags,
 		};
 
-		err = bpf_map_update_elem(&flows, &key, &first, BPF_NOEXIST);
+		err = bpf_map_update_elem(active, &key, &first, BPF_NOEXIST);
 	}
 	if (err == 0)
 		return;
 	if (err == -PM_EEXIST) { /* another CPU created it meanwhile */
-		value = bpf_map_lookup_elem(&flows, &key);
+		value = bpf_map_lookup_elem(active, &key);
 		if (value) {
 			pm_flow_add(value, skb->len, now, pkt->tcp_flags);
 			return;
 		}
 	}
-	/* E2BIG: the map is full until the next drain (or, rarely, a drain took the entry another CPU had
-	 * just created). Never silent: */
+	/* E2BIG: the map is full until the next drain. Never silent: */
+lost:
 	lost = bpf_map_lookup_elem(&flows_lost, &zero);
 	if (lost) {
 		lost->packets += 1; /* per-CPU slot, preemption off: plain adds are race-free */

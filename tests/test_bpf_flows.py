@@ -8,11 +8,13 @@ UDP, TCP and ICMP flows at both observation points against what was sent or an A
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import ipaddress
 import json
 import logging
+import os
 import shutil
 import socket
 import struct
@@ -30,9 +32,10 @@ from hypothesis import strategies as st
 
 from podmeter.adapters.datapath.ebpf import EbpfDatapath, layout
 from podmeter.adapters.datapath.ebpf import frames as f
+from podmeter.adapters.datapath.ebpf.datapath import FlowMaps
 from podmeter.adapters.datapath.ebpf.libbpf import libbpf
 from podmeter.adapters.datapath.ebpf.loader import Program
-from podmeter.adapters.datapath.ebpf.maps import ENOTSUPP
+from podmeter.adapters.datapath.ebpf.maps import ENOTSUPP, BpfMap
 from podmeter.adapters.datapath.ebpf.netns import netns
 from podmeter.model.datapath import Direction, Traffic
 from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, FlowCounts, FlowEntry, FlowKey, Observation
@@ -366,35 +369,78 @@ def test_a_hundred_drains_interleaved_with_packets_lose_and_double_nothing(datap
     assert len(sent) == 20
 
 
-def test_drains_concurrent_with_traffic_never_double_count(datapath: EbpfDatapath) -> None:
-    """Packets on another CPU while the drain runs: every drained packet was sent, none twice. (One in
-    flight at the instant its entry is deleted can be missed: see docs/datapath.md.)"""
-    from_pod, _ = programs(datapath)
-    frames = [udp(POD_V4, PEER_V4, 40000 + n, 53, 10) for n in range(8)]
-    sent = [0] * len(frames)
-    stop = threading.Event()
+STRESS_FLOWS, STRESS_DRAINS, STRESS_BURST = 8, 300, 2000
 
-    def traffic() -> None:  # ctypes releases the GIL: the test runs execute on the other CPU
+
+def test_drains_under_hot_traffic_on_the_other_cpu_count_every_packet_exactly_once(datapath: EbpfDatapath) -> None:
+    """The case a single flows map loses (0.35 % of packets for 8 hot flows and 2,000 drains: a packet
+    added at the instant the drain deletes its entry): 8 flows hammered through BPF_PROG_TEST_RUN on the
+    other CPU while the main thread drains back to back. With the double buffer every packet sent is in
+    exactly one drain: the totals are exact, packets and bytes."""
+    from_pod, _ = programs(datapath)
+    frames = [udp(POD_V4, PEER_V4, 40000 + n, 53, 10 + n) for n in range(STRESS_FLOWS)]
+    sent = [0] * STRESS_FLOWS
+    stop = threading.Event()
+    cpus = sorted(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+
+    def traffic() -> None:  # ctypes releases the GIL: the test runs execute while the main thread drains
+        if len(cpus) > 1:
+            os.sched_setaffinity(0, {cpus[1]})  # this thread only: the other CPU
         while not stop.is_set():
             for n, frame in enumerate(frames):
-                send(from_pod, frame, 2000)
-                sent[n] += 2000
+                send(from_pod, frame, STRESS_BURST)
+                sent[n] += STRESS_BURST
 
     drained: Totals = {}
+    busy_drains = 0
     worker = threading.Thread(target=traffic)
+    if len(cpus) > 1:
+        os.sched_setaffinity(0, {cpus[0]})
     worker.start()
     try:
-        for _ in range(200):
-            add(drained, datapath.drain_flows())
+        for _ in range(STRESS_DRAINS):
+            entries = datapath.drain_flows()
+            busy_drains += bool(entries)
+            add(drained, entries)
     finally:
         stop.set()
         worker.join()
+        os.sched_setaffinity(0, mine)
     add(drained, datapath.drain_flows())
-    for n in range(len(frames)):
-        packets = drained[key(POD_V4, PEER_V4, 40000 + n, 53, UDP, FROM)][0]
-        assert packets <= sent[n]
-        assert packets >= sent[n] - 200  # at most one missed per drain and flow, in practice ~none
+    assert busy_drains > STRESS_DRAINS // 2  # the drains did race the traffic
+    assert drained == {key(POD_V4, PEER_V4, 40000 + n, 53, UDP, FROM): (sent[n], sent[n] * len(frames[n]), 0)
+                       for n in range(STRESS_FLOWS)}
+    assert sum(sent) >= STRESS_DRAINS * STRESS_BURST
     assert datapath.read_counters()[(POD_V4, Direction.EGRESS)].packets == sum(sent)
+    assert datapath.flows_lost() == 0
+
+
+def active_name(dp: EbpfDatapath) -> str:
+    """Which flows map the programs add to now (the slot of ``flows``, read from the kernel)."""
+    assert dp.flows_map is not None
+    return dp.flows_map.name
+
+
+def flow_maps(dp: EbpfDatapath) -> FlowMaps:
+    assert dp.flows is not None
+    return dp.flows
+
+
+def test_a_drain_flips_to_the_other_map_and_takes_the_old_one_an_idle_drain_flips_nothing(
+    datapath: EbpfDatapath,
+) -> None:
+    assert active_name(datapath) == "flows_a"
+    expected = fill(datapath, 3)
+    assert totals(datapath.drain_flows()) == expected
+    assert active_name(datapath) == "flows_b"
+    assert datapath.drain_flows() == []
+    assert active_name(datapath) == "flows_b"  # nothing to take: no flip (and no grace period to wait for)
+    expected = fill(datapath, 2, repeat=4)
+    assert totals(datapath.drain_flows()) == expected
+    assert active_name(datapath) == "flows_a"
+    flows = flow_maps(datapath)
+    assert flows.a.is_empty() and flows.b.is_empty() and not flows.standby_dirty
 
 
 def real_function() -> Any:
@@ -514,6 +560,85 @@ def test_a_flows_pin_of_another_layout_is_replaced_not_refused(
     assert (dp.flows_map.shape.key_size, dp.flows_map.shape.max_entries) == (40, 128)
     assert dp.insert([POD_V4]).error is None
     assert len(fill(dp, 3)) == len(dp.drain_flows()) == 3
+
+
+def test_a_restart_keeps_the_active_map_and_drains_what_both_maps_hold(
+    open_flows: Callable[..., EbpfDatapath],
+) -> None:
+    """A new agent on the same pins: the map its predecessor had active stays active (clsact filters left
+    by a dead agent keep adding to it), its entries are in the first drain, and so is what a drain cut
+    short left in the standby map."""
+    first = open_flows(flow_size=256)
+    assert first.insert([POD_V4]).error is None
+    fill(first, 1)
+    first.drain_flows()
+    assert active_name(first) == "flows_b"
+    undrained = fill(first, 5)
+    leftover = key(POD_V4, PEER_V4, 1, 2, UDP, FROM)  # as a drain stopped between its flip and its end leaves
+    flow_maps(first).a.update(layout.flow_key(leftover), layout.flow_value(FlowCounts(7, 700, 1, 2, 0)))
+    first.close()
+    again = open_flows(flow_size=256)
+    assert active_name(again) == "flows_b"
+    assert flow_maps(again).standby_dirty
+    assert totals(again.drain_flows()) == {**undrained, leftover: (7, 700, 0)}
+    assert not flow_maps(again).standby_dirty
+    assert again.drain_flows() == []
+
+
+def test_the_single_flows_map_of_an_older_agent_is_replaced_and_its_entries_drained(
+    open_flows: Callable[..., EbpfDatapath], pin_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pin_dir.mkdir(mode=0o700)
+    run("bpftool", "map", "create", str(pin_dir / "flows"), "type", "hash", "key", "40", "value", "40",
+        "entries", "128", "name", "flows")
+    undrained = {key(POD_V4, PEER_V4, 5, 6 + n, UDP, FROM): (3 + n, 300, 0) for n in range(3)}
+    with contextlib.closing(BpfMap.open_pinned(str(pin_dir / "flows"))) as old:
+        for flow, (packets, size, _) in undrained.items():
+            old.update(layout.flow_key(flow), layout.flow_value(FlowCounts(packets, size, 1, 2, 0)))
+    with caplog.at_level(logging.WARNING, logger="podmeter.datapath.ebpf"):
+        dp = open_flows(flow_size=128)
+    assert "is a single flows map" in caplog.text and "its 3 undrained entries moved to the next drain" in caplog.text
+    assert flow_maps(dp).slot.shape.type == 12 and active_name(dp) == "flows_a"
+    assert totals(dp.drain_flows()) == undrained
+    assert sorted(path.name for path in pin_dir.iterdir()) == ["counters", "filter", "flows", "flows_a", "flows_b",
+                                                                "flows_lost"]
+
+
+@pytest.mark.parametrize("slot", ["empty", "stray map"])
+def test_a_slot_map_that_holds_no_pinned_flows_map_is_replaced(
+    open_flows: Callable[..., EbpfDatapath], pin_dir: Path, caplog: pytest.LogCaptureFixture, slot: str
+) -> None:
+    """The kernel does not say which inner layout a map-in-map accepts; only the map in its slot proves
+    it. A ``flows`` whose slot is empty or holds a map that is not pinned here is replaced."""
+    first = open_flows(flow_size=128)
+    slot_id = flow_maps(first).slot.id
+    first.close()
+    if slot == "empty":
+        run("bpftool", "map", "delete", "pinned", str(pin_dir / "flows"), "key", "0", "0", "0", "0")
+    else:
+        stray = pin_dir / "stray"
+        run("bpftool", "map", "create", str(stray), "type", "hash", "key", "40", "value", "40", "entries", "8",
+            "name", "stray")
+        run("bpftool", "map", "update", "pinned", str(pin_dir / "flows"), "key", "0", "0", "0", "0", "value",
+            "pinned", str(stray))
+        stray.unlink()
+    with caplog.at_level(logging.WARNING, logger="podmeter.datapath.ebpf"):
+        dp = open_flows(flow_size=128)
+    assert "pinned map flows (type 12" in caplog.text and "replaced by a new one" in caplog.text
+    assert flow_maps(dp).slot.id != slot_id and active_name(dp) == "flows_a"
+    assert dp.insert([POD_V4]).error is None
+    assert len(fill(dp, 3)) == len(dp.drain_flows()) == 3
+
+
+def test_bpftool_shows_the_active_map_by_id(datapath: EbpfDatapath, pin_dir: Path) -> None:
+    """What docs/datapath.md tells an operator to run: the slot's value is the active map's id."""
+    fill(datapath, 2)
+    datapath.drain_flows()
+    dump = json.loads(run("bpftool", "-j", "map", "dump", "pinned", str(pin_dir / "flows")))
+    [entry] = dump
+    active = json.loads(run("bpftool", "-j", "map", "show", "pinned", str(pin_dir / "flows_b")))
+    assert int.from_bytes(bytes(int(byte, 16) for byte in entry["value"]), "little") == active["id"]
+    assert json.loads(run("bpftool", "-j", "map", "dump", "pinned", str(pin_dir / "flows_a"))) == []
 
 
 def test_readers_open_the_pinned_flows_maps(datapath: EbpfDatapath, pin_dir: Path) -> None:
@@ -733,7 +858,7 @@ def test_real_tcp_flows_match_an_independent_capture(node: Node, topology: Topol
 def icmp_checksum(data: bytes) -> int:
     if len(data) % 2:
         data += b"\x00"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    total: int = sum(struct.unpack(f"!{len(data) // 2}H", data))
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
     return ~total & 0xFFFF

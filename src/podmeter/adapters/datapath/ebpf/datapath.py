@@ -11,9 +11,11 @@ Invariant kept with the C program: a ``counters`` entry exists only for an IP in
 program never creates an entry for an IP that has left the filter, and the writer takes (reads and
 deletes) the counters of every IP it deletes. So ``counters`` needs two entries per filter slot.
 
-It is also the :class:`~podmeter.model.flows.FlowSource` over the ``flows`` map (the program adds every
-packet with an observed end to its flow entry; :meth:`EbpfDatapath.drain_flows` reads and deletes them)
-and its loss counter ``flows_lost``.
+It is also the :class:`~podmeter.model.flows.FlowSource` over the double-buffered flows maps (the
+program adds every packet with an observed end to its entry in the active one of ``flows_a`` and
+``flows_b``, which the one-slot map-in-map ``flows`` points to; :meth:`EbpfDatapath.drain_flows` flips the
+slot, lets the kernel wait for running programs, then reads and deletes the other map's entries: see
+:class:`FlowMaps`) and its loss counter ``flows_lost``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,20 @@ import contextlib
 import gc
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from podmeter.adapters.datapath.ebpf import layout, preflight
-from podmeter.adapters.datapath.ebpf.libbpf import BPF_ANY, BpfCallError, libbpf
+from podmeter.adapters.datapath.ebpf.libbpf import BPF_ANY, BPF_MAP_TYPE_HASH, BpfCallError, libbpf
 from podmeter.adapters.datapath.ebpf.loader import Loaded, Program, load
-from podmeter.adapters.datapath.ebpf.maps import BATCH_UNSUPPORTED, TAKE_CHUNK, BatchOutcome, BpfMap
+from podmeter.adapters.datapath.ebpf.maps import (
+    BATCH_UNSUPPORTED,
+    BPF_MAP_TYPE_ARRAY_OF_MAPS,
+    TAKE_CHUNK,
+    BatchOutcome,
+    BpfMap,
+    MapShape,
+)
 from podmeter.adapters.datapath.ebpf.pins import DEFAULT_BPFFS, PinDir
 from podmeter.model.datapath import BatchResult, DatapathError, Direction, FilterFull, Traffic
 from podmeter.model.flows import FlowEntry
@@ -37,10 +46,15 @@ log = logging.getLogger("podmeter.datapath.ebpf")
 
 FILTER_MAP = "filter"
 COUNTERS_MAP = "counters"
-FLOWS_MAP = "flows"
+FLOWS_MAP = "flows"  # the slot: an ARRAY_OF_MAPS of one entry, the flows map the programs add to
+FLOWS_A = "flows_a"  # the two flows maps, active in turn
+FLOWS_B = "flows_b"
 FLOWS_LOST_MAP = "flows_lost"
-MAP_NAMES = [FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_LOST_MAP]
-TRANSIENT_MAPS = frozenset({FLOWS_MAP})  # replaced, not migrated, when the pin does not match
+MAP_NAMES = [FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_LOST_MAP]
+TRANSIENT_MAPS = frozenset({FLOWS_MAP, FLOWS_A, FLOWS_B})  # replaced, not migrated, when the pin does not match
+# The layout of flows_a and flows_b (max_entries aside): what the slot's inner map template accepts.
+FLOW_MAP_SHAPE = MapShape(BPF_MAP_TYPE_HASH, layout.FLOW_KEY.size, layout.FLOW_VALUE.size, 0, 0)
+FLOWS_SLOT_SHAPE = MapShape(BPF_MAP_TYPE_ARRAY_OF_MAPS, len(layout.FLOWS_SLOT_KEY), layout.MAP_REF.size, 0, 1)
 FROM_POD = "pm_from_pod"  # attach at tc ingress of the host-side veth: counts direction egress
 TO_POD = "pm_to_pod"  # attach at tc egress of the host-side veth: counts direction ingress
 DEFAULT_FILTER_SIZE = 65536
@@ -81,16 +95,128 @@ def map_sizes(filter_size: int, flow_size: int) -> dict[str, int]:
     return {
         FILTER_MAP: filter_size,
         COUNTERS_MAP: counters_size(filter_size),
-        FLOWS_MAP: flow_size,
+        FLOWS_MAP: 1,
+        FLOWS_A: flow_size,
+        FLOWS_B: flow_size,
         FLOWS_LOST_MAP: 1,
     }
 
 
-def _load_owned(pins: PinDir, path: Path, filter_size: int, flow_size: int) -> Loaded:
-    """Load with the maps of a pin directory this process owns (cleaning a crashed resize first)."""
+def _load_owned(pins: PinDir, path: Path, filter_size: int, flow_size: int) -> tuple[Loaded, list[tuple[bytes, bytes]]]:
+    """Load with the maps of a pin directory this process owns (cleaning a crashed resize first); also
+    returns the entries of a single flows map an older agent pinned (see :func:`_take_single_flows_map`)."""
     for name in pins.remove_leftovers():
         log.warning("removed %s left by an interrupted map resize", name)
-    return load(path, pins, map_sizes(filter_size, flow_size), [FROM_POD, TO_POD], TRANSIENT_MAPS)
+    single = _take_single_flows_map(pins)
+    replace = frozenset({FLOWS_MAP}) if pins.has(FLOWS_MAP) and not _slot_reusable(pins) else frozenset()
+    loaded = load(path, pins, map_sizes(filter_size, flow_size), [FROM_POD, TO_POD], TRANSIENT_MAPS,
+                  replace=replace)
+    return loaded, single
+
+
+def _take_single_flows_map(pins: PinDir) -> list[tuple[bytes, bytes]]:
+    """A ``flows`` pin that is one flows hash map (an agent before the double buffer): read its entries
+    and unpin it, so that the load creates the slot map under that name. The caller puts the entries in
+    the new standby map: they are in the first drain (lost only if the agent dies before it writes them,
+    as when any transient map is replaced)."""
+    if not pins.has(FLOWS_MAP):
+        return []
+    with contextlib.closing(pins.open(FLOWS_MAP)) as single:
+        if single.shape.type == BPF_MAP_TYPE_ARRAY_OF_MAPS or not FLOW_MAP_SHAPE.compatible(single.shape):
+            return []
+        items = single.collect_items()
+    pins.unpin(FLOWS_MAP)
+    log.warning("pinned map %s is a single flows map (an agent before the double buffer): replaced, its %d "
+                "undrained entries moved to the next drain", FLOWS_MAP, len(items))
+    return items
+
+
+def _slot_reusable(pins: PinDir) -> bool:
+    """Whether the pinned ``flows`` slot map can be reused: the kernel does not say which inner layout a
+    map-in-map accepts, so only one whose slot holds a pinned map of the flows layout proves it. (One of
+    another layout is replaced by the loader anyway.)"""
+    with contextlib.closing(pins.open(FLOWS_MAP)) as slot:
+        if not slot.shape.compatible(FLOWS_SLOT_SHAPE):
+            return True  # the loader replaces it
+        held = _slot_id(slot)
+    for name in (FLOWS_A, FLOWS_B):
+        if held and pins.has(name):
+            with contextlib.closing(pins.open(name)) as inner:
+                if inner.id == held and FLOW_MAP_SHAPE.compatible(inner.shape):
+                    return True
+    return False
+
+
+def _slot_id(slot: BpfMap) -> int:
+    """The id of the map in the slot of ``flows`` (0: empty)."""
+    raw = slot.lookup(layout.FLOWS_SLOT_KEY)
+    return 0 if raw is None else int(layout.MAP_REF.unpack(raw)[0])
+
+
+class FlowMaps:
+    """The double-buffered flows maps: ``flows_a`` and ``flows_b`` of one layout, and ``slot`` (pinned as
+    ``flows``), an ARRAY_OF_MAPS whose one slot holds the map the programs add to, the *active* one.
+
+    A drain (:meth:`EbpfDatapath.take_flow_batches`) points the slot to the other, the *standby*, and only
+    then takes the entries of the previously active map. Writing a map-in-map slot through the bpf()
+    syscall returns after an RCU grace period (the kernel's ``maybe_wait_bpf_programs()``: about 8 ms
+    here), and each program run, one RCU read-side critical section, reads the slot once: so when the
+    flip returns, no program can still be adding to the old map, and the take reads it whole. A packet
+    is in exactly one drain, whatever runs on the other CPUs (a single map loses the packets added to an
+    entry at the instant the drain deletes it).
+
+    Invariant (owner): the slot holds one of the two maps; the standby is empty unless a drain was cut
+    short (an error, a crash), which ``standby_dirty`` records: the next drain takes it first, while no
+    program can reach it.
+    """
+
+    def __init__(self, slot: BpfMap, a: BpfMap, b: BpfMap) -> None:
+        self.slot, self.a, self.b = slot, a, b
+        self.standby_dirty = True  # not known to be empty
+
+    @property
+    def capacity(self) -> int:
+        """Flows one map holds: between two drains (each map is that size: twice the kernel memory)."""
+        return self.a.shape.max_entries
+
+    def roles(self) -> tuple[BpfMap, BpfMap] | None:
+        """(active, standby) as the slot says now; None if it holds neither map."""
+        held = _slot_id(self.slot)
+        if held == self.a.id:
+            return self.a, self.b
+        if held == self.b.id:
+            return self.b, self.a
+        return None
+
+    def activate(self, bpf_map: BpfMap) -> None:
+        """Point the slot to ``bpf_map``. Returns once no program can still be adding to the map it held
+        (the syscall waits for an RCU grace period)."""
+        self.slot.update(layout.FLOWS_SLOT_KEY, layout.MAP_REF.pack(bpf_map.fd))
+
+    def adopt(self) -> tuple[BpfMap, BpfMap]:
+        """The owner's start: keep the active map a predecessor left (its entries are in the next drain),
+        or make ``flows_a`` active if the slot holds neither map (new maps, a replaced one); note whether
+        the standby holds entries (a drain cut short between its flip and the end of its take)."""
+        roles = self.roles()
+        if roles is None:
+            self.activate(self.a)
+            roles = self.a, self.b
+        self.standby_dirty = not roles[1].is_empty()
+        return roles
+
+    def restore(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Put undrained entries (of an older agent's single map) in the standby map, which no program
+        reaches: the next drain takes them first."""
+        roles = self.roles() or self.adopt()
+        outcome = roles[1].update_batch([key for key, _ in items], [value for _, value in items])
+        self.standby_dirty = True
+        if outcome.error is not None:
+            log.warning("flows: %d of %d undrained entries restored (%s)", outcome.applied, len(items),
+                        outcome.error)
+
+    def close(self) -> None:
+        for bpf_map in (self.slot, self.a, self.b):
+            bpf_map.close()
 
 
 @contextlib.contextmanager
@@ -121,8 +247,8 @@ class EbpfDatapath:
     last. The writer should stay the only caller of insert/delete/take_counters, and one task the only
     caller of :meth:`drain_flows`.
 
-    A datapath built without flows maps (``flows_map=None``: the pins of an older agent, or a benchmark
-    of the counting object alone) has a flow capacity of 0 and drains nothing.
+    A datapath built without flows maps (``flows=None``: the pins of an older agent, or a benchmark of
+    the counting object alone) has a flow capacity of 0 and drains nothing.
     """
 
     def __init__(
@@ -132,27 +258,27 @@ class EbpfDatapath:
         programs: Programs | None = None,
         pins: PinDir | None = None,
         *,
-        flows_map: BpfMap | None = None,
+        flows: FlowMaps | None = None,
         flows_lost_map: BpfMap | None = None,
     ) -> None:
         self.filter_map = filter_map
         self.counters_map = counters_map
         self.programs = programs
         self.pins = pins
-        self.flows_map = flows_map
+        self.flows = flows
         self.flows_lost_map = flows_lost_map
 
     @classmethod
     def from_loaded(cls, loaded: Loaded, programs: Programs | None = None, pins: PinDir | None = None) -> EbpfDatapath:
-        """The datapath over the maps of a load (the flows maps if the object has them)."""
-        return cls(
-            loaded.maps[FILTER_MAP],
-            loaded.maps[COUNTERS_MAP],
-            programs,
-            pins,
-            flows_map=loaded.maps.get(FLOWS_MAP),
-            flows_lost_map=loaded.maps.get(FLOWS_LOST_MAP),
-        )
+        """The datapath over the maps of a load (the flows maps if the object has them), as their owner:
+        the flows slot is checked (:meth:`FlowMaps.adopt`)."""
+        maps = loaded.maps
+        flows = None
+        if all(name in maps for name in (FLOWS_MAP, FLOWS_A, FLOWS_B)):
+            flows = FlowMaps(maps[FLOWS_MAP], maps[FLOWS_A], maps[FLOWS_B])
+            flows.adopt()
+        return cls(maps[FILTER_MAP], maps[COUNTERS_MAP], programs, pins, flows=flows,
+                   flows_lost_map=maps.get(FLOWS_LOST_MAP))
 
     @classmethod
     def open(
@@ -164,9 +290,10 @@ class EbpfDatapath:
     ) -> EbpfDatapath:
         """Check prerequisites, take the pin directory, load the programs against its maps.
 
-        ``flow_size`` is the ``flows`` map's max_entries: the flows it can hold between two drains. A
-        pinned ``flows`` map of another size or layout is replaced (its undrained entries are lost and
-        logged): flows are transient, unlike the filter and counters.
+        ``flow_size`` is the max_entries of each flows map (``flows_a``, ``flows_b``): the flows it can
+        hold between two drains. A pinned flows map of another size or layout is replaced (its undrained
+        entries are lost and logged): flows are transient, unlike the filter and counters. Pinned maps
+        of the same size and layout are reused, their undrained entries in the next drain.
 
         Raises a :class:`~.errors.DatapathSetupError` subclass with an actionable message when the
         datapath cannot run; the caller should refuse to start.
@@ -180,17 +307,21 @@ class EbpfDatapath:
         pins.ensure()
         pins.lock()
         try:
-            loaded = _load_owned(pins, path, filter_size, flow_size)
+            loaded, single = _load_owned(pins, path, filter_size, flow_size)
         except BaseException:
             pins.unlock()
             raise
         programs = Programs(loaded.programs[FROM_POD], loaded.programs[TO_POD])
-        return cls.from_loaded(loaded, programs, pins)
+        datapath = cls.from_loaded(loaded, programs, pins)
+        if single and datapath.flows is not None:
+            datapath.flows.restore(single)
+        return datapath
 
     @classmethod
     def open_pinned(cls, bpffs: str | os.PathLike[str] = DEFAULT_BPFFS) -> EbpfDatapath:
         """Open the maps another process pinned (read and write, no programs, no ownership). The flows
-        maps are opened when pinned (an agent older than flows pinned none)."""
+        maps are opened when pinned (an agent older than flows pinned none; one older than the double
+        buffer pinned a single ``flows`` hash map, which a reader ignores)."""
         pins = PinDir(bpffs)
         opened: list[BpfMap] = []
         try:
@@ -202,17 +333,23 @@ class EbpfDatapath:
                 bpf_map.close()
             raise
         maps = {bpf_map.name: bpf_map for bpf_map in opened}
-        return cls(
-            maps[FILTER_MAP], maps[COUNTERS_MAP], flows_map=maps.get(FLOWS_MAP), flows_lost_map=maps.get(FLOWS_LOST_MAP)
-        )
+        flows = None
+        if all(name in maps for name in (FLOWS_MAP, FLOWS_A, FLOWS_B)) and maps[FLOWS_MAP].shape.compatible(
+                FLOWS_SLOT_SHAPE):
+            flows = FlowMaps(maps.pop(FLOWS_MAP), maps.pop(FLOWS_A), maps.pop(FLOWS_B))
+        for name in (FLOWS_MAP, FLOWS_A, FLOWS_B):
+            if name in maps:
+                maps.pop(name).close()
+        return cls(maps[FILTER_MAP], maps[COUNTERS_MAP], flows=flows, flows_lost_map=maps.get(FLOWS_LOST_MAP))
 
     def close(self) -> None:
         """Close descriptors and release the pin directory; pinned maps stay for the next process."""
         self.filter_map.close()
         self.counters_map.close()
-        for bpf_map in (self.flows_map, self.flows_lost_map):
-            if bpf_map is not None:
-                bpf_map.close()
+        if self.flows is not None:
+            self.flows.close()
+        if self.flows_lost_map is not None:
+            self.flows_lost_map.close()
         if self.programs is not None:
             self.programs.close()
         if self.pins is not None:
@@ -272,40 +409,73 @@ class EbpfDatapath:
 
     @property
     def flow_capacity(self) -> int:
-        return 0 if self.flows_map is None else self.flows_map.shape.max_entries
+        return 0 if self.flows is None else self.flows.capacity
+
+    @property
+    def flows_map(self) -> BpfMap | None:
+        """The flows map the programs add to now (None without flows maps, or if the slot holds neither)."""
+        roles = None if self.flows is None else self.flows.roles()
+        return None if roles is None else roles[0]
 
     def drain_flows(self, chunk: int = TAKE_CHUNK) -> list[FlowEntry]:
-        """Read and delete every flow entry (BPF_MAP_LOOKUP_AND_DELETE_BATCH, ``chunk`` entries a call).
+        """Read and delete every flow entry counted before the call (:meth:`take_flow_batches`), decoded.
 
-        Each entry is read and deleted at once, so it is returned by exactly one drain. On a kernel
-        without the batch operation for hash maps (ENOTSUPP / EINVAL / EOPNOTSUPP), keys are collected
-        first, then each is read and deleted (BPF_MAP_LOOKUP_AND_DELETE_ELEM): still never twice. Any
-        other error ends the drain early with what was taken (logged); the rest waits for the next.
+        A packet is in exactly one drain: the drain takes a map no program can reach any more (see
+        :class:`FlowMaps`). Any error but a missing batch operation ends the drain early with what was
+        taken (logged); the rest is in the next drain.
         """
-        if self.flows_map is None:
-            return []
         entries: list[FlowEntry] = []
         texts = layout.AddressTexts()
         with _gc_paused():
-            try:
-                for keys, values, count in self.flows_map.take_batches(chunk):
-                    entries.extend(_decode(keys, values, count, texts))
-            except BpfCallError as error:
-                if error.errno not in BATCH_UNSUPPORTED:
-                    log.warning("flows drain stopped after %d entries (%s); the rest waits for the next drain",
-                                len(entries), error)
-                    return entries
-                log.debug("flows: no batch lookup-and-delete (%s), taking entries one by one", error)
-                items = self.flows_map.take_each()
-                entries.extend(_decode_items(items, texts))
+            for keys, values, count in self.take_flow_batches(chunk):
+                entries.extend(_decode(keys, values, count, texts))
         return entries
 
+    def take_flow_batches(self, chunk: int = TAKE_CHUNK) -> Iterator[tuple[memoryview, memoryview, int]]:
+        """The drain, undecoded: yields ``(keys, values, count)`` batches in the kernel's layout (decode
+        each before asking for the next: the buffers are reused).
+
+        1. The standby map first, if a drain was cut short (``FlowMaps.standby_dirty``): no program
+           reaches it, so it is taken whole.
+        2. If the active map holds nothing, that is all (no flip: a flow created now is in the next drain).
+        3. Flip: the slot now holds the standby map; the syscall returns after an RCU grace period, when
+           no program can still be adding to the old active map.
+        4. Take every entry of the old active map, now quiescent.
+
+        Each map is taken with BPF_MAP_LOOKUP_AND_DELETE_BATCH, ``chunk`` entries a call; on a kernel
+        without it for hash maps (ENOTSUPP / EINVAL / EOPNOTSUPP), key by key (keys collected first, then
+        each taken with BPF_MAP_LOOKUP_AND_DELETE_ELEM). Another error stops the drain (logged) and leaves
+        the rest in the standby map, for the next drain's step 1.
+        """
+        flows = self.flows
+        if flows is None:
+            return
+        roles = flows.roles()
+        if roles is None:  # the slot was changed behind the owner's back: take it back
+            log.warning("flows: the %s slot held neither %s nor %s; %s is active again", FLOWS_MAP, FLOWS_A,
+                        FLOWS_B, FLOWS_A)
+            roles = flows.adopt()
+        active, standby = roles
+        if flows.standby_dirty:
+            if not (yield from _take_whole(standby, chunk)):
+                return
+            flows.standby_dirty = False
+        if active.is_empty():
+            return
+        flows.activate(standby)
+        flows.standby_dirty = True  # until the old active map is taken whole
+        if (yield from _take_whole(active, chunk)):
+            flows.standby_dirty = False
+
     def read_flows(self) -> list[FlowEntry]:
-        """The flow entries now, left in place (``podmeter inspect flows``; the agent drains)."""
-        if self.flows_map is None:
+        """The flow entries now, left in place, of both maps (``podmeter inspect flows``; the agent
+        drains): what the next drain takes, if nothing is added meanwhile."""
+        if self.flows is None:
             return []
         with _gc_paused():
-            return _decode_items(self.flows_map.collect_items(), layout.AddressTexts())
+            texts = layout.AddressTexts()
+            return [entry for bpf_map in (self.flows.a, self.flows.b)
+                    for entry in _decode_items(bpf_map.collect_items(), texts)]
 
     def flows_lost(self) -> int:
         """Packets that found the flows map full, since it was created (summed over CPUs)."""
@@ -330,6 +500,28 @@ class EbpfDatapath:
         if error.errno_name == "ENOSPC" and op == "insert":
             return FilterFull(f"filter map is full ({self.capacity} entries); {failed} was not inserted")
         return DatapathError(error.errno_name, f"filter {op} of {failed} failed: {os.strerror(error.errno or 0)}")
+
+
+def _take_whole(bpf_map: BpfMap, chunk: int) -> Generator[tuple[memoryview, memoryview, int], None, bool]:
+    """Yield every entry of ``bpf_map`` in batches, taking them (see :meth:`EbpfDatapath.take_flow_batches`);
+    returns whether the map was taken whole (False: an error stopped it, logged)."""
+    taken = 0
+    try:
+        for keys, values, count in bpf_map.take_batches(chunk):
+            taken += count
+            yield keys, values, count
+    except BpfCallError as error:
+        if error.errno not in BATCH_UNSUPPORTED:
+            log.warning("flows drain of %s stopped after %d entries (%s); the rest waits for the next drain",
+                        bpf_map.name, taken, error)
+            return False
+        log.debug("flows: no batch lookup-and-delete (%s), taking entries one by one", error)
+        items = bpf_map.take_each()
+        if items:
+            keys_joined = b"".join(key for key, _ in items)
+            values_joined = b"".join(value for _, value in items)
+            yield memoryview(keys_joined), memoryview(values_joined), len(items)
+    return True
 
 
 def _decode(keys: memoryview, values: memoryview, count: int, texts: layout.AddressTexts) -> list[FlowEntry]:

@@ -8,9 +8,11 @@ order. docs/datapath.md shows the same layouts next to ``bpftool map dump`` outp
              value __u8                  1 (present)                                    1 byte
     counters key   struct counter_key  { __u8 addr[16]; __u32 direction; }            20 bytes
              value struct counter_value { __u64 packets; __u64 bytes; }  per CPU        16 bytes
-    flows    key   struct flow_key     { __u8 src[16]; __u8 dst[16]; __u16 sport; __u16 dport;
+    flows_a, flows_b (two maps of one layout: the double-buffered flows)
+             key   struct flow_key     { __u8 src[16]; __u8 dst[16]; __u16 sport; __u16 dport;
                                          __u8 protocol; __u8 observation; __u8 pad[2]; } 40 bytes
              value struct flow_value   { __u64 packets, bytes, first_ns, last_ns, tcp_flags; }  40 bytes
+    flows    key   __u32 0 (one slot); value: the active flows map (written: its fd; read: its map id)
     flows_lost key __u32 0; value struct flows_lost_value { __u64 packets; __u64 bytes; }  per CPU
 
 Ports in flow keys are in host byte order (the program converts them); ICMP type and code travel in
@@ -40,6 +42,8 @@ _HOST_PREFIX = struct.pack("=I", HOST_PREFIXLEN)
 FLOW_KEY = struct.Struct(f"={ADDRESS_BYTES}s{ADDRESS_BYTES}sHHBB2x")
 FLOW_VALUE = struct.Struct("=QQQQQ")  # packets, bytes, first_ns, last_ns, tcp_flags: FlowCounts' order
 FLOWS_LOST_KEY = struct.pack("=I", 0)
+FLOWS_SLOT_KEY = struct.pack("=I", 0)  # the one slot of the flows map-in-map
+MAP_REF = struct.Struct("=I")  # a map-in-map value: an inner map's fd when written, its map id when read
 FLOWS_LOST_STRIDE = 16  # round_up(sizeof(struct flows_lost_value), 8)
 
 # Direction codes of the C program (PM_DIR_INGRESS / PM_DIR_EGRESS).

@@ -7,8 +7,10 @@ For each map the object declares, the loader finds one of three cases:
   created at the new size, every entry is copied across, then the pin is swapped atomically (the
   kernel refuses to load against a pin of another size, and losing the filter would be worse).
 A pin with another layout (type, key or value size, flags) is refused with :class:`PinMismatch`.
-Maps named ``transient`` (``flows``: entries that live until the next drain) are simpler: a pin of
-another size or layout is replaced by a new empty map, and the entries it held are lost (logged).
+Maps named ``transient`` (the flows maps: entries that live until the next drain) are simpler: a pin of
+another size or layout is replaced by a new empty map, and the entries it held are lost (logged). So is
+a pin the caller names in ``replace`` (one whose layout matches but that cannot be reused: the
+``flows`` slot map when the kernel cannot tell which inner maps it accepts).
 
 After loading, the loader keeps duplicates of the program and map descriptors and closes the libbpf
 object, so their lifetimes are independent of libbpf's.
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from podmeter.adapters.datapath.ebpf.errors import LoadFailed, PinMismatch
 from podmeter.adapters.datapath.ebpf.libbpf import BpfCallError, Libbpf, TestRunOpts, libbpf
-from podmeter.adapters.datapath.ebpf.maps import BpfMap, MapShape
+from podmeter.adapters.datapath.ebpf.maps import BPF_MAP_TYPE_ARRAY_OF_MAPS, BpfMap, MapShape
 from podmeter.adapters.datapath.ebpf.pins import PinDir
 
 log = logging.getLogger("podmeter.datapath.ebpf")
@@ -140,24 +142,27 @@ def load(
     sizes: dict[str, int],
     programs: list[str],
     transient: frozenset[str] = frozenset(),
+    *,
+    replace: frozenset[str] = frozenset(),
 ) -> Loaded:
     """Load the object at ``path`` with each map in ``sizes`` at that size, pinned in ``pins``.
 
     With ``pins=None`` nothing is reused or pinned (benchmarks, the parse-only program). A pinned map
-    named in ``transient`` that does not match is replaced, not migrated or refused.
+    named in ``transient`` that does not match is replaced, not migrated or refused; one named in
+    ``replace`` (transient too) is replaced even when it matches.
     """
     obj = BpfObject(path)
     old: dict[str, BpfMap] = {}
     try:
         try:
-            migrate, replace = _plan(obj, pins, sizes, old, transient)
+            migrate, replaced = _plan(obj, pins, sizes, old, transient, always=replace)
             obj.load()
             loaded = _take(obj, list(sizes), programs)
         finally:
             obj.close()
         if pins is not None:
             try:
-                _pin_new_maps(pins, loaded.maps, old, migrate, replace)
+                _pin_new_maps(pins, loaded.maps, old, migrate, replaced)
             except BaseException:
                 loaded.close()
                 raise
@@ -179,10 +184,16 @@ def _take(obj: BpfObject, maps: list[str], programs: list[str]) -> Loaded:
 
 
 def _plan(
-    obj: BpfObject, pins: PinDir | None, sizes: dict[str, int], old: dict[str, BpfMap], transient: frozenset[str]
+    obj: BpfObject,
+    pins: PinDir | None,
+    sizes: dict[str, int],
+    old: dict[str, BpfMap],
+    transient: frozenset[str],
+    *,
+    always: frozenset[str],
 ) -> tuple[set[str], set[str]]:
     """Size every map, reuse matching pins; fill ``old`` with the pins found; return the maps to migrate
-    and the (transient) maps to replace."""
+    and the (transient) maps to replace (``always``: whatever their layout)."""
     migrate: set[str] = set()
     replace: set[str] = set()
     for name, entries in sizes.items():
@@ -191,8 +202,8 @@ def _plan(
             continue
         pinned = old[name] = pins.open(name)
         wanted = obj.map_shape(name)
-        if name in transient:
-            if pinned.shape.compatible(wanted) and pinned.shape.max_entries == entries:
+        if name in transient or name in always:
+            if name not in always and pinned.shape.compatible(wanted) and pinned.shape.max_entries == entries:
                 obj.reuse(name, pinned)
             else:
                 replace.add(name)
@@ -215,13 +226,17 @@ def _pin_new_maps(
 ) -> None:
     for name, bpf_map in maps.items():
         if name in replace:
-            log.warning(
-                "pinned map %s (%s) replaced by a new one (%s): its %d undrained entries are lost",
-                name,
-                _describe(old[name].shape),
-                _describe(bpf_map.shape),
-                _count_entries(old[name]),
-            )
+            if old[name].shape.type == BPF_MAP_TYPE_ARRAY_OF_MAPS:  # holds maps, not entries of its own
+                log.warning("pinned map %s (%s) replaced by a new one (%s)", name, _describe(old[name].shape),
+                            _describe(bpf_map.shape))
+            else:
+                log.warning(
+                    "pinned map %s (%s) replaced by a new one (%s): its %d undrained entries are lost",
+                    name,
+                    _describe(old[name].shape),
+                    _describe(bpf_map.shape),
+                    _count_entries(old[name]),
+                )
             pins.install(bpf_map, name)
         elif name in migrate:
             copied, dropped = copy_entries(old[name], bpf_map)

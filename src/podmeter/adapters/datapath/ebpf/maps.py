@@ -31,6 +31,7 @@ BATCH_UNSUPPORTED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, ENOTSUPP})
 
 # Map types whose values are per-CPU arrays (hash, array, LRU hash, cgroup storage).
 _PER_CPU_TYPES = frozenset({BPF_MAP_TYPE_PERCPU_HASH, 6, 10, 21})
+BPF_MAP_TYPE_ARRAY_OF_MAPS = 12  # uapi; a value written is an inner map's fd, a value read its map id
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,7 @@ class BpfMap:
         self.fd = fd
         self.name = name
         self._lib = lib or libbpf()
+        self.id = 0  # the kernel's map id (what a map-in-map slot reads back)
         self.shape = self._read_shape()
         per_cpu = self.shape.type in _PER_CPU_TYPES
         stride = (self.shape.value_size + 7) // 8 * 8
@@ -150,6 +152,15 @@ class BpfMap:
             seen[current.raw] = None
             previous = current
         return list(seen)
+
+    def is_empty(self) -> bool:
+        """Whether the map holds no key now (one ``get_next_key`` from the start)."""
+        first = ctypes.create_string_buffer(self.shape.key_size)
+        ret = self._lib.lib.bpf_map_get_next_key(self.fd, None, first)
+        if ret == -errno.ENOENT:
+            return True
+        self._lib.check("bpf_map_get_next_key", ret)
+        return False
 
     def collect_items(self) -> list[tuple[bytes, bytes]]:
         """Every (key, value), read in chunks with BPF_MAP_LOOKUP_BATCH (two syscalls per entry
@@ -328,4 +339,5 @@ class BpfMap:
         info = MapInfo()
         length = ctypes.c_uint32(ctypes.sizeof(info))
         self._lib.call("bpf_obj_get_info_by_fd", self.fd, ctypes.byref(info), ctypes.byref(length))
+        self.id = info.id
         return MapShape(info.type, info.key_size, info.value_size, info.map_flags, info.max_entries)

@@ -72,6 +72,10 @@ class PinDir:
         os.chmod(staging, PIN_MODE)
         os.rename(staging, self.pin_path(name))
 
+    def unpin(self, name: str) -> None:
+        """Remove the pin ``name`` (the map lives on while a program or a descriptor holds it)."""
+        self.pin_path(name).unlink()
+
     def remove_leftovers(self) -> list[str]:
         """Delete staging pins of a swap that a crash interrupted; return their names."""
         removed = []
