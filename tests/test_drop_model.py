@@ -4,9 +4,12 @@ verdict filter, the exposition, reason names and the BTF reader on synthetic BTF
 
 from __future__ import annotations
 
+import json
+import re
 import struct
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -235,6 +238,31 @@ def test_the_agent_drains_drops_before_an_ip_changes_hands() -> None:
     assert agent.drops is not None and agent.drops.stats.drains == 4  # at ready, two renames, the tick
 
 
+def test_after_a_failed_drain_the_next_one_is_credited_to_nobody() -> None:
+    class Failing(FakeDrops):
+        fail = False
+
+        def drain_drops(self) -> DropDrain:
+            if self.fail:
+                raise OSError("EIO")
+            return super().drain_drops()
+
+    drops = Failing()
+    agent = agent_with(drops)
+    old, new = pod("old", "10.0.0.7"), pod("new", "10.0.0.7")
+    agent.apply_batch([Upsert(PODS, old)])
+    drops.drop("10.0.0.7", IN, "NETFILTER_DROP", 5)
+    drops.fail = True
+    agent.apply_batch([Delete(PODS, old.uid), Upsert(PODS, new)])  # its drain fails: 5 drops of old's wait
+    drops.fail = False
+    agent.apply_batch([Tick.DRAIN])  # they cannot be told from new's: the node's only
+    drops.drop("10.0.0.7", IN, "NETFILTER_DROP", 1)
+    agent.apply_batch([Tick.DRAIN])
+    assert drops_of(agent.drop_ledger) == {"old": {}, "new": {(IN, "NETFILTER_DROP"): 1}}
+    assert agent.drop_ledger.node_drops == {(IN, "NETFILTER_DROP"): 6} and agent.drop_ledger.unattributed == 5
+    assert agent.drops is not None and agent.drops.stats.errors == 1
+
+
 def test_drops_counted_before_the_agent_was_ready_are_credited_to_nobody() -> None:
     drops = FakeDrops()
     datapath = MemoryDatapath()
@@ -277,6 +305,18 @@ def test_the_exposition() -> None:
         'podmeter_drop_tracing_enabled{hook="tcp_retransmit_skb"} 0',
         "# TYPE podmeter_pod_drops_total counter",
     } <= lines
+
+
+def test_the_dashboard_has_the_drop_panels_and_uses_documented_series_only() -> None:
+    root = Path(__file__).parent.parent
+    dashboard = json.loads((root / "deploy/dashboards/pod-traffic.json").read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
+    for series in ("podmeter_pod_drops_total", "podmeter_pod_tcp_retransmits_total", "podmeter_pod_tcp_resets_total",
+                   "podmeter_drop_tracing_enabled", "podmeter_drops_lost_total"):
+        assert series in exprs
+    documented = (root / "docs/metrics.md").read_text()
+    assert not {name for name in re.findall(r"podmeter_\w+", exprs) if name not in documented}
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
 
 
 # --- records ---------------------------------------------------------------------------------------------

@@ -163,19 +163,20 @@ class DropLedger:
             if current is not None:
                 self._close(ip, current, now)
 
-    def add(self, drain: DropDrain) -> None:
-        """Credit one drain to the owners of its IPs (the drain came before any change of owner)."""
+    def add(self, drain: DropDrain, *, credit: bool = True) -> None:
+        """Credit one drain to the owners of its IPs (the drain came before any change of owner).
+        ``credit`` False: to the node totals only (what it holds may span a change of owner)."""
         for (ip, direction, reason), packets in drain.drops:
             key = (direction, reason)
             self.node_drops[key] = self.node_drops.get(key, 0) + packets
-            series = self._owner_series(ip)
+            series = self._owner_series(ip) if credit else None
             if series is None:
                 self.unattributed += packets
             else:
                 series.drops[key] = series.drops.get(key, 0) + packets
         for (ip, event), count in drain.tcp:
             self.node_tcp[event] = self.node_tcp.get(event, 0) + count
-            series = self._owner_series(ip)
+            series = self._owner_series(ip) if credit else None
             if series is None:
                 self.unattributed += count
             else:

@@ -97,6 +97,7 @@ class DropDrainer:
         self.others = list(others)
         self.stats = DropStats()
         self.retransmits = Retransmits() if annotate_flows else None
+        self._failed = False  # the last drain failed: what the next one takes may span a change of hands
 
     def drain(self, pods: Iterable[Pod]) -> None:
         """One drain, named with ``pods`` (the store as it is now)."""
@@ -104,14 +105,16 @@ class DropDrainer:
             drained = self.source.drain_drops()
         except Exception as exc:  # a kernel error: count it, keep running, try next interval
             self.stats.errors += 1
+            self._failed = True
             log.warning("drop drain failed (will retry next interval): %s: %s", type(exc).__name__, exc)
             return
         self.stats.drains += 1
         if self.retransmits is not None:
             self.retransmits.add(drained.retransmits)  # every drain: what waits too long is forgotten
+        credit, self._failed = not self._failed, False
         if not drained:
             return
-        self.ledger.add(drained)
+        self.ledger.add(drained, credit=credit)
         if drained.flows:
             published = self.others[0] if self.others else None
             names = ChainedNames(AddressBook(pods, published), *self.others)

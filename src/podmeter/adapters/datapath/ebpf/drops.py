@@ -223,7 +223,7 @@ class DropTracer:
     @classmethod
     def open(
         cls,
-        filter_map: BpfMap,
+        filter_map: BpfMap | None,
         size: int = DEFAULT_DROP_SIZE,
         *,
         btf_path: str | os.PathLike[str] = btf.VMLINUX,
@@ -231,6 +231,8 @@ class DropTracer:
         object_path: Path | None = None,
     ) -> DropTracer:
         """Load and attach against ``filter_map``; ``size`` is ``max_entries`` of each drained map.
+        ``filter_map`` None: the object's own empty filter of ``size`` entries, in ``maps["filter"]``
+        (benchmarks).
 
         ``tracepoints`` renames hooks (tests: a tracepoint this kernel lacks). Raises
         :class:`DropsUnavailable` when nothing can be traced (no BTF, no hook, the verifier refused);
@@ -348,7 +350,8 @@ class DropTracer:
             yield from zip(key.iter_unpack(keys), value.iter_unpack(values), strict=True)
 
 
-def _load(path: Path, filter_map: BpfMap, size: int, chosen: Plan) -> tuple[dict[str, BpfMap], dict[str, Program]]:
+def _load(path: Path, filter_map: BpfMap | None, size: int,
+          chosen: Plan) -> tuple[dict[str, BpfMap], dict[str, Program]]:
     obj = _TracingObject(path)
     try:
         wanted = set(chosen.programs.values())
@@ -356,14 +359,17 @@ def _load(path: Path, filter_map: BpfMap, size: int, chosen: Plan) -> tuple[dict
             obj.set_autoload(name, name in wanted)
         for hook, program in chosen.programs.items():
             obj.set_attach_target(program, chosen.tracepoints[hook])
-        obj.reuse(FILTER_MAP, filter_map)
+        if filter_map is not None:
+            obj.reuse(FILTER_MAP, filter_map)
+        else:
+            obj.set_max_entries(FILTER_MAP, size)
         for name in DRAINED_MAPS:
             obj.set_max_entries(name, size)
         obj.load()
         maps: dict[str, BpfMap] = {}
         programs: dict[str, Program] = {}
         try:
-            for name in (*DRAINED_MAPS, LOST_MAP):
+            for name in (*DRAINED_MAPS, LOST_MAP, *(() if filter_map is not None else (FILTER_MAP,))):
                 maps[name] = obj.take_map(name)
             for hook, program in chosen.programs.items():
                 programs[hook] = obj.take_program(program)
@@ -377,3 +383,20 @@ def _load(path: Path, filter_map: BpfMap, size: int, chosen: Plan) -> tuple[dict
     finally:
         obj.close()
 
+
+
+def attach_program(path: Path, program: str, tracepoint: str) -> tuple[Program, int]:
+    """Load one tracing program of the object at ``path`` (every other one left out) and attach it to the
+    BTF tracepoint ``tracepoint``: (the program, its link fd; closing both detaches). For benchmarks."""
+    obj = _TracingObject(path)
+    try:
+        obj.set_attach_target(program, tracepoint)
+        obj.load()
+        taken = obj.take_program(program)
+    finally:
+        obj.close()
+    fd = libbpf().lib.bpf_raw_tracepoint_open(None, taken.fd)
+    if fd < 0:
+        taken.close()
+        raise BpfCallError("bpf_raw_tracepoint_open", -fd)
+    return taken, fd
