@@ -6,7 +6,8 @@ be stopped and started again on the same ports and data directory, to test recov
 With ``pki`` (certificates made by :func:`make_pki` with openssl) it serves TLS only, and with
 ``client_cert_auth`` it refuses clients without a certificate its CA signed. With ``users`` it has
 authentication enabled: a ``root`` user (``ROOT_PASSWORD``) and each user given, whose role may read and
-write ``USER_PREFIX``. Set-up goes through etcd's JSON gateway, as ``etcdctl`` would through gRPC.
+write ``USER_PREFIX``; set up through etcd's JSON gateway before authentication is on. ``put`` and ``get``
+are a foreign client's (gRPC, as root), for forged entries.
 """
 
 from __future__ import annotations
@@ -184,13 +185,44 @@ class EtcdServer:
         self.gateway("/v3/auth/enable", {})
         self._auth_enabled = True
 
+    @contextlib.contextmanager
+    def _kv(self) -> Iterator[tuple[Any, Any]]:
+        """A foreign writer's gRPC KV stub and call metadata (root when authentication is on), as etcdctl
+        would connect: TLS with this PKI's client certificate. (etcd's JSON gateway refuses requests from
+        a client certificate once authentication is on.)"""
+        import grpc
+        from aetcd import rpc
+
+        target = f"127.0.0.1:{self.client_port}"
+        if self.pki is None:
+            channel = grpc.insecure_channel(target)
+        else:
+            channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(
+                self.pki.ca.read_bytes(), self.pki.client_key.read_bytes(), self.pki.client_cert.read_bytes()))
+        try:
+            metadata = None
+            if self._auth_enabled:
+                reply = rpc.AuthStub(channel).Authenticate(
+                    rpc.AuthenticateRequest(name="root", password=ROOT_PASSWORD), timeout=5)
+                metadata = (("token", reply.token),)
+            yield rpc.KVStub(channel), metadata
+        finally:
+            channel.close()
+
     def put(self, key: bytes, value: bytes) -> None:
-        """Write one key directly, as a foreign writer (root when authentication is on)."""
-        token = None
-        if self._auth_enabled:
-            token = self.gateway("/v3/auth/authenticate", {"name": "root", "password": ROOT_PASSWORD})["token"]
-        self.gateway("/v3/kv/put", {"key": base64.b64encode(key).decode(),
-                                    "value": base64.b64encode(value).decode()}, token)
+        """Write one key directly, as a foreign writer would (``etcdctl put``)."""
+        with self._kv() as (kv, metadata):
+            from aetcd import rpc
+
+            kv.Put(rpc.PutRequest(key=key, value=value), timeout=5, metadata=metadata)
+
+    def get(self, key: bytes) -> bytes | None:
+        """Read one key directly (``etcdctl get``)."""
+        with self._kv() as (kv, metadata):
+            from aetcd import rpc
+
+            found = kv.Range(rpc.RangeRequest(key=key), timeout=5, metadata=metadata).kvs
+            return bytes(found[0].value) if found else None
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None:

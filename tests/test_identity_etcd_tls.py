@@ -199,6 +199,20 @@ async def test_a_user_without_permission_on_the_prefix_is_a_clear_error(
         await outside.start()
 
 
+@needs_etcd
+async def test_with_client_certificates_and_users_the_certificate_names_the_user(
+    tmp_path: Path, pki: Pki, backends: Callable[..., EtcdIdentityBackend]
+) -> None:
+    """etcd takes a client certificate's CN as the user when no password is given: no password file."""
+    with server(tmp_path, "both", pki=pki, client_cert_auth=True, users={"podmeter": PASSWORD}) as etcd:
+        a = backends(etcd, mtls_access(pki))
+        await a.start()
+        assert await a.acquire(key(1)) == 256
+        outside = backends(etcd, mtls_access(pki), prefix="/elsewhere/")
+        with pytest.raises(IdentityBackendError, match="the user named by the client certificate's CN may not"):
+            await outside.start()
+
+
 # -- the options -------------------------------------------------------------------------------------------
 
 
@@ -255,7 +269,8 @@ def test_the_operator_refuses_bad_etcd_options_at_once(args: list[str], message:
     from podmeter.cli.main import main
 
     assert main(["operator", "--identity-backend", "etcd", *args]) == 2
-    assert message in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert message in said.out + said.err
 
 
 def test_the_cli_passes_the_options_to_the_backend(pki: Pki) -> None:

@@ -237,7 +237,9 @@ def explain(exc: aetcd.exceptions.ClientError, endpoint: Endpoint, access: EtcdA
                                        and not access.username):
         return f"{where}: the server requires an etcd user (--etcd-username, --etcd-password-file): {details}"
     if "permission denied" in low:
-        return (f"{where}: user {access.username or '(none)'!r} may not read and write podmeter's keys "
+        who = (f"user {access.username!r}" if access.username
+               else "the user named by the client certificate's CN" if access.cert else "an anonymous client")
+        return (f"{where}: {who} may not read and write podmeter's keys "
                 f"(grant its role readwrite on the prefix): {details}")
     if isinstance(exc, aetcd.exceptions.ConnectionFailedError) and endpoint.tls:
         if "certificate_verify_failed" in low:
