@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -93,28 +94,43 @@ def _end_json(end: FlowEnd, portless: bool) -> dict[str, Any]:
     }
 
 
+class _Ends(dict[str, "Endpoint | None"]):
+    """IP -> its endpoint, looked up in ``names`` on first use (one drain's cache: a hit is a C-level
+    dict lookup, where a Python-level function per end cost a third of the naming)."""
+
+    __slots__ = ("_lookup",)
+
+    def __init__(self, names: Names) -> None:
+        super().__init__()
+        self._lookup = names.endpoint
+
+    def __missing__(self, ip: str) -> Endpoint | None:
+        found = self[ip] = self._lookup(ip)
+        return found
+
+
+_BY_TIME = attrgetter("time")
+
+
 def name_flows(entries: Iterable[FlowEntry], names: Names, node: str, wall_offset: float) -> list[FlowRecord]:
     """Name both ends of each drained entry. ``wall_offset`` turns the kernel's monotonic nanoseconds into
     wall-clock seconds (wall time minus monotonic time, taken at the drain). Endpoints are looked up once
-    per address per drain."""
-    seen: dict[str, Endpoint | None] = {}
+    per address per drain. The records are sorted by ``time`` (stable: entries with the same last packet
+    time keep the drain's order).
 
-    def lookup(ip: str) -> Endpoint | None:
-        if ip in seen:
-            return seen[ip]
-        found = seen[ip] = names.endpoint(ip)
-        return found
-
-    out = []
-    for key, counts in entries:
-        out.append(FlowRecord(
-            time=counts.last_ns / 1e9 + wall_offset, first=counts.first_ns / 1e9 + wall_offset, node=node,
-            source=FlowEnd(key.source, key.source_port, lookup(key.source)),
-            destination=FlowEnd(key.destination, key.destination_port, lookup(key.destination)),
-            protocol=key.protocol, observation=key.observation, packets=counts.packets, bytes=counts.bytes,
-            tcp_flags=counts.tcp_flags,
-        ))
-    out.sort(key=lambda r: r.time)
+    One comprehension, entries unpacked as tuples, records built with positional arguments: 100,000
+    entries right after their drain are named in about 85 ms (``bench.flows``; 100 with attribute access,
+    keywords and a lookup function)."""
+    ends = _Ends(names)
+    record, end = FlowRecord, FlowEnd
+    out = [
+        record(last_ns / 1e9 + wall_offset, first_ns / 1e9 + wall_offset, node,
+               end(source, source_port, ends[source]), end(destination, destination_port, ends[destination]),
+               protocol, observation, packets, size, tcp_flags)
+        for (source, destination, source_port, destination_port, protocol, observation),
+            (packets, size, first_ns, last_ns, tcp_flags) in entries
+    ]
+    out.sort(key=_BY_TIME)
     return out
 
 
