@@ -46,6 +46,10 @@ COPY --from=bpf /src/out/ src/podmeter/bpf/
 # would take it out of every install, including `pip install 'podmeter[lab]'` and the editable one of
 # scripts/setup.sh. In the image `podmeter lab|apiserver|node` say that they need the lab extra.
 RUN rm -r src/podmeter/lab src/podmeter/cli/lab.py src/podmeter/cli/apiserver.py src/podmeter/cli/node.py
+# `podmeter --version` names the commit the image was built from when the build is given it
+# (docker build --build-arg PODMETER_COMMIT=$(git rev-parse --short=12 HEAD) .): the image has no git.
+ARG PODMETER_COMMIT=""
+RUN if [ -n "$PODMETER_COMMIT" ]; then printf '%s\n' "$PODMETER_COMMIT" > src/podmeter/COMMIT; fi
 RUN /opt/podmeter/bin/pip install . \
  && /opt/podmeter/bin/python -c "import importlib.resources as r; assert r.files('podmeter').joinpath('bpf/podmeter.bpf.o').is_file()" \
  && /opt/podmeter/bin/python -c "import importlib.util as u; assert not [m for m in ('podmeter.lab', 'matplotlib', 'rich', 'numpy', 'PIL') if u.find_spec(m)]" \

@@ -140,7 +140,7 @@ def agent_idle_rss_mib() -> float:
         kubeconfig = Path(tmp) / "kubeconfig"
         api_port, agent_port = free_port(), free_port()
         server = subprocess.Popen([sys.executable, "-m", "podmeter", "apiserver", "--listen",
-                                   f"127.0.0.1:{api_port}", "--kubeconfig-out", str(kubeconfig)],
+                                   f"127.0.0.1:{api_port}", "--kubeconfig-out", str(kubeconfig), "--plain-http"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         agent = None
         try:

@@ -120,7 +120,7 @@ def cache_bytes_per_entry(api: MemorySliceApi, count: int) -> float:
 def start_apiserver(workdir: Path) -> tuple[subprocess.Popen[bytes], Path, str]:
     kubeconfig = workdir / "kubeconfig"
     proc = subprocess.Popen([sys.executable, "-m", "podmeter", "apiserver", "--listen", "127.0.0.1:0",
-                             "--kubeconfig-out", str(kubeconfig), "--token", TOKEN],
+                             "--kubeconfig-out", str(kubeconfig), "--token", TOKEN, "--plain-http"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

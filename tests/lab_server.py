@@ -95,7 +95,9 @@ class LabServer:
     def _cli_args(self) -> list[str]:
         out = ["--listen", "127.0.0.1:0", "--kubeconfig-out", str(self.kubeconfig), "--token", self.token]
         if self.tls:
-            out += ["--tls", "--tls-dir", str(self.dir / "tls")]
+            out += ["--tls-dir", str(self.dir / "tls")]  # HTTPS is the default
+        else:
+            out += ["--plain-http"]
         return out + self.args
 
     def _command(self) -> list[str]:

@@ -61,7 +61,7 @@ class Cluster:
         self.topology, self.workdir = topology, workdir
         kubeconfig = workdir / "server-kubeconfig"
         argv = ["nsenter", f"--net={topology.host_path}", "--", sys.executable, "-m", "podmeter", "apiserver",
-                "--listen", "0.0.0.0:0", "--kubeconfig-out", str(kubeconfig), "--token", TOKEN]
+                "--listen", "0.0.0.0:0", "--kubeconfig-out", str(kubeconfig), "--token", TOKEN, "--plain-http"]
         with open(workdir / "apiserver.log", "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         wait_for(lambda: kubeconfig.exists() and "server" in kubeconfig.read_text(), timeout=20,

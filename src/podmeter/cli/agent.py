@@ -78,8 +78,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--hubble-tls-key", metavar="PEM", help="the Hubble API's server key")
     p.add_argument("--hubble-tls-client-ca", metavar="PEM",
                    help="CA that signs the Hubble API's client certificates (required: mutual TLS, as Relay uses)")
-    p.add_argument("--log-format", choices=("text", "json"), default="text")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="text for people, json: one object per line (ts, level, logger, msg)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info", type=str.lower,
+                   help="the least severe messages logged")
     p.set_defaults(func=run)
 
 

@@ -1,4 +1,9 @@
-"""`podmeter apiserver`: run the lab API server, or (`podmeter apiserver fault ...`) poke a running one."""
+"""`podmeter apiserver`: run the lab API server, or (`podmeter apiserver fault ...`) poke a running one.
+
+It serves HTTPS by default, with a self-signed certificate (made by ``openssl``) that the kubeconfig it
+writes names as the CA: kubectl sends no credentials over plain HTTP, so that kubeconfig works with it.
+Plain HTTP only with ``--plain-http`` (the lab's own processes and the tests use it).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ import argparse
 import asyncio
 import json
 import logging
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +41,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--listen", type=_listen, default=("127.0.0.1", 6443), help="HOST:PORT (port 0: any free)")
     parser.add_argument("--kubeconfig-out", type=Path, help="write a kubeconfig for this server here")
     parser.add_argument("--token", help="bearer token clients must send (default: random)")
-    parser.add_argument("--tls", action="store_true", help="serve HTTPS with a self-signed certificate")
-    parser.add_argument("--tls-dir", type=Path, help="where to put the certificate (default: beside the kubeconfig)")
+    parser.add_argument("--plain-http", action="store_true",
+                        help="serve plain HTTP instead of HTTPS (kubectl then sends no token: every request is a 401)")
+    parser.add_argument("--tls", action="store_true",
+                        help="serve HTTPS with a self-signed certificate: the default (kept for older command lines)")
+    parser.add_argument("--tls-dir", type=Path,
+                        help="where to put the certificate (default: tls/ beside the kubeconfig, else a new "
+                             "temporary directory)")
     parser.add_argument("--history", type=int, default=10_000, help="events kept for watch resumption")
     parser.add_argument("--bookmark-interval", type=float, default=60.0, help="seconds between watch bookmarks")
     parser.add_argument(
@@ -90,9 +102,19 @@ def _run(args: argparse.Namespace) -> int:
         too_large_wait=args.too_large_rv_wait,
         watch_queue_limit=args.watch_queue_limit,
     )
+    if args.plain_http and (args.tls or args.tls_dir):
+        print("podmeter apiserver: --plain-http and --tls/--tls-dir contradict each other", file=sys.stderr)
+        return 2
     tls_dir = None
-    if args.tls:
-        tls_dir = args.tls_dir or (args.kubeconfig_out.parent if args.kubeconfig_out else Path.cwd()) / "tls"
+    if not args.plain_http:
+        if shutil.which("openssl") is None:
+            print("podmeter apiserver: HTTPS (the default) needs openssl for its self-signed certificate: install "
+                  "it (apt-get install openssl), or serve plain HTTP with --plain-http", file=sys.stderr)
+            return 2
+        tls_dir = args.tls_dir or (args.kubeconfig_out.parent / "tls" if args.kubeconfig_out else
+                                   Path(tempfile.mkdtemp(prefix="podmeter-apiserver-tls-")))
+        print(f"podmeter apiserver: HTTPS with the self-signed certificate {tls_dir / 'apiserver.crt'} "
+              "(clients trust it as the CA; the kubeconfig names it)", flush=True)
     try:
         asyncio.run(serve_forever(settings, host, port, kubeconfig_out=args.kubeconfig_out, tls_dir=tls_dir))
     except KeyboardInterrupt:

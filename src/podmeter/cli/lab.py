@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -53,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"podmeter lab: {exc}", file=sys.stderr)
         return 2
+    if (args.datapath or scenario.datapath) == "ebpf" and (missing := ebpf_lab_missing()):
+        print(f"podmeter lab: {missing}", file=sys.stderr)
+        return 2
     try:
         lab = LabRun(scenario, LabOptions(args.out, args.datapath, not args.no_progress, args.duration,
                                                 args.lifecycles))
@@ -67,6 +71,32 @@ def run(args: argparse.Namespace) -> int:
     files = write_report(result, args.out)
     print_summary(result, files)
     return 0 if result.passed else 1
+
+
+def ebpf_lab_missing(caps: int | None = None, euid: int | None = None, mountinfo: str | None = None) -> str | None:
+    """Why this process cannot run the eBPF lab, with what to do, or None. The lab makes network namespaces
+    and veths (CAP_SYS_ADMIN, CAP_NET_ADMIN), loads and pins BPF programs (CAP_BPF or CAP_SYS_ADMIN, a bpf
+    filesystem at /sys/fs/bpf) and its pin directory belongs to root."""
+    from podmeter.adapters.datapath.ebpf import preflight
+    from podmeter.adapters.datapath.ebpf.errors import BpffsNotMounted
+
+    mask = preflight.effective_capabilities() if caps is None else caps
+    wanted = (("CAP_SYS_ADMIN", preflight.CAP_SYS_ADMIN), ("CAP_NET_ADMIN", preflight.CAP_NET_ADMIN))
+    problems = []
+    if (os.geteuid() if euid is None else euid) != 0:
+        problems.append("this process is not root")
+    if lacking := [name for name, bit in wanted if not mask & (1 << bit)]:
+        problems.append(f"it lacks {' and '.join(lacking)}")
+    try:
+        preflight.check_bpffs("/sys/fs/bpf", mountinfo)
+    except BpffsNotMounted:
+        problems.append("no bpf filesystem is mounted at /sys/fs/bpf")
+    if not problems:
+        return None
+    return ("--datapath ebpf makes network namespaces and veths and loads BPF programs, so it needs root with "
+            f"CAP_SYS_ADMIN and CAP_NET_ADMIN and bpffs at /sys/fs/bpf, but {'; '.join(problems)}. Run it as root "
+            "(sudo, or a privileged container), mount bpffs with `mount -t bpf bpf /sys/fs/bpf`, or use "
+            "--datapath memory (no kernel, no root)")
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

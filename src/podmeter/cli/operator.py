@@ -38,7 +38,8 @@ def register(subparsers: Any) -> None:
         "operator", help="allocate label-set identities for the cluster's pods", description=__doc__
     )
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, then in-cluster)")
-    p.add_argument("--identity-backend", choices=("memory", "etcd"), default="memory")
+    p.add_argument("--identity-backend", choices=("memory", "etcd"), default="memory",
+                   help="where identities live: memory (each replica numbers on its own) or etcd (shared)")
     p.add_argument("--etcd-endpoints", default="http://127.0.0.1:2379", help="comma-separated URLs")
     p.add_argument("--etcd-lease-ttl", type=int, default=10, help="seconds a dead operator's references live")
     p.add_argument("--etcd-cacert", default="", metavar="FILE",
@@ -55,23 +56,31 @@ def register(subparsers: Any) -> None:
                    help="comma-separated label keys to take out of the default exclusions")
     p.add_argument("--listen", default="127.0.0.1:9979", help="HOST:PORT for /metrics, /healthz, /debug")
     p.add_argument("--debug-anywhere", action="store_true", help="answer /debug/* on every address")
-    p.add_argument("--lease-namespace", default="kube-system")
-    p.add_argument("--lease-name", default="podmeter-operator")
-    p.add_argument("--holder-identity", default="", help="default: HOSTNAME-PID")
-    p.add_argument("--lease-duration", type=float, default=15.0)
-    p.add_argument("--renew-deadline", type=float, default=10.0)
-    p.add_argument("--retry-period", type=float, default=2.0)
-    p.add_argument("--sweep-period", type=float, default=30.0)
-    p.add_argument("--gc-period", type=float, default=30.0)
-    p.add_argument("--config-period", type=float, default=5.0)
+    p.add_argument("--lease-namespace", default="kube-system", help="namespace of the leader-election Lease")
+    p.add_argument("--lease-name", default="podmeter-operator", help="name of the leader-election Lease")
+    p.add_argument("--holder-identity", default="",
+                   help="this replica's name in the Lease and in etcd references (default: HOSTNAME-PID)")
+    p.add_argument("--lease-duration", type=float, default=15.0,
+                   help="seconds after which a candidate takes over a Lease that has not changed")
+    p.add_argument("--renew-deadline", type=float, default=10.0,
+                   help="seconds a leader that cannot renew keeps leading before it steps down")
+    p.add_argument("--retry-period", type=float, default=2.0, help="seconds between Lease reads and renewals")
+    p.add_argument("--sweep-period", type=float, default=30.0,
+                   help="seconds between full recomputations of identities from the pod store")
+    p.add_argument("--gc-period", type=float, default=30.0,
+                   help="seconds between the leader's garbage collections of the identity store")
+    p.add_argument("--config-period", type=float, default=5.0,
+                   help="seconds between the leader's checks of the default MetricsConfiguration")
     p.add_argument("--publish-endpoints", action=argparse.BooleanOptionalAction, default=True,
                    help="publish the cluster's endpoints as PodSlices for the agents (leader only)")
     p.add_argument("--publish-period", type=float, default=1.0,
                    help="seconds between two syncs of the PodSlices at most (changes are coalesced)")
     p.add_argument("--publish-max-writes", type=int, default=100,
                    help="PodSlice writes per sync at most (the rest waits for the next sync)")
-    p.add_argument("--log-format", choices=("text", "json"), default="text")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="text for people, json: one object per line (ts, level, logger, msg)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info", type=str.lower,
+                   help="the least severe messages logged")
     p.set_defaults(func=_run)
 
 
@@ -149,7 +158,7 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         operator, client = build(args)
     except ConnectionConfigError as exc:
-        print(f"podmeter operator: {exc}")
+        log.error("%s", exc)
         return 2
     runner, port = await serve_http(operator.http_app(), args.listen)
     log.info("podmeter operator: %s backend, HTTP on %s (port %d)", operator.backend.name, args.listen, port)
@@ -181,6 +190,6 @@ def _run(args: argparse.Namespace) -> int:
         if args.identity_backend == "etcd":
             check_etcd(args)  # an EtcdAccessError is a ValueError
     except (argparse.ArgumentTypeError, ValueError) as exc:
-        print(f"podmeter operator: {exc}")
+        log.error("%s", exc)
         return 2
     return asyncio.run(serve(args))

@@ -265,7 +265,7 @@ class LabRun(Hooks):
         kubeconfig = self.out / "kubeconfig"
         kubeconfig.unlink(missing_ok=True)
         argv = [*PODMETER, "apiserver", "--listen", "127.0.0.1:0", "--kubeconfig-out", str(kubeconfig),
-                "--history", str(self.scenario.apiserver.history)]
+                "--history", str(self.scenario.apiserver.history), "--plain-http"]
         process = self.processes.add("apiserver", argv, self.out / "logs")
         process.start()
         wait_for_file(kubeconfig, process)
