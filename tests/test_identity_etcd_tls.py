@@ -213,6 +213,36 @@ async def test_with_client_certificates_and_users_the_certificate_names_the_user
             await outside.start()
 
 
+# -- connections ----------------------------------------------------------------------------------------------
+
+
+async def test_a_dropped_connection_does_not_cancel_the_requests_still_on_it() -> None:
+    """Closing a gRPC channel cancels its requests (their callers would see CancelledError, as if their task
+    was cancelled): a client dropped after a failure is closed only once its requests have timed out."""
+    import grpc.aio
+
+    async def never(request: bytes, context: object) -> bytes:
+        await asyncio.sleep(60)
+        return b""
+
+    slow = grpc.aio.server()  # an etcd whose Range never answers
+    slow.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("etcdserverpb.KV", {
+        "Range": grpc.unary_unary_rpc_method_handler(never)})])
+    port = slow.add_insecure_port("127.0.0.1:0")
+    await slow.start()
+    try:
+        b = EtcdIdentityBackend([f"http://127.0.0.1:{port}"], timeout=1)
+        b._lease_id = 1
+        pending = asyncio.create_task(b.acquire(key(1)))
+        await asyncio.sleep(0.3)  # the request is on the wire
+        await b._drop_client(rotate=False)  # as the keepalive does after a connection failure
+        with pytest.raises(IdentityBackendError, match="ConnectionTimeoutError"):
+            await pending
+        await b.close()
+    finally:
+        await slow.stop(None)
+
+
 # -- the options -------------------------------------------------------------------------------------------
 
 

@@ -99,8 +99,28 @@ class Violation:
     invariant: str  # "I1" .. "I6"
     subject: str  # an IP, a pod, a counter name
     detail: str
-    first_seen: float
+    first_seen: float  # restarted when a hold ends (only time after a fault counts toward the settle time)
     last_seen: float
+    appeared: float | None = None  # when it was first seen (never restarted): None means first_seen
+    during_hold: bool = False  # the checks were held at some sample while it was open
+
+
+@dataclass
+class Transients:
+    """The violations of one invariant that cleared within the settle time, and the longest of them."""
+
+    count: int = 0
+    longest_s: float = 0.0  # from the first sample that saw it to the first that did not
+    subject: str = ""
+    detail: str = ""
+    during_hold: bool = False
+
+    def add(self, violation: Violation, cleared: float) -> None:
+        self.count += 1
+        lasted = cleared - (violation.first_seen if violation.appeared is None else violation.appeared)
+        if self.count == 1 or lasted > self.longest_s:
+            self.longest_s, self.subject, self.detail = lasted, violation.subject, violation.detail
+            self.during_hold = violation.during_hold
 
 
 @dataclass
@@ -128,6 +148,8 @@ class Checker:
     open: dict[tuple[str, str, str], Violation] = field(default_factory=dict)
     failures: list[Violation] = field(default_factory=list)
     transient: int = 0
+    transients: dict[str, Transients] = field(default_factory=dict)  # invariant -> cleared violations
+    checked: set[str] = field(default_factory=set)  # invariants some sample could check (the report's table)
     overflow_seen: int = 0
     last_holder: dict[str, str] = field(default_factory=dict)  # ip -> "ns/name" of its last holder
     traffic_pods: set[str] = field(default_factory=set)  # "ns/name" of pods the lab sent traffic from/to
@@ -161,17 +183,20 @@ class Checker:
         found: dict[tuple[str, str, str], tuple[str, str, str]] = {}
         for invariant, subject, detail in self._violations(obs):
             found[_identity(invariant, subject, detail)] = (invariant, subject, detail)
+        self.checked |= _checked_by(obs) | {invariant for invariant, _, _ in found.values()}
         now = self.clock()
         for key in [k for k in self.open if k not in found]:
             if key not in self._failed_keys:
                 self.transient += 1
+                self.transients.setdefault(key[0], Transients()).add(self.open[key], now)
             del self.open[key]
             self._graced.discard(key)
         for key, (invariant, subject, detail) in found.items():
             violation = self.open.get(key)
             if violation is None:
-                violation = self.open[key] = Violation(invariant, subject, detail, now, now)
+                violation = self.open[key] = Violation(invariant, subject, detail, now, now, appeared=now)
             violation.last_seen, violation.detail = now, detail
+            violation.during_hold = violation.during_hold or self.held
             allowed = self.settle + (self.metrics_grace if key in self._graced else 0.0)
             if not self.held and now - violation.first_seen > allowed and key not in self._failed_keys:
                 self._failed_keys.add(key)
@@ -252,6 +277,10 @@ class Checker:
 
     def summary(self) -> dict[str, Any]:
         return {"failures": [_violation_json(v) for v in self.failures], "transient": self.transient,
+                "transients": {inv: {"count": t.count, "longest_s": round(t.longest_s, 2), "subject": t.subject,
+                                     "detail": t.detail, "during_hold": t.during_hold}
+                               for inv, t in sorted(self.transients.items())},
+                "checked": sorted(self.checked),
                 "overflow_max_waiting": self.overflow_seen}
 
 
@@ -261,6 +290,18 @@ def _identity(invariant: str, subject: str, detail: str) -> tuple[str, str, str]
     in flight is a new transient, not the continuation of the last pod's. I1 and I4 subjects are a pod
     or a label set, which churn does not reuse."""
     return (invariant, subject, detail if invariant in ("I2", "I3") else "")
+
+
+def _checked_by(obs: Observation) -> set[str]:
+    """The invariants one sample can check: I2 and I3 with the kernel filter read, I1 and I5 with the agent
+    up (I1 with its store read), I4 with the operator's identities read. A check added to :meth:`Checker.
+    _violations` adds its invariant here, else the report shows it as not checked until it finds a violation."""
+    checked = {"I2", "I3"} if obs.kernel is not None else set()
+    if obs.agent_up:
+        checked |= {"I5"} | ({"I1"} if obs.agent_pods is not None else set())
+    if obs.operator_keys is not None:
+        checked.add("I4")
+    return checked
 
 
 def _why_not(pod: Pod) -> str:

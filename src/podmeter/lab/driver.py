@@ -50,6 +50,7 @@ class DriverStats:
 class Hooks:
     """What the driver needs from the run besides the API server (processes, checks, traffic)."""
 
+    def step_started(self, step: sc.Step) -> None: ...  # the report marks fault steps on its time plots
     def kill_agent(self) -> None: ...
     def start_agent(self) -> None: ...
     def hold(self) -> None: ...
@@ -91,6 +92,7 @@ class Driver:
             if self.stop.wait(max(0.0, started + step.at - time.monotonic())):
                 return
             self.stats.step = f"{step.at:g}s {step.__struct_config__.tag}"
+            self.hooks.step_started(step)
             try:
                 self._run_step(index, step)
             except KubeError as exc:

@@ -32,6 +32,7 @@ from typing import Any
 
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf.links import dump_links
+from podmeter.lab import runinfo
 from podmeter.lab import scenario as sc
 from podmeter.lab.apiserver.client import AdminClient
 from podmeter.lab.checks import Checker, Observation, Samples, Truth, metric_sum, parse_metrics, read_truth
@@ -66,6 +67,7 @@ from podmeter.lab.processes import (
     wait_for_file,
     wait_ready,
 )
+from podmeter.lab.runinfo import Mark, RunInfo
 from podmeter.lab.traffic import UDP_OVERHEAD, Endpoint, UdpSink, send_datagrams, send_tcp, send_udp
 from podmeter.model.datapath import Direction
 from podmeter.model.identity import IdentityKey, LabelFilter
@@ -120,6 +122,10 @@ class LabResult:
     error: str | None = None
     report_files: list[str] = field(default_factory=list)
     steps_s: float | None = None  # how long the steps ran (the duration, or less when lifecycles ended them)
+    info: RunInfo | None = None  # version, commit, kernel, date, duration, ... (the report's run table)
+    marks: list[Mark] = field(default_factory=list)  # faults, agent kills, holds: lines on the time plots
+    transients: dict[str, dict[str, Any]] = field(default_factory=dict)  # invariant -> count, the longest
+    checked: list[str] = field(default_factory=list)  # invariants the samples could check (I1-I5, ...)
 
 
 def choose_datapath(requested: str) -> tuple[str, str | None]:
@@ -168,6 +174,7 @@ class LabRun(Hooks):
         self._last: Sample | None = None
         self._agent_restarting = False
         self._restarted_at: float | None = None
+        self._held_since: float | None = None  # the checks are held since (a mark once released)
         self.convergence_s: list[float] = []  # I6: restart -> first sample with the kernel map == truth
         self._label_filter = LabelFilter()
 
@@ -175,6 +182,8 @@ class LabRun(Hooks):
 
     def run(self) -> LabResult:
         self.out.mkdir(parents=True, exist_ok=True)
+        self.result.info = info = runinfo.collect(self.scenario, self.datapath, self.out,
+                                                  self.options.duration or self.scenario.duration)
         try:
             with self._node_namespace():
                 self._run_processes()
@@ -184,6 +193,7 @@ class LabRun(Hooks):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 shutil.rmtree(self.bpffs)
+            info.duration_s = round(time.time() - info.started_unix, 1)
         self.result.passed = self._verdict()
         return self.result
 
@@ -226,6 +236,7 @@ class LabRun(Hooks):
             steps.start()
             self._wait_for_end(self.started + duration, self.options.lifecycles or self.scenario.lifecycles)
             self.result.steps_s = round(time.monotonic() - self.started, 1)
+            self.result.marks.append(Mark(self.result.steps_s, runinfo.TEARDOWN, "teardown"))
             self.driver.stop.set()
             self.driver.join()
             self.driver.stats.step = "teardown: deleting every pod"
@@ -302,12 +313,25 @@ class LabRun(Hooks):
         wait_ready(f"http://127.0.0.1:{self.agent_port}/readyz", process)
         if process.starts > 1:
             self._restarted_at = time.monotonic()
+            for mark in reversed(self.result.marks):
+                if mark.kind == runinfo.AGENT_KILL and mark.until is None:
+                    mark.until = self._now()
+                    break
         self._agent_restarting = False
         self.baselines.pop("agent", None)  # a new process: a new baseline
 
     def kill_agent(self) -> None:
         self._agent_restarting = True
         self.processes["agent"].kill()
+        self.result.marks.append(Mark(self._now(), runinfo.AGENT_KILL, "agent SIGKILL"))
+
+    def step_started(self, step: sc.Step) -> None:
+        if runinfo.is_marked(step):
+            self.result.marks.append(Mark(self._now(), runinfo.FAULT, runinfo.step_label(step)))
+
+    def _now(self) -> float:
+        """Seconds since the steps started: the samples' and the marks' time."""
+        return round(time.monotonic() - self.started, 2)
 
     def _start_operator(self) -> None:
         if not self.scenario.operator.enabled:
@@ -320,10 +344,15 @@ class LabRun(Hooks):
         wait_ready(f"http://127.0.0.1:{self.operator_port}/readyz", process)
 
     def hold(self) -> None:
+        if not self.checker.held:
+            self._held_since = self._now()
         self.checker.hold()
 
     def release(self) -> None:
         self.checker.release()
+        if not self.checker.held and self._held_since is not None:
+            self.result.marks.append(Mark(self._held_since, runinfo.HELD, "checks held", until=self._now()))
+            self._held_since = None
 
     def _remove_leftover_sandboxes(self) -> None:
         """Sandboxes a killed node could not remove: every pod namespace of this run's node namespace."""
@@ -739,7 +768,9 @@ class LabRun(Hooks):
     def _collect(self) -> None:
         assert self.driver is not None
         stats = self.driver.stats
-        self.result.failures = self.checker.summary()["failures"]
+        summary = self.checker.summary()
+        self.result.failures, self.result.transients = summary["failures"], summary["transients"]
+        self.result.checked = summary["checked"]
         self.result.flows = aggregate(self.flow_records)
         checked = [t["flow"] for t in self.result.traffic if "flow" in t]
         flow_counts: dict[str, Any] = {"checked": len(checked), "exact": sum(bool(f["ok"]) for f in checked)}

@@ -149,6 +149,7 @@ class EtcdIdentityBackend:
         self._lock = asyncio.Lock()
         self._client: Any = None
         self._keepalive: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # clients dropped, closed once their requests timed out
         self._gc_marked: dict[bytes, Pair] = {}
         self._rng = random.Random()
         self._seen_corrupt: dict[bytes, int] = {}  # store key -> mod_revision of corrupt entries counted
@@ -179,6 +180,10 @@ class EtcdIdentityBackend:
                     await self._client.revoke_lease(self._lease_id)  # clean exit: references go at once
             await self._client.close()
             self._client = None
+        for task in list(self._closing):  # dropped clients: closed now, without waiting for their requests
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     @property
     def _c(self) -> Any:
@@ -189,13 +194,25 @@ class EtcdIdentityBackend:
         return self._client
 
     async def _drop_client(self, rotate: bool) -> None:
-        """Forget the client: the next call connects again (re-reading the files, authenticating anew)."""
+        """Forget the client: the next call connects again (re-reading the files, authenticating anew).
+
+        The old client is closed only once every request still on it has timed out: closing a gRPC channel
+        cancels its requests, and their callers would see a CancelledError, as if they were cancelled."""
         old, self._client = self._client, None
         if rotate:
             self._endpoint = (self._endpoint + 1) % len(self._targets)
         if old is not None:
+            task = asyncio.create_task(self._close_later(old, self._timeout + 1), name="etcd-client-close")
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close_later(client: Any, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+        finally:  # also when cancelled by close(): the channel is closed at once then
             with contextlib.suppress(Exception):
-                await old.close()
+                await client.close()
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run one store operation; a failure becomes IdentityBackendError with words to act on.
