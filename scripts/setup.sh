@@ -10,6 +10,7 @@ command -v clang >/dev/null || need_apt+=(clang)
 [ -f /usr/include/bpf/bpf_helpers.h ] || need_apt+=(libbpf-dev)
 command -v bpftool >/dev/null || need_apt+=(bpftool)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
+command -v openssl >/dev/null || need_apt+=(openssl)  # the etcd TLS tests make their certificates with it
 command -v ip >/dev/null || need_apt+=(iproute2)
 command -v nft >/dev/null || need_apt+=(nftables)  # the lab and tests induce drops with nft rules
 if [ ${#need_apt[@]} -gt 0 ]; then
