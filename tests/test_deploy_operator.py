@@ -123,7 +123,8 @@ class Replica:
         assert security["capabilities"] == {"drop": ["ALL"]} and security["allowPrivilegeEscalation"] is False
         fields = {"metadata.name": name, "metadata.namespace": NAMESPACE}
         maps = {o["metadata"]["name"]: o["data"] for o in objects if o["kind"] == "ConfigMap"}
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "KUBECONFIG": str(kubeconfig)}
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "KUBECONFIG": str(kubeconfig),
+               "PODMETER_ALLOW_PLAIN_HTTP_CREDENTIALS": "1"}  # the test API server is plain HTTP
         for entry in cont["env"]:
             source = entry.get("valueFrom", {})
             if "value" in entry:
