@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything podmeter's lab and tests need on a fresh Debian 12 machine, idempotently:
-# system packages (clang, libbpf, bpftool, etcd, iproute2, nftables), the bpffs mount, a venv with the package,
+# system packages (clang, libbpf, bpftool, etcd, iproute2, nftables, promtool, zsh), the bpffs mount, a venv with the package,
 # its lab extra and its dev tools, and the BPF object. Safe to run again: each step checks before it acts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,11 +13,16 @@ command -v etcd >/dev/null || need_apt+=(etcd-server)
 command -v openssl >/dev/null || need_apt+=(openssl)  # the etcd TLS tests make their certificates with it
 command -v ip >/dev/null || need_apt+=(iproute2)
 command -v nft >/dev/null || need_apt+=(nftables)  # the lab and tests induce drops with nft rules
+command -v promtool >/dev/null || need_apt+=(prometheus)  # promtool: the tests check the alert rules with it
+command -v zsh >/dev/null || need_apt+=(zsh)  # the tests run the zsh completion script in a real zsh
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
     echo "setup: installing ${need_apt[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+    if [[ " ${need_apt[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+      systemctl disable --now prometheus prometheus-node-exporter >/dev/null 2>&1 || true  # only promtool is used
+    fi
   else
     echo "setup: not root, cannot install ${need_apt[*]}; eBPF and etcd tests will be skipped" >&2
   fi

@@ -242,6 +242,21 @@ def test_unknown_fields_and_defaults_are_emulated() -> None:
     assert admit(config({}))["spec"] == {"annotations": True}
 
 
+def test_the_crd_refuses_a_name_podmeter_would_ignore() -> None:
+    """podmeter reads only the object named default: the root CEL rule on metadata.name refuses the others,
+    so no configuration can exist that is silently ignored."""
+    obj = config({"namespaces": {"include": ["shop"]}})
+    obj["metadata"]["name"] = "shop-only"
+    with pytest.raises(Rejected) as rejected:
+        admit(obj)
+    (reason,) = rejected.value.reasons
+    assert "podmeter reads only the MetricsConfiguration named default" in reason
+    assert decodes(obj) is not None  # the spec itself is fine: the name alone is refused
+    assert admit(config({"namespaces": {"include": ["shop"]}}))["metadata"]["name"] == "default"
+    (rule,) = version_schema()["x-kubernetes-validations"]
+    assert rule["rule"] == "self.metadata.name == 'default'"
+
+
 # --- the examples shipped in deploy/examples ---------------------------------------------------------------
 
 

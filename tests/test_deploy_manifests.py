@@ -33,10 +33,11 @@ pytestmark = needs_kubectl
 # Oldest and newest Kubernetes this install supports (CRD validation rules are GA from 1.29 on).
 K8S_VERSIONS = ("1.29", "1.32")
 # Kinds that are not part of Kubernetes itself: checked by the tests below instead of by schema.
-NOT_KUBERNETES = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+NOT_KUBERNETES = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 COMPOSITIONS = {
     "base+sys-admin+perfmon": (["base"], ["components/sys-admin", "components/perfmon"]),
     "base+etcd+servicemonitor": (["base"], ["components/etcd", "components/servicemonitor"]),
+    "base+alerts+dashboards": (["base"], ["components/alerts", "dashboards"]),
 }
 
 
