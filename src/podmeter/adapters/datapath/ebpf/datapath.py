@@ -108,7 +108,7 @@ def _load_owned(pins: PinDir, path: Path, filter_size: int, flow_size: int) -> t
     for name in pins.remove_leftovers():
         log.warning("removed %s left by an interrupted map resize", name)
     single = _take_single_flows_map(pins)
-    replace = frozenset({FLOWS_MAP}) if pins.has(FLOWS_MAP) and not _slot_reusable(pins) else frozenset()
+    replace = frozenset({FLOWS_MAP}) if _slot_unproven(pins) else frozenset()
     loaded = load(path, pins, map_sizes(filter_size, flow_size), [FROM_POD, TO_POD], TRANSIENT_MAPS,
                   replace=replace)
     return loaded, single
@@ -131,20 +131,23 @@ def _take_single_flows_map(pins: PinDir) -> list[tuple[bytes, bytes]]:
     return items
 
 
-def _slot_reusable(pins: PinDir) -> bool:
-    """Whether the pinned ``flows`` slot map can be reused: the kernel does not say which inner layout a
-    map-in-map accepts, so only one whose slot holds a pinned map of the flows layout proves it. (One of
-    another layout is replaced by the loader anyway.)"""
+def _slot_unproven(pins: PinDir) -> bool:
+    """Whether a pinned ``flows`` slot map of the right layout must be replaced all the same: the kernel
+    does not say which inner layout a map-in-map accepts, so only a slot holding a pinned map of the
+    flows layout proves that it takes ``flows_a`` and ``flows_b``. (A slot map of another layout, or
+    none, is the loader's business.)"""
+    if not pins.has(FLOWS_MAP):
+        return False
     with contextlib.closing(pins.open(FLOWS_MAP)) as slot:
         if not slot.shape.compatible(FLOWS_SLOT_SHAPE):
-            return True  # the loader replaces it
+            return False
         held = _slot_id(slot)
     for name in (FLOWS_A, FLOWS_B):
         if held and pins.has(name):
             with contextlib.closing(pins.open(name)) as inner:
                 if inner.id == held and FLOW_MAP_SHAPE.compatible(inner.shape):
-                    return True
-    return False
+                    return False
+    return True
 
 
 def _slot_id(slot: BpfMap) -> int:
@@ -243,9 +246,10 @@ class EbpfDatapath:
     """The filter and counters maps, the flows maps, and (when opened by the agent) the programs.
 
     Calls may come from several threads (a writer and a metrics reader): each is a self-contained
-    sequence of map syscalls and keeps no Python state between calls. Only :meth:`close` must come
-    last. The writer should stay the only caller of insert/delete/take_counters, and one task the only
-    caller of :meth:`drain_flows`.
+    sequence of map syscalls and keeps no Python state between calls (but the drain's note of a standby
+    flows map left with entries, :attr:`FlowMaps.standby_dirty`). Only :meth:`close` must come last. The
+    writer should stay the only caller of insert/delete/take_counters, and one task the only caller of
+    :meth:`drain_flows` (it flips the flows slot, and waits for the kernel while it does).
 
     A datapath built without flows maps (``flows=None``: the pins of an older agent, or a benchmark of
     the counting object alone) has a flow capacity of 0 and drains nothing.
