@@ -90,13 +90,19 @@ def _result(tmp_path: Path) -> LabResult:
     result.marks = [Mark(10.02, runinfo.FAULT, "close-watches"),
                     Mark(12.0, runinfo.HELD, "checks held", until=14.61),
                     Mark(12.01, runinfo.AGENT_KILL, "agent SIGKILL", until=14.6),
-                    Mark(18.3, runinfo.FAULT, "compaction gap (1 deletes)"),
+                    Mark(18.3, runinfo.FAULT, "compaction gap"),
                     Mark(30.0, runinfo.TEARDOWN, "teardown")]
     result.transients = {"I1": {"count": 3, "longest_s": 0.52, "subject": "web/app-7",
-                                "detail": "missing: the agent's store lacks web/app-7 (uid u-7)", "during_hold": False},
-                         "I2": {"count": 40, "longest_s": 2.6100000000000003, "subject": "10.244.0.7",
-                                "detail": "missing: 10.244.0.7 of observed web/app-7 is not in the kernel filter",
-                                "during_hold": True}}
+                                "detail": "missing: the agent's store lacks web/app-7 (uid u-7)", "held_count": 0,
+                                "held_longest_s": 0.0, "held_subject": "", "held_detail": ""},
+                         "I2": {"count": 40, "longest_s": 0.51, "subject": "10.244.0.3",
+                                "detail": "leaked: 10.244.0.3 is in the kernel filter but no pod holds it (last held "
+                                          "by jobs/job-28)", "held_count": 2, "held_longest_s": 2.6100000000000003,
+                                "held_subject": "10.244.0.7",
+                                "held_detail": "missing: 10.244.0.7 of observed web/app-7 is not in the kernel filter"},
+                         "I5": {"count": 1, "longest_s": 0.0, "subject": "", "detail": "", "held_count": 1,
+                                "held_longest_s": 4.7, "held_subject": "web/frontend-2",
+                                "held_detail": "series podmeter_pod_bytes_total of web/frontend-2, a pod that is gone"}}
     result.checked = ["I1", "I2", "I3", "I4", "I5"]
     return result
 
@@ -164,10 +170,14 @@ def test_the_invariant_table_lists_i1_to_i8_held_or_failed_with_the_worst_transi
         assert result.split()[0] in {"held", "FAILED", "not"}, row
     assert table["I2"][2].startswith("FAILED") and table["I1"][2].startswith("held")
     assert table["I7"][2].startswith("not checked") and "test_endpoint_publication" in table["I7"][2]
-    # The worst transient and for how long; one that overlapped a deliberate outage says so.
+    # The worst transient and for how long; the worst during a deliberate outage (a hold) apart.
     assert table["I1"][4:] == ["3", "520 ms: web/app-7 missing: the agent's store lacks web/app-7 (uid u-7)"]
-    assert table["I2"][4] == "40" and table["I2"][5].startswith("2.6 s: 10.244.0.7 missing: ")
-    assert "while the checks were held for a fault" in table["I2"][5]
+    assert table["I2"][4] == "40" and table["I2"][5] == (
+        "510 ms: 10.244.0.3 leaked: 10.244.0.3 is in the kernel filter but no pod holds it (last held by "
+        "jobs/job-28) during a hold of the checks (2 transients): 2.6 s: 10.244.0.7 missing: 10.244.0.7 of "
+        "observed web/app-7 is not in the kernel filter")
+    assert table["I5"][5].startswith("during a hold of the checks (1 transient): 4.7 s: web/frontend-2 series ")
+    assert table["I3"][4:] == ["0", "\N{EN DASH}"]
     assert table["I6"][5] == "180 ms from the successor ready to the kernel map converged"
 
 
@@ -194,6 +204,8 @@ def test_a_failed_flow_check_or_a_lost_restart_fails_i8_and_i6(tmp_path: Path) -
     assert rows["I5"]["status"] == "held"  # the counters agreed: only the flow records were off
     result.traffic[1] = {**result.traffic[1], "ok": False}  # counters off, flow records exact
     assert {r["id"]: r for r in invariant_rows(result)}["I5"]["status"] == "failed"
+    result.traffic[1] = {"protocol": "udp", "kind": "drops", "ok": False}  # a drop check is not I5's
+    assert {r["id"]: r for r in invariant_rows(result)}["I5"]["status"] == "held"
 
 
 def test_no_cell_holds_a_python_repr(tmp_path: Path) -> None:
@@ -238,7 +250,7 @@ def test_faults_and_agent_kills_are_marked_on_the_time_plots(tmp_path: Path) -> 
     assert set(vertical) == {10.02, 12.01, 14.6, 18.3, 30.0}  # faults, the kill, the successor ready, teardown
     labels = {text.get_text().strip(): round(text.get_position()[0], 2) for text in ax.texts}
     assert labels == {"close-watches": 10.02, "agent SIGKILL": 12.01, "agent ready": 14.6,
-                      "compaction gap (1 deletes)": 18.3, "teardown": 30.0}
+                      "compaction gap": 18.3, "teardown": 30.0}
     assert vertical[12.01].get_color() != vertical[10.02].get_color()  # a kill is not drawn like a fault
     [held] = [p for p in ax.patches if p.get_label() == "_checks held"]
     assert held.get_x() == pytest.approx(12.0) and held.get_width() == pytest.approx(2.61)
@@ -323,8 +335,10 @@ def test_the_checker_keeps_the_longest_transient_of_each_invariant() -> None:
     sample({"10.0.0.1", "10.0.0.2"})
     assert checker.failures == []
     i2 = checker.summary()["transients"]["I2"]
-    assert i2["count"] == 2 and i2["longest_s"] == 2.5 and i2["subject"] == "10.0.0.2" and i2["during_hold"]
-    assert i2["detail"].startswith("missing: 10.0.0.2 of observed web/app-1")
+    assert (i2["count"], i2["held_count"]) == (2, 1)
+    assert (i2["longest_s"], i2["subject"]) == (0.5, "10.0.0.1")  # outside holds
+    assert (i2["held_longest_s"], i2["held_subject"]) == (2.5, "10.0.0.2")  # all of it, the hold included
+    assert i2["held_detail"].startswith("missing: 10.0.0.2 of observed web/app-1")
     assert checker.summary()["checked"] == ["I2", "I3"]  # the agent was never up, no operator
 
 

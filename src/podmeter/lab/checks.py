@@ -107,20 +107,34 @@ class Violation:
 
 @dataclass
 class Transients:
-    """The violations of one invariant that cleared within the settle time, and the longest of them."""
+    """The violations of one invariant that cleared within the settle time, and the longest of them: of those
+    the checks saw running freely, and of those open during a hold (a deliberate outage, such as an agent
+    SIGKILL: the settle clock stops, the violation does not)."""
 
-    count: int = 0
-    longest_s: float = 0.0  # from the first sample that saw it to the first that did not
+    count: int = 0  # all of them, held ones included
+    longest_s: float = 0.0  # outside holds: from the first sample that saw it to the first that did not
     subject: str = ""
     detail: str = ""
-    during_hold: bool = False
+    held_count: int = 0  # open at some sample while the checks were held
+    held_longest_s: float = 0.0
+    held_subject: str = ""
+    held_detail: str = ""
 
     def add(self, violation: Violation, cleared: float) -> None:
         self.count += 1
         lasted = cleared - (violation.first_seen if violation.appeared is None else violation.appeared)
-        if self.count == 1 or lasted > self.longest_s:
+        if violation.during_hold:
+            self.held_count += 1
+            if self.held_count == 1 or lasted > self.held_longest_s:
+                self.held_longest_s, self.held_subject, self.held_detail = lasted, violation.subject, violation.detail
+        elif self.count - self.held_count == 1 or lasted > self.longest_s:
             self.longest_s, self.subject, self.detail = lasted, violation.subject, violation.detail
-            self.during_hold = violation.during_hold
+
+    def as_json(self) -> dict[str, Any]:
+        return {"count": self.count, "longest_s": round(self.longest_s, 2), "subject": self.subject,
+                "detail": self.detail, "held_count": self.held_count,
+                "held_longest_s": round(self.held_longest_s, 2), "held_subject": self.held_subject,
+                "held_detail": self.held_detail}
 
 
 @dataclass
@@ -277,9 +291,7 @@ class Checker:
 
     def summary(self) -> dict[str, Any]:
         return {"failures": [_violation_json(v) for v in self.failures], "transient": self.transient,
-                "transients": {inv: {"count": t.count, "longest_s": round(t.longest_s, 2), "subject": t.subject,
-                                     "detail": t.detail, "during_hold": t.during_hold}
-                               for inv, t in sorted(self.transients.items())},
+                "transients": {inv: t.as_json() for inv, t in sorted(self.transients.items())},
                 "checked": sorted(self.checked),
                 "overflow_max_waiting": self.overflow_seen}
 

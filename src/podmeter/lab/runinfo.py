@@ -92,5 +92,5 @@ def step_label(step: sc.Step) -> str:
             label += f", {step.repeat} times every {step.every:g} s"
         return label
     if isinstance(step, sc.CompactionGap):
-        return f"compaction gap ({step.deletes} deletes)"
+        return "compaction gap"
     return step_tag(step)
