@@ -376,8 +376,11 @@ class AttachManager:
         changed = {change.index for change in found}
         self._converge(changed)
         if changed & self._attached.keys():  # an attached link changed (up, renamed...): its peer may too
-            with Rtnl() as rtnl:
-                self._read_peers(rtnl, changed & self._attached.keys())
+            try:
+                with Rtnl() as rtnl:
+                    self._read_peers(rtnl, changed & self._attached.keys())
+            except OSError as error:  # placements only: the next pass reads them again
+                log.warning("cannot read the peers of changed links: %s", error)
             self._publish_placements()
         if b"r" in asked:
             self._resolve(full=False)
