@@ -18,11 +18,12 @@ from hypothesis import strategies as st
 
 from factories import make_pod
 from podmeter.adapters.datapath.memory import MemoryDatapath
+from podmeter.model.datapath import BatchResult
 from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Delete, Replace, Upsert
 from podmeter.model.endpoints import AddressBook
 from podmeter.model.flow_records import FlowEnd, FlowFilter, FlowRecord, FlowRing, name_flows
 from podmeter.model.flow_series import OVERFLOW, WorkloadFlows
-from podmeter.model.flows import ICMP, TCP, UDP, FlowCounts, FlowKey, Observation
+from podmeter.model.flows import ICMP, TCP, UDP, FlowCounts, FlowEntry, FlowKey, Observation
 from podmeter.model.records import Pod
 from podmeter.runtime.agent import Agent, AgentSettings
 from podmeter.runtime.flow_feed import FOLLOWER_QUEUE, FlowFeed
@@ -293,3 +294,39 @@ def test_a_failed_drain_before_a_change_of_hands_names_the_next_drain_world() ->
     agent.apply_batch([Tick.DRAIN])
     assert sent_by(agent) == {}  # neither old nor new: unknown, so world
     assert agent.flows is not None and agent.flows.stats.errors == 1 and agent.flows.stats.unnamed == 1
+
+
+def test_a_new_pod_on_a_free_address_does_not_drain_but_one_taking_a_held_address_does() -> None:
+    dp = MemoryDatapath()
+    agent = agent_with(dp)
+    assert agent.flows is not None
+    drains = agent.flows.stats.drains
+    first = make_pod("first", ips=("10.0.0.7",), observe=True)
+    agent.apply_batch([Upsert(PODS, first)])  # a free address: nobody to name differently
+    assert agent.flows.stats.drains == drains
+    agent.apply_batch([Upsert(PODS, make_pod("late", ips=("10.0.0.7",), observe=True))])  # first's delete is late
+    assert agent.flows.stats.drains == drains + 1
+
+
+def test_a_deleted_pods_ip_leaves_the_filter_before_its_flows_are_drained() -> None:
+    """The drain at a change of hands waits for the kernel (a grace period): the filter write does not."""
+    order: list[str] = []
+
+    class Recording(MemoryDatapath):
+        def delete(self, ips: Sequence[str]) -> BatchResult:
+            order.append("filter delete")
+            return super().delete(ips)
+
+        def drain_flows(self) -> list[FlowEntry]:
+            order.append("drain")
+            return super().drain_flows()
+
+    dp = Recording()
+    agent = agent_with(dp)
+    pod = make_pod("p", ips=("10.0.0.7",), observe=True)
+    agent.apply_batch([Upsert(PODS, pod)])
+    dp.record_flow(key("10.0.0.7", "1.1.1.1"), 3, 300, time.monotonic_ns())
+    order.clear()
+    agent.apply_batch([Delete(PODS, pod.uid)])
+    assert order == ["filter delete", "drain"]
+    assert sent_by(agent) == {pod.uid: 3}  # still named by the pod that held it

@@ -87,8 +87,9 @@ class NodeView:
         return observed(pod, self.namespace_store.objects.get(pod.namespace), self.interest, self.node_name)
 
     def renames(self, delta: ViewDelta) -> bool:
-        """Whether ``delta`` would change who holds an address (a pod gets, loses or changes IPs, or
-        stops running): flows counted before it must be named with the view as it is now."""
+        """Whether ``delta`` would take an address from the pod that holds it now (a pod deleted, finished,
+        or with other IPs; a new pod given an IP another stored pod still holds): flows counted before it
+        must be named with the view as it is now. A pod given a free address takes nothing from anyone."""
         if delta.collection is POD_SLICES:
             return self._renames_slices(delta)
         if delta.collection is not PODS:
@@ -103,8 +104,13 @@ class NodeView:
         if not isinstance(new, Pod):  # cannot be, for a delta of PODS (narrows the type)
             return False
         old = stored.get(new.uid)
-        before = old.ips if old is not None and holds_address(old) else ()
-        return before != (new.ips if holds_address(new) else ())
+        before = set(old.ips) if old is not None and holds_address(old) else set()
+        after = set(new.ips) if holds_address(new) else set()
+        if before - after:
+            return True
+        gained = after - before
+        return bool(gained) and any(p.uid != new.uid and holds_address(p) and not gained.isdisjoint(p.ips)
+                                    for p in stored.values())
 
     def _renames_slices(self, delta: ViewDelta) -> bool:
         if isinstance(delta, Replace):

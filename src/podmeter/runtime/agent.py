@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from podmeter.model.deltas import Collection, Replace
 from podmeter.model.drops import DropLedger, DropSource
 from podmeter.model.flow_series import WorkloadFlows
 from podmeter.model.flows import FlowSource
+from podmeter.model.records import Pod
 from podmeter.model.traffic import TrafficLedger
 from podmeter.model.view import NodeView, ViewDelta
 from podmeter.runtime.datapaths import PodLinks
@@ -149,15 +150,24 @@ class Agent:
         """Apply queued items, then push the result to the datapath. Only the writer task calls this
         (tests and benchmarks drive it directly, without reflectors)."""
         interest = self.view.interest
-        if (self.flows is not None or self.drops is not None) and self.ready.is_set() and any(
-                not isinstance(item, Tick) and self.view.renames(item) for item in items):
-            self._drain(before_change=True)  # named as the view is, before anyone changes hands
+        renaming = [item for item in items if not isinstance(item, Tick) and self.view.renames(item)]
+        holders_before: list[Pod] | None = None
+        if renaming and (self.flows is not None or self.drops is not None) and self.ready.is_set():
+            if any(item.collection is POD_SLICES.collection for item in renaming):
+                self._drain(before_change=True)  # a far end changes hands: named as the cache is now
+            else:
+                # A pod of this node gives up an address: what the kernel counted until now is named by
+                # the pods as they are now, but drained after the filter write, so that the write (a
+                # delete's IP leaving the filter) does not wait for the drain.
+                holders_before = list(self.view.pods.values())
         for item in items:
             self._apply(item)
         if self.view.interest != interest:
             config = self.view.configuration
             log.info("MetricsConfiguration %s", f"applied: {config.interest}" if config else "removed")
         self._push()
+        if holders_before is not None:
+            self._drain(before_change=True, pods=holders_before)
 
     def _drain_queue(self) -> None:
         while not self.queue.empty():
@@ -181,13 +191,14 @@ class Agent:
             if isinstance(item, Replace):
                 self.synced.add(item.collection)
 
-    def _drain(self, before_change: bool = False) -> None:
+    def _drain(self, before_change: bool = False, pods: Iterable[Pod] | None = None) -> None:
         """Drops first: the retransmits they hold go on the records of the flow drain that follows. A drain
-        that fails before a change of hands leaves entries whose holders are unknown: the next one names
-        them world (never the next holder)."""
+        that fails at a change of hands leaves entries whose holders are unknown: the next one names them
+        world (never the next holder). ``pods``: the holders to name with (default: the store now)."""
+        holders = list(self.view.pods.values()) if pods is None else pods
         if self.drops is not None:
-            self.drops.drain(self.view.pods.values())
-        if self.flows is not None and not self.flows.drain(self.view.pods.values()) and before_change:
+            self.drops.drain(holders)
+        if self.flows is not None and not self.flows.drain(holders) and before_change:
             self.flows.owed = True
 
     def _push(self) -> None:
