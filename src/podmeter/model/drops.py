@@ -7,9 +7,9 @@ The datapath counts, for observed IPs only (docs/drops.md):
   received), and retransmits by connection (:class:`ConnectionKey`) for the flow records.
 
 The agent drains everything each flow interval (:class:`DropDrain`: read and deleted, so amounts are
-deltas) and, before it applies any change of who holds an address, once more. So the owner of an IP at
-the drain is the pod that held it while its events were counted, and :class:`DropLedger` credits them to
-it. The ledger's series follow the per-pod traffic series' lifecycle (``model.traffic``): a series exists
+deltas) and at every change of who holds an address, once more (right after the filter write). So what a
+drain takes was counted while the IP had the owner it had at the previous drain: :class:`DropLedger`
+credits it to that owner if the IP changed hands since, else to its owner now. The ledger's series follow the per-pod traffic series' lifecycle (``model.traffic``): a series exists
 while its pod holds an observed IP, then ``grace`` seconds more, then it is gone (its counts stay in the
 node totals); a pod observed again starts from zero.
 
@@ -131,6 +131,12 @@ class DropLedger:
 
     Invariants:
     * an IP is in ``owners`` iff it is in ``series[owners[ip]].ips``;
+    * ``previous`` holds, for each IP that lost its owner since the last drain, that owner and when (the
+      first loss wins), so it has at most one entry per IP and every :meth:`add` empties it. An IP that
+      lost its owner at one moment and got another at a later one, with no drain in between, cannot be
+      split: its owner there is None (its events go to the node only). The agent drains at every change
+      of hands, so that happens only for an address freed without one (interest removed) and reused
+      within the same flow interval;
     * ``node_drops`` and ``node_tcp`` hold every amount ever added, credited to a pod or not (an IP nobody
       owned at the drain: it left the filter between the count and the drain), so they never decrease;
     * a series exists iff its pod holds an observed IP, or lost its last one less than ``grace`` ago.
@@ -139,6 +145,7 @@ class DropLedger:
     def __init__(self, grace: float) -> None:
         self.grace = grace
         self.owners: dict[str, str] = {}
+        self.previous: dict[str, tuple[str | None, float]] = {}
         self.series: dict[str, DropSeries] = {}
         self.node_drops: dict[tuple[Direction, str], int] = {}
         self.node_tcp: dict[TcpEvent, int] = {}
@@ -152,6 +159,8 @@ class DropLedger:
             return
         if current is not None:
             self._close(ip, current, now)
+        elif pod is not None and ip in self.previous and self.previous[ip][1] != now:
+            self.previous[ip] = (None, now)  # freed earlier, reused now, no drain between: not splittable
         if pod is not None:
             self._series_for(pod).ips.add(ip)
             self.owners[ip] = pod.uid
@@ -164,8 +173,9 @@ class DropLedger:
                 self._close(ip, current, now)
 
     def add(self, drain: DropDrain, *, credit: bool = True) -> None:
-        """Credit one drain to the owners of its IPs (the drain came before any change of owner).
-        ``credit`` False: to the node totals only (what it holds may span a change of owner)."""
+        """Credit one drain to the owners its IPs had at the previous drain (:attr:`previous`, for those
+        that changed hands since), else now. ``credit`` False: to the node totals only (what it holds may
+        span a change of owner whose drain failed)."""
         for (ip, direction, reason), packets in drain.drops:
             key = (direction, reason)
             self.node_drops[key] = self.node_drops.get(key, 0) + packets
@@ -181,6 +191,7 @@ class DropLedger:
                 self.unattributed += count
             else:
                 series.tcp[event] = series.tcp.get(event, 0) + count
+        self.previous = {}
 
     def expire(self, now: float) -> int:
         """Drop series whose grace is over; returns how many."""
@@ -195,10 +206,11 @@ class DropLedger:
         return iter(self.series.values())
 
     def _owner_series(self, ip: str) -> DropSeries | None:
-        uid = self.owners.get(ip)
+        uid = self.previous[ip][0] if ip in self.previous else self.owners.get(ip)
         return None if uid is None else self.series.get(uid)
 
     def _close(self, ip: str, uid: str, now: float) -> None:
+        self.previous.setdefault(ip, (uid, now))
         del self.owners[ip]
         series = self.series.get(uid)
         if series is None:

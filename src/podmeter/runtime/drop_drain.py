@@ -1,8 +1,9 @@
 """Draining the datapath's drops and TCP events: drain -> credit to pods -> dropped flows to the feed.
 
 Runs in the agent's writer task, at the same moments as the flow drain and just before it: every
-``--flow-interval`` and before any change of who holds an address. So each event is credited to the pod
-that held the IP while it was counted (``model.drops.DropLedger``), dropped flows reach ``podmeter
+``--flow-interval`` and right after any change of who holds an address. So each event is credited to the
+pod that held the IP while it was counted (``model.drops.DropLedger`` remembers the owner an IP lost
+since the last drain), dropped flows reach ``podmeter
 observe`` as records with verdict ``dropped``, and the retransmits drained here are put on the flow
 records of the drain that follows (:meth:`DropDrainer.annotate`, which the flow drainer calls).
 
