@@ -58,6 +58,8 @@ class Hooks:
     def traffic(self, step: sc.Traffic, pods: list[tuple[str, str]], rng: random.Random) -> None: ...
     def reuse_during_flow(self, step: sc.ReuseDuringFlow, pods: list[tuple[str, str]],
                           rng: random.Random) -> None: ...
+    def induce_drops(self, step: sc.InduceDrops, pods: list[tuple[str, str]], rng: random.Random) -> None: ...
+    def induce_loss(self, step: sc.InduceLoss, pods: list[tuple[str, str]], rng: random.Random) -> None: ...
 
 
 class Driver:
@@ -119,6 +121,10 @@ class Driver:
             self.hooks.traffic(step, self._live(step.namespace), self.rng)
         elif isinstance(step, sc.ReuseDuringFlow):
             self.hooks.reuse_during_flow(step, self._live(step.namespace), self.rng)
+        elif isinstance(step, sc.InduceDrops):
+            self.hooks.induce_drops(step, self._live(step.namespace), self.rng)
+        elif isinstance(step, sc.InduceLoss):
+            self.hooks.induce_loss(step, self._live(step.namespace), self.rng)
         else:
             handlers[type(step)](step)
 

@@ -37,6 +37,7 @@ from podmeter.lab import scenario as sc
 from podmeter.lab.apiserver.client import AdminClient
 from podmeter.lab.checks import Checker, Observation, Samples, Truth, metric_sum, parse_metrics, read_truth
 from podmeter.lab.driver import Driver, Hooks
+from podmeter.lab.dropcheck import DropSteps
 from podmeter.lab.flowcheck import (
     FROM_POD,
     TO_POD,
@@ -559,7 +560,7 @@ class LabRun(Hooks):
         if drained is None:
             drained = self.flow_client.wait_for_drains(drains_before, 2, time.monotonic() + 3 * interval + 3)
         records = self.flow_client.records(since - WINDOW_SLACK, protocol=expect.protocol.lower(),
-                                           port=expect.destination.port)
+                                           port=expect.destination.port, verdict="forwarded")
         if records is None:
             return {"ok": False, "problems": ["the agent's /debug/flows did not answer"]}
         mine = of_key(records, expect.key)
@@ -573,6 +574,14 @@ class LabRun(Hooks):
         verdict["problems"] += series
         verdict["ok"] = not verdict["problems"]
         return verdict
+
+    # --- drops and loss induced in chosen pods (podmeter.lab.dropcheck) ---------------------------------
+
+    def induce_drops(self, step: sc.InduceDrops, pods: list[tuple[str, str]], rng: random.Random) -> None:
+        self.result.traffic.append(DropSteps(self).drops(step, pods, rng))
+
+    def induce_loss(self, step: sc.InduceLoss, pods: list[tuple[str, str]], rng: random.Random) -> None:
+        self.result.traffic.append(DropSteps(self).loss(step, pods, rng))
 
     # --- a pod deleted and its IP reused during a flow --------------------------------------------------
 

@@ -162,8 +162,37 @@ class ReuseDuringFlow(_Step, tag="reuse-during-flow"):
     rate: Annotated[float, msgspec.Meta(gt=0, le=1_000_000)] | None = None  # datagrams per second
 
 
+class InduceDrops(_Step, tag="drops"):
+    """Drops induced between a seeded pair of running observed pods A -> B, then checked exactly
+    (:mod:`podmeter.lab.dropcheck`): ``netfilter-input`` an nftables rule in B's namespace drops UDP to
+    ``port`` (A egress and B ingress, ``NETFILTER_DROP``), ``netfilter-output`` one in A's namespace (the
+    same counts: a drop is credited to both observed ends), ``blackhole`` the node routes a TEST-NET
+    address into a blackhole and A sends there (A egress, the kernel's reason: ``reason``, default
+    ``NOT_SPECIFIED`` as 6.x kernels name it). A sends
+    ``packets`` datagrams of ``size`` bytes; the rule or route goes at the end of the step; skipped in
+    memory mode."""
+
+    namespace: Name
+    how: Literal["netfilter-input", "netfilter-output", "blackhole"] = "netfilter-input"
+    packets: Count = 20
+    size: Annotated[int, msgspec.Meta(ge=1, le=1400)] = 100
+    port: Annotated[int, msgspec.Meta(ge=1024, le=65535)] = 5299
+    reason: Annotated[str, msgspec.Meta(pattern=r"^[A-Z0-9_]+$")] | None = None
+
+
+class InduceLoss(_Step, tag="loss"):
+    """Random loss on a seeded pod A's link (nftables on the host side of its veth: ``numgen random mod
+    every 0 drop`` of A's TCP data segments) while A uploads ``bytes`` to a seeded pod B: A's retransmits
+    must grow, nobody else's (:mod:`podmeter.lab.dropcheck`); skipped in memory mode."""
+
+    namespace: Name
+    every: Annotated[int, msgspec.Meta(ge=2, le=1000)] = 5
+    bytes: Annotated[int, msgspec.Meta(ge=10_000, le=100_000_000)] = 2_000_000
+    port: Annotated[int, msgspec.Meta(ge=1024, le=65535)] = 5298
+
+
 Step = (CreatePods | DeletePods | Churn | Annotate | UnobserveThenDelete | Configure | Fault | CompactionGap
-        | KillAgent | Traffic | ReuseDuringFlow)
+        | KillAgent | Traffic | ReuseDuringFlow | InduceDrops | InduceLoss)
 
 
 class NamespaceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
