@@ -9,9 +9,10 @@ The datapath counts, for observed IPs only (docs/drops.md):
 The agent drains everything each flow interval (:class:`DropDrain`: read and deleted, so amounts are
 deltas) and at every change of who holds an address, once more (right after the filter write). So what a
 drain takes was counted while the IP had the owner it had at the previous drain: :class:`DropLedger`
-credits it to that owner if the IP changed hands since, else to its owner now. The ledger's series follow the per-pod traffic series' lifecycle (``model.traffic``): a series exists
-while its pod holds an observed IP, then ``grace`` seconds more, then it is gone (its counts stay in the
-node totals); a pod observed again starts from zero.
+credits it to that owner if the IP changed hands since, else to its owner now. The ledger's series follow
+the per-pod traffic series' lifecycle (``model.traffic``): a series exists while its pod holds an observed
+IP, then ``grace`` seconds more, then it is gone (its counts stay in the node totals); a pod observed again
+starts from zero.
 
 Pure and synchronous, like the traffic ledger: the writer task calls it; the scrape reads it.
 """
