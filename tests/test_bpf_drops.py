@@ -11,9 +11,11 @@ needs off, with a notice.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -379,3 +381,32 @@ def test_closing_detaches_every_program(datapath: EbpfDatapath) -> None:
     while ids & set(re.findall(r"^(\d+): tracing\s+name (pm_\w+)", run("bpftool", "prog", "show"), re.M)):
         assert time.monotonic() < deadline, "programs still loaded after close"
         time.sleep(0.1)
+
+
+PRIVILEGES = """
+import json, shutil, sys
+from podmeter.adapters.datapath.ebpf import EbpfDatapath
+from podmeter.adapters.datapath.ebpf.drops import DropsUnavailable, DropTracer
+dp = EbpfDatapath.open(sys.argv[1], filter_size=16)
+try:
+    with DropTracer.open(dp.filter_map) as tracer:
+        print(json.dumps({"hooks": tracer.hooks}))
+except DropsUnavailable as error:
+    print(json.dumps({"off": str(error)}))
+finally:
+    dp.close()
+"""
+
+
+@pytest.mark.parametrize("perfmon", [False, True], ids=["bpf+net_admin", "bpf+net_admin+perfmon"])
+def test_tracing_needs_cap_perfmon_and_says_so(pin_dir: Path, perfmon: bool) -> None:
+    caps = "-all,+bpf,+net_admin" + (",+perfmon" if perfmon else "")
+    result = subprocess.run(["setpriv", "--reuid=0", f"--inh-caps={caps}", f"--ambient-caps={caps}",
+                             f"--bounding-set={caps}", sys.executable, "-c", PRIVILEGES, str(pin_dir)],
+                            capture_output=True, text=True, check=False, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    outcome = json.loads(result.stdout.splitlines()[-1])
+    if perfmon:
+        assert outcome == {"hooks": dict.fromkeys(HOOKS, True)}
+    else:
+        assert outcome["off"].startswith("tracing programs need CAP_PERFMON (or CAP_SYS_ADMIN) besides CAP_BPF")

@@ -70,6 +70,7 @@ SUBSYSTEM_ENUM = "skb_drop_reason_subsys"
 REASON_PREFIX = "SKB_DROP_REASON_"
 SUBSYSTEM_PREFIX = "SKB_DROP_REASON_SUBSYS_"
 SUBSYSTEM_SHIFT = 16  # a reason's high 16 bits name its subsystem (0: the core enum)
+CAP_PERFMON = 38
 
 # hook -> (tracepoint group, programs by the least number of tracepoint arguments they read)
 _PROGRAMS: dict[str, tuple[str, tuple[tuple[int, str], ...]]] = {
@@ -97,6 +98,17 @@ _TCP_EVENTS = {code: event for event, code in TCP_EVENT_CODES.items()}
 
 class DropsUnavailable(DatapathSetupError):
     """Drop and TCP tracing cannot run on this kernel; ``str(error)`` says why. Not fatal to the agent."""
+
+
+def check_tracing_privileges(caps: int | None = None) -> None:
+    """Tracing programs load only with CAP_PERFMON (or CAP_SYS_ADMIN) besides CAP_BPF: say so, rather
+    than let the load fail with a bare EPERM."""
+    mask = preflight.effective_capabilities() if caps is None else caps
+    if not mask & (1 << CAP_PERFMON | 1 << preflight.CAP_SYS_ADMIN):
+        raise DropsUnavailable(
+            "tracing programs need CAP_PERFMON (or CAP_SYS_ADMIN) besides CAP_BPF, and this process has "
+            "neither: drops and TCP health are off (in the DaemonSet: add the deploy/components/perfmon "
+            "component)")
 
 
 class DropReasons:
@@ -240,6 +252,7 @@ class DropTracer:
         """
         if not 1 <= size <= MAX_DROP_SIZE:
             raise ValueError(f"the drop map size must be between 1 and {MAX_DROP_SIZE}, not {size}")
+        check_tracing_privileges()
         try:
             kernel = btf.read_kernel_btf(btf_path, enums=(REASON_ENUM, SUBSYSTEM_ENUM),
                                          tracepoints=[(tracepoints or {}).get(h, h) for h in HOOKS])
