@@ -217,7 +217,7 @@ async def test_missed_deletes_across_compaction_are_released_by_relist(lab_apise
 def test_no_kubeconfig_is_a_clear_error(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "podmeter", "operator", "--kubeconfig", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2 and "does not exist" in out.stdout
+    assert out.returncode == 2 and "does not exist" in out.stderr  # errors go to the log (stderr)
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -230,7 +230,7 @@ def test_bad_options_are_clear_errors(args: list[str], message: str, capsys: pyt
     from podmeter.cli.main import main
 
     assert main(["operator", *args]) == 2
-    assert message in capsys.readouterr().out
+    assert message in capsys.readouterr().err  # the operator logs its errors (stderr, JSON with --log-format json)
 
 
 def test_label_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
