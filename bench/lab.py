@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from podmeter.cli.lab import print_summary
+from podmeter.lab.cluster import lab_run
 from podmeter.lab.report import write_report
 from podmeter.lab.run import LabOptions, LabResult, LabRun
 from podmeter.lab.scenario import Scenario, load_scenario, parse_scenario, shipped_scenarios
@@ -102,7 +103,7 @@ def run_scenarios(out: Path) -> None:
         if name == "soak":
             continue
         started = time.monotonic()
-        result = LabRun(load_scenario(name), LabOptions(out / name, progress=False)).run()
+        result = lab_run(load_scenario(name), LabOptions(out / name, progress=False)).run()  # cluster: 3 nodes
         print_summary(result, write_report(result, out / name))
         print(json.dumps(scenario_figures(result, result.steps_s or time.monotonic() - started)), flush=True)
 

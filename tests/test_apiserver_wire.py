@@ -509,7 +509,7 @@ def test_discovery_shapes(srv: LabServer) -> None:
     lease = recorded("discovery-coordination-v1.json")["body"]["resources"][0]
     assert coord["resources"][0] == {k: v for k, v in lease.items() if k != "storageVersionHash"}
     _, _, groups = srv.request("GET", "/apis")
-    assert {g["name"] for g in groups["groups"]} == {"coordination.k8s.io", "podmeter.io"}
+    assert {g["name"] for g in groups["groups"]} == {"coordination.k8s.io", "podmeter.io", "apiextensions.k8s.io"}
 
 
 def test_delete_collection_by_selector(srv: LabServer) -> None:

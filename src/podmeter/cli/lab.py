@@ -30,6 +30,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--lifecycles", type=_positive_int,
                    help="end the steps once this many pods were created and deleted (or at the duration)")
     p.add_argument("--no-progress", action="store_true", help="no live display")
+    p.add_argument("--kubeconfig", type=Path, metavar="FILE",
+                   help="run the scenario's nodes, agents and operator against this existing API server instead of "
+                        "the embedded one; what it creates there is removed at the end (docs/lab.md)")
     p.set_defaults(func=run)
 
 
@@ -45,8 +48,9 @@ def _positive_int(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: matplotlib and the runner would slow every other `podmeter` command's start.
+    from podmeter.lab.cluster import lab_run
     from podmeter.lab.report import write_report
-    from podmeter.lab.run import LabOptions, LabRun
+    from podmeter.lab.run import LabOptions
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -58,8 +62,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"podmeter lab: {missing}", file=sys.stderr)
         return 2
     try:
-        lab = LabRun(scenario, LabOptions(args.out, args.datapath, not args.no_progress, args.duration,
-                                                args.lifecycles))
+        options = LabOptions(args.out, args.datapath, not args.no_progress, args.duration, args.lifecycles,
+                             kubeconfig=args.kubeconfig)
+        lab = lab_run(scenario, options)  # several nodes, or an existing API server: lab.cluster
     except RuntimeError as exc:
         print(f"podmeter lab: {exc}", file=sys.stderr)
         return 2
@@ -67,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"notice: {note}")
     # SIGTERM unwinds like Ctrl-C, so every namespace, veth, pin and process of the run is removed.
     signal.signal(signal.SIGTERM, _interrupt)
-    result = lab.run()
+    try:
+        result = lab.run()
+    except KeyboardInterrupt:
+        print("podmeter lab: interrupted; the run removed what it had created", file=sys.stderr)
+        return 130
     files = write_report(result, args.out)
     print_summary(result, files)
     return 0 if result.passed else 1
@@ -109,8 +118,14 @@ def print_summary(result: Any, files: list[Path]) -> None:
     print(f"verdict: {'PASSED' if result.passed else 'FAILED'} ({result.scenario}, {result.datapath})")
     if result.error:
         print(f"error: {result.error}")
+    for node in getattr(result, "nodes", None) or []:  # a multi-node run: one line per node
+        memory = node.get("memory") or {}
+        print(f"  node {node['name']}: pod CIDR {node['pod_cidr']}, up to {node['peaks'].get('pods', 0)} pods and "
+              f"{node['peaks'].get('endpoints', 0)} cluster endpoints, agent started {node['agent_starts']}x, "
+              f"RSS {memory.get('growth_mib', '-')} MiB, {node['failures']} failures")
     for failure in result.failures:
-        print(f"  {failure['invariant']} {failure['subject']}: {failure['detail']}")
+        where = f" [{failure['node']}]" if failure.get("node") else ""
+        print(f"  {failure['invariant']}{where} {failure['subject']}: {failure['detail']}")
     for check in result.traffic:
         if not check.get("ok", True):
             print(f"  traffic {check['protocol']} {check['src']} -> {check['dst']}: {check}")

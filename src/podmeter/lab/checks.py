@@ -300,7 +300,11 @@ def _identity(invariant: str, subject: str, detail: str) -> tuple[str, str, str]
     """What makes two samples' violations *the same* one. A filter violation is about an IP *and* its
     pods: under churn an IP passes from pod to pod in seconds (lowest free IP first), and a new pod's IP
     in flight is a new transient, not the continuation of the last pod's. I1 and I4 subjects are a pod
-    or a label set, which churn does not reuse."""
+    or a label set, which churn does not reuse. I7 (an agent's endpoint cache, :mod:`podmeter.lab.endpointcheck`)
+    is about an IP and the pod the cache names or lacks for it: its detail up to the first ``;`` (after it
+    comes who holds the IP now, which churn changes while one stale entry stays)."""
+    if invariant == "I7":
+        return (invariant, subject, detail.partition(";")[0])
     return (invariant, subject, detail if invariant in ("I2", "I3") else "")
 
 

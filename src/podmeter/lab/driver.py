@@ -41,6 +41,7 @@ class DriverStats:
     flips: int = 0
     faults: int = 0
     agent_kills: int = 0
+    operator_kills: int = 0
     errors: int = 0
     step: str = "starting"
     delete_times: dict[str, float] = field(default_factory=dict)  # ip -> when its pod's delete returned
@@ -51,8 +52,10 @@ class Hooks:
     """What the driver needs from the run besides the API server (processes, checks, traffic)."""
 
     def step_started(self, step: sc.Step) -> None: ...  # the report marks fault steps on its time plots
-    def kill_agent(self) -> None: ...
-    def start_agent(self) -> None: ...
+    def kill_agent(self, node: str | None = None) -> None: ...  # node: a multi-node scenario's
+    def start_agent(self, node: str | None = None) -> None: ...
+    def kill_operator(self) -> None: ...
+    def start_operator(self) -> None: ...
     def hold(self) -> None: ...
     def release(self) -> None: ...
     def traffic(self, step: sc.Traffic, pods: list[tuple[str, str]], rng: random.Random) -> None: ...
@@ -69,6 +72,8 @@ class Driver:
         self.client = client
         self.admin = admin
         self.node_name = node_name
+        self.nodes = [node_name]  # a multi-node scenario's nodes: pods without a node go to each in turn
+        self.namespace_labels: dict[str, str] = {}  # on every namespace the lab creates
         self.hooks = hooks
         self.rng = random.Random(scenario.seed)
         self.stats = DriverStats()
@@ -86,7 +91,8 @@ class Driver:
     def create_namespaces(self) -> None:
         for ns in self.scenario.namespaces:
             annotations = {OBSERVE_ANNOTATION: "true"} if ns.observe else {}
-            self.client.create("/api/v1/namespaces", {"metadata": {"name": ns.name, "annotations": annotations}})
+            self.client.create("/api/v1/namespaces", {"metadata": {"name": ns.name, "annotations": annotations,
+                                                                   "labels": dict(self.namespace_labels)}})
 
     def run_steps(self, started: float) -> None:
         """Run every step at its time (relative to ``started``, a monotonic time)."""
@@ -109,7 +115,7 @@ class Driver:
         handlers: dict[type, Callable[[Any], None]] = {
             sc.CreatePods: self._create_pods, sc.DeletePods: self._delete_pods, sc.Annotate: self._annotate,
             sc.Configure: self._configure, sc.Fault: self._fault, sc.CompactionGap: self._compaction_gap,
-            sc.KillAgent: self._kill_agent,
+            sc.KillAgent: self._kill_agent, sc.KillOperator: self._kill_operator,
         }
         if isinstance(step, sc.Churn | sc.UnobserveThenDelete):
             target = self._churn if isinstance(step, sc.Churn) else self._unobserve_delete
@@ -131,10 +137,12 @@ class Driver:
     # --- pods -------------------------------------------------------------------------------------
 
     def new_pod(self, namespace: str, prefix: str, observe: bool, *, labels: dict[str, str] | None = None,
-                run_seconds: float | None = None, host_network: bool = False, deployment: bool = False) -> str:
+                run_seconds: float | None = None, host_network: bool = False, deployment: bool = False,
+                node: str | None = None) -> str:
         with self._lock:
             self._serial += 1
             name = f"{prefix}-{self._serial}"
+            node = node or self.nodes[self._serial % len(self.nodes)]
         annotations = {OBSERVE_ANNOTATION: "true" if observe else "false"}
         if run_seconds is not None:
             annotations[RUN_SECONDS_ANNOTATION] = f"{run_seconds:g}"
@@ -150,7 +158,7 @@ class Driver:
                                             "controller": True, "blockOwnerDeletion": True}]
             self.workloads[f"{namespace}/{name}"] = f"Deployment {namespace}/{prefix}"
         body = {"metadata": metadata,
-                "spec": {"nodeName": self.node_name, "hostNetwork": host_network,
+                "spec": {"nodeName": node, "hostNetwork": host_network,
                          "containers": [{"name": "main", "image": PAUSE_IMAGE}]}}
         self.client.create(pod_path(namespace), body)
         self.stats.created += 1
@@ -187,7 +195,7 @@ class Driver:
     def _create_pods(self, step: sc.CreatePods) -> None:
         for _ in range(step.count):
             name = self.new_pod(step.namespace, step.prefix, step.observe, host_network=step.host_network,
-                                deployment=step.deployment)
+                                deployment=step.deployment, node=step.node)
             with self._lock:
                 self.pods[step.namespace].append(name)
 
@@ -225,7 +233,7 @@ class Driver:
                 started += 1
                 name = self._safe(functools.partial(
                     self.new_pod, step.namespace, "job" if step.unique_labels else "churn", step.observe,
-                    labels=labels, run_seconds=lifetime if step.complete else None))
+                    labels=labels, run_seconds=lifetime if step.complete else None, node=step.node))
                 if name:
                     heapq.heappush(due, (now + delete_after, name))
                 next_start += 1.0 / step.rate
@@ -348,12 +356,24 @@ class Driver:
 
     def _kill_agent(self, step: sc.KillAgent) -> None:
         def outage() -> None:
-            self.hooks.kill_agent()
+            self.hooks.kill_agent(step.node)
             self.stats.agent_kills += 1
             if step.namespace is not None:
                 for name in self._take(step.namespace, step.deletes, self.rng):
                     self.delete_pod(step.namespace, name)
             self.stop.wait(step.down)
-            self.hooks.start_agent()
+            self.hooks.start_agent(step.node)
+
+        self._held(outage)
+
+    def _kill_operator(self, step: sc.KillOperator) -> None:
+        def outage() -> None:
+            self.hooks.kill_operator()
+            self.stats.operator_kills += 1
+            if step.namespace is not None:
+                for name in self._take(step.namespace, step.deletes, self.rng):
+                    self.delete_pod(step.namespace, name)
+            self.stop.wait(step.down)
+            self.hooks.start_operator()
 
         self._held(outage)

@@ -4,6 +4,11 @@
 its IP stays in the kernel filter): failure modes F1, F2 and F7 of docs/design.md. Relists still work,
 as in the agents that had this bug; the lab's scenario for it avoids relists.
 
+``stale-endpoints``: the agent's cluster-wide endpoint cache never forgets an IP: when a PodSlice drops an
+endpoint (its pod deleted, or moved to another slice) the IP keeps naming the old pod until another
+endpoint claims it. Entries of deleted pods that stay are the leak of the identity caches of the field;
+the multi-node lab's I7 check must fail on it, naming the IPs (tests/test_lab_cluster.py).
+
 The fault is installed by ``python -m podmeter.cli.lab --faulty-agent KIND agent ...`` before the agent
 starts; the product itself has no switch for it.
 """
@@ -13,14 +18,18 @@ from __future__ import annotations
 from typing import Final
 
 from podmeter.model.deltas import PODS, Delete
+from podmeter.model.endpoint_slices import ClusterEndpoints, PodSlice
 from podmeter.model.view import NodeView, ViewDelta
 
-FAULTS: Final = ("drop-deletes",)
+FAULTS: Final = ("drop-deletes", "stale-endpoints")
 
 
 def install(kind: str) -> None:
     if kind not in FAULTS:
         raise ValueError(f"unknown agent fault {kind!r} (known: {', '.join(FAULTS)})")
+    if kind == "stale-endpoints":
+        _keep_dropped_endpoints()
+        return
 
     apply = NodeView.apply
 
@@ -30,3 +39,15 @@ def install(kind: str) -> None:
         return apply(self, delta)
 
     NodeView.apply = drop_pod_deletes  # type: ignore[method-assign]
+
+
+def _keep_dropped_endpoints() -> None:
+    changed = ClusterEndpoints.changed
+
+    def keep(self: ClusterEndpoints, old: PodSlice | None, new: PodSlice | None) -> None:
+        before = dict(self.items())
+        changed(self, old, new)
+        for ip, endpoint in before.items():
+            self._by_ip.setdefault(ip, endpoint)  # the seeded bug: what a slice dropped stays named
+
+    ClusterEndpoints.changed = keep  # type: ignore[method-assign]

@@ -4,7 +4,9 @@ Standard library HTTP (any thread, no event loop), one kept-alive connection per
 hundreds of requests a second, and a new TCP connection per request cost the lab, the node and the API
 server more CPU than the requests themselves. The checks must not share code paths with the product
 they judge, so this is not the agent's client. Configuration comes from a kubeconfig through the
-product's loader (token or CA only; the lab API server needs nothing else).
+product's loader: a token (or token file), a CA (file or data), a client certificate and key (file or data)
+or the insecure flag; ``podmeter lab --kubeconfig`` points it at any API server (docs/lab.md). Exec plugins
+and auth providers are not supported.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+from lightkube.config.kubeconfig import SingleConfig
+from lightkube.config.models import FileStr
 
 from podmeter.adapters.kube.connection import load_connection
 
@@ -38,19 +44,38 @@ class KubeError(RuntimeError):
 class KubeClient:
     """``KubeClient.from_kubeconfig(path).list("/api/v1/pods", fieldSelector=...)`` and friends."""
 
-    def __init__(self, server: str, token: str | None, ca_file: str | None, timeout: float = 10.0) -> None:
+    def __init__(self, server: str, token: str | None, ca_file: str | None, timeout: float = 10.0, *,
+                 client_cert: tuple[str, str] | None = None, insecure: bool = False) -> None:
         self.server = server.rstrip("/")
         self.token = token
         self.timeout = timeout
-        self._context = ssl.create_default_context(cafile=ca_file) if self.server.startswith("https") else None
+        self._context: ssl.SSLContext | None = None
+        if self.server.startswith("https"):
+            self._context = ssl.create_default_context(cafile=ca_file)
+            if insecure:
+                self._context.check_hostname = False
+                self._context.verify_mode = ssl.CERT_NONE
+            if client_cert is not None:
+                self._context.load_cert_chain(*client_cert)
         self._address = urllib.parse.urlsplit(self.server)
         self._local = threading.local()  # .connection: this thread's kept-alive connection
 
     @classmethod
     def from_kubeconfig(cls, path: str, timeout: float = 10.0) -> KubeClient:
-        config = load_connection(path, allow_plain_http=True).config  # the lab's own server
-        return cls(config.cluster.server, config.user.token if config.user else None,
-                   config.cluster.certificate_auth, timeout)
+        config = load_connection(path, allow_plain_http=True).config  # the lab's own server, or --kubeconfig's
+        cluster, user = config.cluster, config.user
+        # *-data fields become temporary files (lightkube's FileStr), read at once by the SSL context.
+        ca = _file(config, cluster.certificate_auth, cluster.certificate_auth_data)
+        cert = key = None
+        token = None
+        if user is not None:
+            cert = _file(config, user.client_cert, user.client_cert_data)
+            key = _file(config, user.client_key, user.client_key_data)
+            token = user.token
+            if token is None and user.token_file:
+                token = Path(str(config.abs_file(user.token_file))).read_text().strip()
+        return cls(cluster.server, token, ca, timeout, client_cert=(cert, key) if cert and key else None,
+                   insecure=cluster.insecure)
 
     # --- verbs ------------------------------------------------------------------------------------
 
@@ -179,6 +204,12 @@ class KubeClient:
         if connection is not None:
             connection.close()
         self._local.connection = None
+
+
+def _file(config: SingleConfig, path: str | None, data: str | None) -> str | None:
+    if path:
+        return str(config.abs_file(path))
+    return FileStr(data) if data else None
 
 
 def pod_path(namespace: str, name: str = "", subresource: str = "") -> str:

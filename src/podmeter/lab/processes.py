@@ -113,11 +113,13 @@ class ProcessSet:
         return self.processes[name]
 
     def stop_all(self) -> None:
-        # The node last but one: it removes the sandboxes; the API server last, the others need it.
-        order = [n for n in self.processes if n not in ("node", "apiserver")] + ["node", "apiserver"]
-        for name in order:
-            if name in self.processes:
-                self.processes[name].stop()
+        # The nodes (``node``, ``node-<name>``) last but one: they remove the sandboxes; the API server last,
+        # the others need it.
+        def rank(name: str) -> int:
+            return 2 if name == "apiserver" else 1 if name == "node" or name.startswith("node-") else 0
+
+        for name in sorted(self.processes, key=rank):
+            self.processes[name].stop()
 
 
 def wait_for_file(path: Path, process: LabProcess, timeout: float = 20.0) -> None:

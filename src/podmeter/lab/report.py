@@ -183,6 +183,7 @@ def _html(result: LabResult, plots: list[Path], out: Path) -> str:
                           _flow_cell(t), _check_result(t)]
                          for t in result.traffic]) if result.traffic else "<p>none in this scenario</p>")
     parts += _flow_failures(result.traffic)
+    parts += _nodes_section(result)  # a multi-node run: one line per node, the cross-node matrix
     parts.append("<h2>Flows</h2>")
     parts += _flows_section(result.flows, plots)
     parts.append("<h2>Memory</h2>")
@@ -692,3 +693,61 @@ def _flows_section(flows: list[dict[str, Any]], plots: list[Path]) -> list[str]:
                           " ".join(f["tcp_flags"]) or "-"]
                          for f in top]))
     return parts
+
+
+# --- several nodes (podmeter.lab.cluster): one line per node, the cross-node matrix --------------------
+
+
+def _nodes_section(result: LabResult) -> list[str]:
+    """One line per node of a multi-node run, then the matrix of its cross-node traffic; nothing for a
+    single-node run."""
+    if not result.nodes:
+        return []
+    rows = []
+    for node in result.nodes:
+        peaks, memory = node.get("peaks") or {}, node.get("memory") or {}
+        agent = f"{node.get('agent_starts', 0)} started" + (f", fault {node['agent_fault']}"
+                                                            if node.get("agent_fault") else "")
+        converged = ", ".join(f"{c:g} s" for c in node.get("restart_converged_after_s") or [])
+        rows.append([node["name"], node["pod_cidr"], node.get("address", "-"), agent,
+                     f"{peaks.get('pods', 0)} / {peaks.get('desired', 0)} / {peaks.get('kernel', '-')}",
+                     str(peaks.get("endpoints", "-")),
+                     f"{memory['growth_mib']:+.1f} MiB" if memory else "-",
+                     ", ".join(node.get("failed_invariants") or []) or "none",
+                     str(node.get("transient_violations", 0)), converged or "-"])
+    parts = ["<h2>Nodes</h2>",
+             "<p>Each node is a network namespace with its own <code>podmeter node</code>, agent (own pins, own "
+             "port) and pod CIDR; the checks ran on every node (I1-I3, I5, and I7 on its agent's endpoint "
+             "cache).</p>",
+             _table(["node", "pod CIDR", "address", "agent", "most pods / desired / kernel", "most endpoints",
+                     "agent RSS growth", "failed", "transients", "restart converged"], rows)]
+    return parts + _cross_node_matrix(result.cross_node)
+
+
+def _cross_node_matrix(cross: dict[str, Any]) -> list[str]:
+    names: list[str] = cross.get("nodes") or []
+    cells: dict[str, dict[str, dict[str, Any]]] = cross.get("cells") or {}
+    if len(names) < 2:
+        return []
+    head = "".join(f"<th>to {html.escape(n)}</th>" for n in names)
+    body = []
+    for source in names:
+        tds = []
+        for destination in names:
+            cell = cells.get(source, {}).get(destination) or {}
+            checks, exact = int(cell.get("checks", 0)), int(cell.get("exact", 0))
+            if not checks and not cell.get("bytes"):
+                tds.append("<td style='color:#777'>&ndash;</td>")
+                continue
+            color = "#e3f4e6" if checks and exact == checks else "#f9dede" if checks else "#f4f4f4"
+            verdict = f"{exact} of {checks} exact" if checks else "not checked"
+            tds.append(f"<td style='background:{color}'><b>{verdict}</b><br>{_bytes(cell.get('bytes', 0))}, "
+                       f"{int(cell.get('packets', 0)):,} pkts, {int(cell.get('flows', 0))} flows</td>")
+        body.append(f"<tr><th>from {html.escape(source)}</th>{''.join(tds)}</tr>")
+    return ["<h3>Cross-node traffic</h3>",
+            "<p>Rows: the node of the source pod; columns: the node of the destination pod. In each cell the "
+            "traffic checks between them (exact: the kernel counters of both nodes, both agents' per-pod "
+            "series, and both agents' flow records: the source's at from-pod and the destination's at to-pod, "
+            "each naming both ends with the same identity), then the bytes of their flows, each packet counted "
+            "once (where it left a pod).</p>",
+            f"<table style='border-collapse:collapse'><tr><th></th>{head}</tr>{''.join(body)}</table>"]

@@ -87,6 +87,7 @@ class LabOptions:
     progress: bool = True
     duration: float | None = None  # override the scenario's duration (benchmarks)
     lifecycles: int | None = None  # override the scenario's lifecycles (end after this many)
+    kubeconfig: Path | None = None  # an existing API server instead of the embedded one (lab.cluster)
 
 
 @dataclass
@@ -123,6 +124,8 @@ class LabResult:
     error: str | None = None
     report_files: list[str] = field(default_factory=list)
     steps_s: float | None = None  # how long the steps ran (the duration, or less when lifecycles ended them)
+    nodes: list[dict[str, Any]] = field(default_factory=list)  # multi-node runs: one summary per node
+    cross_node: dict[str, Any] = field(default_factory=dict)  # multi-node runs: source node -> destination
     info: RunInfo | None = None  # version, commit, kernel, date, duration, ... (the report's run table)
     marks: list[Mark] = field(default_factory=list)  # faults, agent kills, holds: lines on the time plots
     transients: dict[str, dict[str, Any]] = field(default_factory=dict)  # invariant -> count, the longest
@@ -306,7 +309,7 @@ class LabRun(Hooks):
             return [*FAULTY_AGENT, self.scenario.agent.fault, *args]
         return [*PODMETER, *args]
 
-    def start_agent(self) -> None:
+    def start_agent(self, node: str | None = None) -> None:
         process = self.processes.processes.get("agent")
         if process is None:
             process = self.processes.add("agent", self._agent_argv(), self.out / "logs")
@@ -321,7 +324,7 @@ class LabRun(Hooks):
         self._agent_restarting = False
         self.baselines.pop("agent", None)  # a new process: a new baseline
 
-    def kill_agent(self) -> None:
+    def kill_agent(self, node: str | None = None) -> None:
         self._agent_restarting = True
         self.processes["agent"].kill()
         self.result.marks.append(Mark(self._now(), runinfo.AGENT_KILL, "agent SIGKILL"))

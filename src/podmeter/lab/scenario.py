@@ -44,6 +44,7 @@ class CreatePods(_Step, tag="pods"):
     host_network: bool = False
     prefix: Name = "app"
     deployment: bool = False
+    node: Name | None = None  # a multi-node scenario's node (default: the nodes in turn)
 
 
 class DeletePods(_Step, tag="delete"):
@@ -74,6 +75,7 @@ class Churn(_Step, tag="churn"):
     unique_labels: bool = False
     label_sets: Annotated[int, msgspec.Meta(ge=0)] = 0
     observe: bool = True
+    node: Name | None = None  # a multi-node scenario's node (default: the nodes in turn)
 
 
 class Annotate(_Step, tag="annotate"):
@@ -133,6 +135,17 @@ class KillAgent(_Step, tag="kill-agent"):
     down: Seconds = 2.0
     namespace: Name | None = None
     deletes: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
+    node: Name | None = None  # a multi-node scenario's node whose agent is killed (default: the first)
+
+
+class KillOperator(_Step, tag="kill-operator"):
+    """SIGKILL the operator (multi-node scenarios), delete ``deletes`` pods of the namespace while it is
+    down, restart it after ``down`` seconds: the PodSlices it left hold stale endpoints until the new
+    one republishes (invariant I7, docs/design.md)."""
+
+    down: Seconds = 2.0
+    namespace: Name | None = None
+    deletes: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
 
 
 class Traffic(_Step, tag="traffic"):
@@ -146,6 +159,9 @@ class Traffic(_Step, tag="traffic"):
     packets: Count = 50
     size: Annotated[int, msgspec.Meta(ge=1, le=1400)] = 200
     rate: Annotated[float, msgspec.Meta(gt=0, le=1_000_000)] | None = None  # packets (TCP: writes) per second
+    # Multi-node scenarios: each pair's ends on two different nodes (the pairs go round the nodes), and
+    # both agents' records checked (the source's from-pod, the destination's to-pod, identities).
+    across_nodes: bool = False
 
 
 class ReuseDuringFlow(_Step, tag="reuse-during-flow"):
@@ -192,7 +208,7 @@ class InduceLoss(_Step, tag="loss"):
 
 
 Step = (CreatePods | DeletePods | Churn | Annotate | UnobserveThenDelete | Configure | Fault | CompactionGap
-        | KillAgent | Traffic | ReuseDuringFlow | InduceDrops | InduceLoss)
+        | KillAgent | KillOperator | Traffic | ReuseDuringFlow | InduceDrops | InduceLoss)
 
 
 class NamespaceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -206,10 +222,19 @@ class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ip_reuse: Literal["lowest", "oldest"] = "lowest"  # podmeter node --ip-reuse
 
 
+class ClusterNodeSpec(NodeSpec, kw_only=True):
+    """One node of a multi-node scenario: its name (``spec.nodeName`` of its pods) and, test only, a fault
+    planted in its agent alone."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=40)]
+    agent_fault: Literal["drop-deletes", "stale-endpoints"] | None = None
+
+
 class AgentSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     resync_interval: PositiveSeconds = 10.0
     series_grace: PositiveSeconds = 3.0  # how long a gone pod's series stay (the agent's --series-grace)
-    fault: Literal["drop-deletes"] | None = None  # test only: an agent that loses watch deletes
+    # Test only: an agent that loses watch deletes, or one whose endpoint cache keeps what slices drop.
+    fault: Literal["drop-deletes", "stale-endpoints"] | None = None
     # The agent's --flow-interval and --flow-buffer: the flow checks wait for two drains after each
     # exchange, and read every record of it from the ring.
     flow_interval: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.5
@@ -240,6 +265,8 @@ class Scenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     sample_interval: PositiveSeconds = 0.5
     memory_tolerance_mib: Annotated[float, msgspec.Meta(ge=0)] = 16.0
     node: NodeSpec = msgspec.field(default_factory=NodeSpec)
+    # Several nodes (a network namespace each, linked: docs/lab.md "Several nodes"); replaces ``node``.
+    nodes: list[ClusterNodeSpec] = msgspec.field(default_factory=list)
     agent: AgentSpec = msgspec.field(default_factory=AgentSpec)
     operator: OperatorSpec = msgspec.field(default_factory=OperatorSpec)
     apiserver: ApiServerSpec = msgspec.field(default_factory=ApiServerSpec)
@@ -297,8 +324,51 @@ def _semantic_problems(scenario: Scenario) -> list[str]:
             problems.append(f"$.steps[{i}].at: {step.at} is after the duration ({scenario.duration})")
         if isinstance(step, Configure) and step.include and step.exclude:
             problems.append(f"$.steps[{i}]: include and exclude cannot both be non-empty")
-        if isinstance(step, KillAgent) and step.deletes and step.namespace is None:
+        if isinstance(step, KillAgent | KillOperator) and step.deletes and step.namespace is None:
             problems.append(f"$.steps[{i}].namespace: needed when deletes > 0")
+    return problems + _node_problems(scenario)
+
+
+FABRIC = ipaddress.ip_network("192.168.255.0/24")  # the multi-node lab's node addresses (lab/fabric.py)
+MAX_NODES = 16
+
+
+def _node_problems(scenario: Scenario) -> list[str]:
+    """Several nodes: names unique, CIDRs valid and apart; steps name declared nodes only; the steps that
+    need several nodes have them."""
+    problems: list[str] = []
+    names = [n.name for n in scenario.nodes]
+    if len(scenario.nodes) > MAX_NODES:
+        problems.append(f"$.nodes: at most {MAX_NODES} nodes, not {len(scenario.nodes)}")
+    networks: list[tuple[int, ipaddress.IPv4Network | ipaddress.IPv6Network]] = []
+    for i, spec in enumerate(scenario.nodes):
+        if not _DNS_LABEL.match(spec.name):
+            problems.append(f"$.nodes[{i}].name: {spec.name!r} is not a DNS-1123 label")
+        if names.index(spec.name) != i:
+            problems.append(f"$.nodes[{i}].name: {spec.name!r} is declared twice")
+        try:
+            network = ipaddress.ip_network(spec.pod_cidr)
+        except ValueError as exc:
+            problems.append(f"$.nodes[{i}].pod_cidr: {exc}")
+            continue
+        if network.version != 4 or network.num_addresses < 4:
+            problems.append(f"$.nodes[{i}].pod_cidr: {spec.pod_cidr} must be an IPv4 network of 4+ addresses")
+            continue
+        if network.overlaps(FABRIC):
+            problems.append(f"$.nodes[{i}].pod_cidr: {spec.pod_cidr} overlaps the nodes' own network {FABRIC}")
+        for j, other in networks:
+            if network.overlaps(other):
+                problems.append(f"$.nodes[{i}].pod_cidr: {spec.pod_cidr} overlaps $.nodes[{j}].pod_cidr {other}")
+        networks.append((i, network))
+    declared = ", ".join(names) or "none: the scenario has no nodes list"
+    for i, step in enumerate(scenario.steps):
+        node = getattr(step, "node", None)
+        if node is not None and node not in names:
+            problems.append(f"$.steps[{i}].node: {node!r} is not declared under nodes (declared: {declared})")
+        if isinstance(step, KillOperator) and not scenario.nodes:
+            problems.append(f"$.steps[{i}]: kill-operator needs a multi-node scenario (a nodes list)")
+        if isinstance(step, Traffic) and step.across_nodes and len(scenario.nodes) < 2:
+            problems.append(f"$.steps[{i}].across_nodes: needs at least two nodes under nodes")
     return problems
 
 

@@ -378,7 +378,40 @@ PODSLICES = ResourceType(
     keeps_generation=True,
 )
 
-ALL: tuple[ResourceType, ...] = (NAMESPACES, PODS, LEASES, METRICSCONFIGURATIONS, PODSLICES)
+# Nodes and CRDs are stored and served like any object, with no behaviour: the lab's nodes are its own
+# processes (``podmeter node``), and podmeter's custom resources are always served, CRD or not; ``podmeter
+# lab --kubeconfig`` creates both on any API server, this one included (docs/lab.md).
+NODES = ResourceType(
+    group="",
+    version="v1",
+    plural="nodes",
+    singular="node",
+    kind="Node",
+    namespaced=False,
+    verbs=_VERBS,
+    field_keys=("metadata.name", "spec.unschedulable"),
+    fields=lambda o: {**_meta_fields(o, False), "spec.unschedulable": _text(_get(o, "spec", "unschedulable") or False)},
+    schema={**_top(None, None), "spec": None, "status": None},
+    short_names=("no",),
+)
+CUSTOMRESOURCEDEFINITIONS = ResourceType(
+    group="apiextensions.k8s.io",
+    version="v1",
+    plural="customresourcedefinitions",
+    singular="customresourcedefinition",
+    kind="CustomResourceDefinition",
+    namespaced=False,
+    verbs=_VERBS,
+    field_keys=("metadata.name",),
+    fields=lambda o: _meta_fields(o, False),
+    schema={**_top(None, None), "spec": None, "status": None},
+    short_names=("crd", "crds"),
+    categories=("api-extensions",),
+    keeps_generation=True,
+)
+
+ALL: tuple[ResourceType, ...] = (NAMESPACES, PODS, NODES, LEASES, METRICSCONFIGURATIONS, PODSLICES,
+                                 CUSTOMRESOURCEDEFINITIONS)
 BY_KEY = {r.key: r for r in ALL}
 
 
