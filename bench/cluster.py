@@ -1,6 +1,6 @@
 """Cluster-wide endpoints benchmark: propagation to every agent, API writes, cache memory, publication.
 
-Run: ``.venv/bin/python -m bench.cluster [--seconds 30] [--rate 20] [--pods 100000]``
+Run: ``.venv/bin/python -m bench.cluster [--seconds 30] [--rate 20] [--pods 100000] [--lab [--datapath ebpf]]``
 
 * ``endpoint_propagation_p99_ms``: a real lab API server and a real ``podmeter operator`` process, and
   three agents (in this process, each on its own event loop and thread, memory datapath, nodes ``node-0``
@@ -15,6 +15,17 @@ Run: ``.venv/bin/python -m bench.cluster [--seconds 30] [--rate 20] [--pods 1000
 * ``operator_publish_100k_pods_s``: the publisher computing and writing the slices of ``--pods`` pods from
   nothing, against an in-memory slice API (the model, the diff and the write loop; HTTP excluded: the lab
   API server's write rate is measured by bench.apiserver).
+* ``--lab``: ``endpoint_propagation_p99_ms`` and ``api_writes_per_pod_lifecycle`` measured in the
+  multi-node lab instead (``podmeter.lab.cluster``): three nodes, each with its own ``podmeter node`` and
+  its own agent *process* (memory datapath by default: the endpoints' path does not touch the kernel, and
+  the nodes then run pods at the full rate; ``--datapath ebpf`` as root: namespaces, veths and eBPF agents,
+  where building sandboxes limits how many pods get an IP), one operator, ``--rate`` lifecycles per second
+  (each pod deleted 3 s after its creation). Per pod: from the moment the runner's own watch sees the IP
+  the node wrote (a few ms after the write: the figure is that much low) to the first poll (every 20 ms,
+  through each agent's ``/debug/endpoints``) at which all three agents name it (up to 20 ms high). The
+  lab's checks run meanwhile (I1-I7), and its verdict is printed. The operator runs with its default
+  ``--publish-period`` (1 s: a sync at most every second, so the figure is spread over it), or
+  ``--publish-period S``. The other two figures are not measured.
 Prints a table; the last line is one JSON object.
 """
 
@@ -23,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -38,7 +50,7 @@ import yaml
 
 from bench.measure import json_line, table, traced_bytes
 from podmeter.adapters.datapath.memory import MemoryDatapath
-from podmeter.adapters.kube.connection import load_connection
+from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP, load_connection
 from podmeter.adapters.kube.reflector import ReflectorSettings
 from podmeter.lab.apiserver.client import AdminClient
 from podmeter.model.deltas import POD_SLICES, Replace, Upsert
@@ -140,7 +152,8 @@ def start_operator(kubeconfig: Path, port: int, workdir: Path) -> subprocess.Pop
     log = (workdir / "operator.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "podmeter", "operator", "--kubeconfig", str(kubeconfig),
                              "--listen", f"127.0.0.1:{port}", "--lease-namespace", "default",
-                             "--publish-period", "0.2", "--sweep-period", "30"], stdout=log, stderr=log)
+                             "--publish-period", "0.2", "--sweep-period", "30"], stdout=log, stderr=log,
+                            env={**os.environ, ALLOW_PLAIN_HTTP: "1"})  # the lab API server: plain HTTP
     wait(lambda: http(f"http://127.0.0.1:{port}/readyz") == "ready\n", "operator ready")
     return proc
 
@@ -181,7 +194,7 @@ class StampedAgent:
 
     def __init__(self, kubeconfig: Path, node: str) -> None:
         settings = AgentSettings(node_name=node, reflector=lambda _: ReflectorSettings(watch_timeout=(60.0, 90.0)))
-        self.agent = Agent(settings, load_connection(str(kubeconfig)), MemoryDatapath())
+        self.agent = Agent(settings, load_connection(str(kubeconfig), allow_plain_http=True), MemoryDatapath())
         self.arrived: dict[str, float] = {}
         cache = self.agent.view.cluster
         original = cache.changed
@@ -256,12 +269,178 @@ def propagation(seconds: float, rate: float) -> tuple[list[float], float, int]:
                 proc.wait(10)
 
 
+LAB_SCENARIO = """
+name: bench-cluster
+seed: 21
+datapath: {datapath}
+duration: {duration}
+settle: 3
+sample_interval: 1
+nodes:
+  - {{name: lab-0, pod_cidr: 10.248.0.0/24, ip_reuse: oldest}}
+  - {{name: lab-1, pod_cidr: 10.248.1.0/24, ip_reuse: oldest}}
+  - {{name: lab-2, pod_cidr: 10.248.2.0/24, ip_reuse: oldest}}
+agent: {{resync_interval: 30}}
+operator: {{sweep_period: 30}}
+apiserver: {{history: 50000}}
+namespaces: [{{name: bench}}]
+steps:
+  - {{at: 1, do: churn, namespace: bench, rate: {rate}, duration: {seconds}, lifetime: 3, label_sets: 5}}
+"""
+
+
+class _PropagationProbe:
+    """Stamps each bench pod's IP when the runner's watch sees it, and when all three agents name it."""
+
+    def __init__(self, lab: Any) -> None:
+        self.lab = lab
+        self.stop = threading.Event()
+        self.seen: dict[str, tuple[str, str, float]] = {}  # uid -> ip, name, when its IP was seen
+        self.latencies_ms: list[float] = []
+        self.gone_first = 0  # deleted before every agent named it
+        self._done: set[str] = set()
+        self._lock = threading.Lock()
+
+    def start(self) -> list[threading.Thread]:
+        threads = [threading.Thread(target=self._watch, daemon=True), threading.Thread(target=self._poll, daemon=True)]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def _watch(self) -> None:
+        from podmeter.lab.kube import KubeError
+
+        client = self.lab.client
+        while not self.stop.is_set():
+            try:
+                listed = client.list("/api/v1/namespaces/bench/pods")
+                for event in client.watch("/api/v1/namespaces/bench/pods", 30,
+                                          resourceVersion=listed["metadata"]["resourceVersion"]):
+                    if self.stop.is_set():
+                        return
+                    self._event(event.get("type"), event.get("object") or {})
+            except KubeError:
+                time.sleep(0.2)
+
+    def _event(self, kind: str | None, pod: dict[str, Any]) -> None:
+        uid = str((pod.get("metadata") or {}).get("uid", ""))
+        status = pod.get("status") or {}
+        with self._lock:
+            if kind == "DELETED" or (pod.get("metadata") or {}).get("deletionTimestamp"):
+                if self.seen.pop(uid, None) is not None:
+                    self.gone_first += 1
+            elif status.get("podIP") and status.get("phase") == "Running" and uid not in self.seen \
+                    and uid not in self._done:
+                self.seen[uid] = (status["podIP"], pod["metadata"]["name"], time.monotonic())
+
+    def _poll(self) -> None:
+        from podmeter.lab.endpointcheck import cache_of
+
+        while not self.stop.wait(0.02):
+            with self._lock:
+                pending = dict(self.seen)
+            if not pending:
+                continue
+            caches = []
+            for node in self.lab.nodes:
+                text = http_text_or_none(f"{node.url}/debug/endpoints")
+                caches.append(cache_of(json.loads(text)) if text else {})
+            now = time.monotonic()
+            with self._lock:
+                for uid, (ip, name, at) in pending.items():
+                    if uid in self.seen and all(c.get(ip, ("", "", None))[:2] == ("bench", name) for c in caches):
+                        self.latencies_ms.append((now - at) * 1000)
+                        del self.seen[uid]
+                        self._done.add(uid)
+
+
+def http_text_or_none(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as response:  # loopback, the lab's agents
+            text: str = response.read().decode()
+            return text
+    except OSError:
+        return None
+
+
+def lab_propagation(seconds: float, rate: float, datapath: str,
+                    publish_period: float | None) -> tuple[list[float], float, int, Any, int, Path]:
+    """The churn in a three-node lab: (latencies ms, slice writes, lifecycles, the lab's result, pods
+    deleted before every agent named them, the report directory)."""
+    from podmeter.lab.cluster import ClusterRun
+    from podmeter.lab.run import LabOptions
+    from podmeter.lab.scenario import parse_scenario
+
+    scenario = parse_scenario(LAB_SCENARIO.format(datapath=datapath, duration=seconds + 4, rate=rate,
+                                                  seconds=seconds), "bench-cluster")
+    probe_box: list[_PropagationProbe] = []
+    writes: list[float] = []
+
+    class Run(ClusterRun):
+        def _operator_argv(self) -> list[str]:
+            extra = ["--publish-period", str(publish_period)] if publish_period is not None else []
+            return [*super()._operator_argv(), *extra]
+
+        def _timeline(self) -> None:
+            probe = _PropagationProbe(self)
+            probe_box.append(probe)
+            threads = probe.start()
+            before = operator_writes(self.operator_port)
+            try:
+                super()._timeline()
+            finally:
+                writes.append(operator_writes(self.operator_port) - before)
+                probe.stop.set()
+                for thread in threads:
+                    thread.join(timeout=5)
+
+    out = Path(tempfile.mkdtemp(prefix="podmeter-bench-cluster-lab-"))
+    result = Run(scenario, LabOptions(out, progress=False)).run()
+    probe = probe_box[0] if probe_box else _PropagationProbe(None)
+    return probe.latencies_ms, writes[0] if writes else 0.0, int(result.counts.get("lifecycles", 0)), result, \
+        probe.gone_first, out
+
+
+def main_lab(args: argparse.Namespace) -> None:
+    from podmeter.cli.lab import print_summary
+    from podmeter.lab.report import write_report
+
+    print(f"three-node lab ({args.datapath}): {args.rate:g} lifecycles/s for {args.seconds:g} s ...")
+    latencies, writes, lifecycles, result, gone, out = lab_propagation(args.seconds, args.rate, args.datapath,
+                                                                       args.publish_period)
+    print_summary(result, write_report(result, out))
+    p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) >= 2 else float("nan")
+    figures = {
+        "mode": f"lab ({args.datapath})",
+        "publish_period_s": args.publish_period if args.publish_period is not None else 1.0,
+        "endpoint_propagation_p99_ms": round(p99, 1),
+        "endpoint_propagation_p50_ms": round(statistics.median(latencies), 1) if latencies else None,
+        "endpoint_propagation_max_ms": round(max(latencies), 1) if latencies else None,
+        "endpoint_propagation_samples": len(latencies),
+        "deleted_before_named": gone,
+        "api_writes_per_pod_lifecycle": round(writes / max(1, lifecycles), 3),
+        "lifecycles": lifecycles,
+        "lab_passed": result.passed,
+    }
+    table([("endpoint_propagation_p99_ms", p99, 1000.0, "target <= 1,000 (three-node lab)"),
+           ("api_writes_per_pod_lifecycle", figures["api_writes_per_pod_lifecycle"], 1.0, "target <= 1")])
+    json_line(figures)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--rate", type=float, default=20.0, help="pod lifecycles per second")
     parser.add_argument("--pods", type=int, default=100_000)
+    parser.add_argument("--lab", action="store_true",
+                        help="measure propagation in the three-node lab (agent processes) instead")
+    parser.add_argument("--datapath", choices=("memory", "ebpf"), default="memory", help="--lab: the lab's datapath")
+    parser.add_argument("--publish-period", type=float,
+                        help="--lab: the operator's --publish-period (default: its own, 1 s)")
     args = parser.parse_args()
+    if args.lab:
+        main_lab(args)
+        return
     print(f"publishing {args.pods:,} pods from nothing (in-memory slice API) ...")
     seconds, api = publish_from_nothing(args.pods)
     per_entry = cache_bytes_per_entry(api, args.pods)

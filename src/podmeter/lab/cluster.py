@@ -355,9 +355,7 @@ class ClusterRun(LabRun):
         self.processes[lab_node.agent].kill()
         self.result.marks.append(Mark(self._now(), runinfo.AGENT_KILL, f"agent SIGKILL ({lab_node.name})"))
 
-    def _start_operator(self) -> None:
-        if not self.scenario.operator.enabled:
-            return
+    def _operator_argv(self) -> list[str]:
         # A fixed holder identity: a restarted operator takes its own Lease back at once, as a crashed
         # container restarted in the same pod does (a new holder would wait for the lease to expire).
         argv = [*PODMETER, "operator", "--kubeconfig", str(self.kubeconfig),
@@ -366,7 +364,12 @@ class ClusterRun(LabRun):
                 "--holder-identity", f"podmeter-lab-{self.tag}"]
         if self.external is not None:
             argv += ["--lease-namespace", self.external.lease_namespace, "--lease-name", "podmeter-lab-operator"]
-        process = self.processes.add("operator", argv, self.out / "logs")
+        return argv
+
+    def _start_operator(self) -> None:
+        if not self.scenario.operator.enabled:
+            return
+        process = self.processes.add("operator", self._operator_argv(), self.out / "logs")
         process.start()
         wait_ready(f"http://127.0.0.1:{self.operator_port}/readyz", process)
 
