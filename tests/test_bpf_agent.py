@@ -11,10 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from agent_harness import Cluster, wait_for
 from lab_server import LabServer
@@ -27,18 +24,6 @@ pytestmark = needs_root
 pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
 
 GHOST, NEWCOMER = "10.99.0.7", "10.99.0.8"  # pods without interfaces: only the filter sees them
-
-
-@pytest.fixture
-def server(topology: Topology) -> Iterator[LabServer]:
-    """The lab API server on a thread that lives in the test's host netns."""
-    with topology.in_host():
-        lab = LabServer(process=False)
-        lab.start()
-    try:
-        yield lab
-    finally:
-        lab.stop()
 
 
 class Agents:

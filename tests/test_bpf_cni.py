@@ -259,17 +259,6 @@ def test_a_netkit_device_in_l3_mode_is_refused_with_the_reason() -> None:
 # --- the agent: pods whose link was not found, as a metric and in /debug/state --------------------------------
 
 
-@pytest.fixture
-def server(topology: Topology) -> Iterator[LabServer]:
-    with topology.in_host():
-        lab = LabServer(process=False)
-        lab.start()
-    try:
-        yield lab
-    finally:
-        lab.stop()
-
-
 def get(topology: Topology, url: str) -> bytes:
     with topology.in_host():  # loopback of the host netns
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

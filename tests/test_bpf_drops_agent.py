@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,17 +33,6 @@ SIMULATED = {
         "d.DropTracer.open = classmethod(lambda cls, *a, **k: _open(cls, *a, **{**k, 'tracepoints': "
         "{'kfree_skb': 'kfree_skb_gone'}}))"),
 }
-
-
-@pytest.fixture
-def server(topology: Topology) -> Iterator[LabServer]:
-    with topology.in_host():
-        lab = LabServer(process=False)
-        lab.start()
-    try:
-        yield lab
-    finally:
-        lab.stop()
 
 
 class Agent:

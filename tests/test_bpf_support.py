@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from lab_server import LabServer
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf.netns import netns
 
@@ -151,3 +152,16 @@ def topology() -> Iterator[Topology]:
         yield topo
     finally:
         topo.destroy()
+
+
+@pytest.fixture
+def server(topology: Topology) -> Iterator[LabServer]:
+    """The lab API server on a thread that lives in the test's host netns (agents started in that netns
+    reach it on its loopback)."""
+    with topology.in_host():
+        lab = LabServer(process=False)
+        lab.start()
+    try:
+        yield lab
+    finally:
+        lab.stop()

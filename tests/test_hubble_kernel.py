@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -34,17 +33,6 @@ from waiting import wait_for
 pytestmark = [needs_root, pytest.mark.skipif(not hasattr(EbpfDatapath, "drain_flows"),
                                              reason="the eBPF datapath has no kernel flows (drain_flows) yet")]
 pytest_plugins = ["test_bpf_support"]
-
-
-@pytest.fixture
-def server(topology: Topology) -> Iterator[LabServer]:
-    with topology.in_host():
-        lab = LabServer(process=False)
-        lab.start()
-    try:
-        yield lab
-    finally:
-        lab.stop()
 
 
 class Agent:
