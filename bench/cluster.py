@@ -24,7 +24,7 @@ Run: ``.venv/bin/python -m bench.cluster [--seconds 30] [--rate 20] [--pods 1000
   the node wrote (a few ms after the write: the figure is that much low) to the first poll (every 20 ms,
   through each agent's ``/debug/endpoints``) at which all three agents name it (up to 20 ms high). The
   lab's checks run meanwhile (I1-I7), and its verdict is printed. The operator runs with its default
-  ``--publish-period`` (1 s: a sync at most every second, so the figure is spread over it), or
+  ``--publish-period`` (0.5 s: a sync at most every half second, so the figure is spread over it), or
   ``--publish-period S``. The other two figures are not measured.
 Prints a table; the last line is one JSON object.
 """
@@ -152,7 +152,7 @@ def start_operator(kubeconfig: Path, port: int, workdir: Path) -> subprocess.Pop
     log = (workdir / "operator.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "podmeter", "operator", "--kubeconfig", str(kubeconfig),
                              "--listen", f"127.0.0.1:{port}", "--lease-namespace", "default",
-                             "--publish-period", "0.2", "--sweep-period", "30"], stdout=log, stderr=log,
+                             "--sweep-period", "30"], stdout=log, stderr=log,  # its default --publish-period
                             env={**os.environ, ALLOW_PLAIN_HTTP: "1"})  # the lab API server: plain HTTP
     wait(lambda: http(f"http://127.0.0.1:{port}/readyz") == "ready\n", "operator ready")
     return proc
@@ -436,7 +436,7 @@ def main() -> None:
                         help="measure propagation in the three-node lab (agent processes) instead")
     parser.add_argument("--datapath", choices=("memory", "ebpf"), default="memory", help="--lab: the lab's datapath")
     parser.add_argument("--publish-period", type=float,
-                        help="--lab: the operator's --publish-period (default: its own, 1 s)")
+                        help="--lab: the operator's --publish-period (default: its own, 0.5 s)")
     args = parser.parse_args()
     if args.lab:
         main_lab(args)

@@ -73,7 +73,7 @@ def register(subparsers: Any) -> None:
                    help="seconds between the leader's checks of the default MetricsConfiguration")
     p.add_argument("--publish-endpoints", action=argparse.BooleanOptionalAction, default=True,
                    help="publish the cluster's endpoints as PodSlices for the agents (leader only)")
-    p.add_argument("--publish-period", type=float, default=1.0,
+    p.add_argument("--publish-period", type=float, default=0.5,
                    help="seconds between two syncs of the PodSlices at most (changes are coalesced)")
     p.add_argument("--publish-max-writes", type=int, default=100,
                    help="PodSlice writes per sync at most (the rest waits for the next sync)")

@@ -62,7 +62,7 @@ class EndpointPublisher:
     ``actual`` are exactly the digests of the desired slices, and no other slice exists in ``actual``.
     """
 
-    def __init__(self, api: SliceApi, *, interval: float = 1.0, max_writes: int = 100) -> None:
+    def __init__(self, api: SliceApi, *, interval: float = 0.5, max_writes: int = 100) -> None:
         self.api = api
         self.interval = interval
         self.max_writes = max_writes

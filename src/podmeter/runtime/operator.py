@@ -312,7 +312,7 @@ class OperatorSettings:
     gc_period: float = 30.0  # backend GC (leader only); etcd removes after two rounds
     config_period: float = 5.0  # MetricsConfiguration status (leader only)
     retry_period: float = 2.0  # identity operations that failed are tried again
-    publish_period: float = 1.0  # endpoint slices (leader only): at most one sync this often
+    publish_period: float = 0.5  # endpoint slices (leader only): at most one sync this often
     debug_anywhere: bool = False  # answer /debug/* on non-loopback addresses too
 
 
