@@ -24,7 +24,8 @@ class PeakTracker:
     factor: int = 4
 
     def grew_to(self, size: int) -> None:
-        self.peak = max(self.peak, size)
+        if size > self.peak:  # noqa: PLR1730 (not max(): it runs on every insert, and a call costs)
+            self.peak = size
 
     def should_rebuild(self, size: int) -> bool:
         """True once when ``size`` fell far below the peak; the caller rebuilds and the peak resets."""

@@ -78,7 +78,9 @@ class Store(Generic[R]):
         if old == item:
             return 0
         objects[key] = item
-        self._peak.peak = max(self._peak.peak, len(objects))
+        peak = self._peak
+        if len(objects) > peak.peak:  # noqa: PLR1730 (not max(): every watch event comes here)
+            peak.peak = len(objects)
         changed(old, item)
         return 1
 
