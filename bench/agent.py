@@ -148,7 +148,8 @@ def agent_idle_rss_mib() -> float:
             agent = subprocess.Popen([sys.executable, "-m", "podmeter", "agent", "--datapath", "memory",
                                       "--node-name", "node-a", "--kubeconfig", str(kubeconfig),
                                       "--listen", f"127.0.0.1:{agent_port}"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, "PODMETER_ALLOW_PLAIN_HTTP_CREDENTIALS": "1"})  # test server
             wait_http(f"http://127.0.0.1:{agent_port}/readyz")
             time.sleep(3)
             return _rss_of(agent.pid)
