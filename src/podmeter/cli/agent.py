@@ -6,14 +6,12 @@ import argparse
 import asyncio
 import logging
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
 from podmeter.adapters.flow_http import flows_handler
 from podmeter.adapters.http import build_app, parse_listen, serve
-from podmeter.adapters.hubble.flows import pod_labels
-from podmeter.adapters.hubble.server import AccessError, HubbleConfig, HubbleServer, hubble_config
 from podmeter.adapters.kube.connection import ConnectionConfigError, load_connection
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
 from podmeter.adapters.metrics.flow_traffic import render_workload_flows
@@ -23,6 +21,9 @@ from podmeter.runtime.agent import Agent, AgentSettings
 from podmeter.runtime.datapaths import OpenDatapath, open_datapath
 from podmeter.runtime.drop_drain import DEFAULT_DROP_MAP_SIZE, DropTracing, open_drops
 from podmeter.runtime.logs import setup_logging
+
+if TYPE_CHECKING:
+    from podmeter.adapters.hubble.server import HubbleConfig
 
 log = logging.getLogger("podmeter.agent")
 
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     try:
         parse_listen(args.listen)
-        hubble = hubble_config(args.hubble_listen, args.hubble_tls_cert, args.hubble_tls_key, args.hubble_tls_client_ca)
+        hubble = _hubble_config(args)
         connection = load_connection(args.kubeconfig, args.context)
     except (ValueError, ConnectionConfigError) as exc:
         log.error("%s", exc)
@@ -127,6 +128,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         drops.close()
         opened.close()
+
+
+def _hubble_config(args: argparse.Namespace) -> HubbleConfig | None:
+    """The Hubble API's options, checked; gRPC is imported only when one is given (it costs the idle agent
+    some 20 MiB of memory otherwise)."""
+    if not any((args.hubble_listen, args.hubble_tls_cert, args.hubble_tls_key, args.hubble_tls_client_ca)):
+        return None
+    from podmeter.adapters.hubble.server import hubble_config
+
+    return hubble_config(args.hubble_listen, args.hubble_tls_cert, args.hubble_tls_key, args.hubble_tls_client_ca)
 
 
 async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath, hubble: HubbleConfig | None,
@@ -151,12 +162,17 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
                     debug_streams={"/debug/flows": flows_handler(agent.flow_feed)},
                     healthy=lambda: agent.supervisor.healthy, metrics_min_interval=args.metrics_min_interval)
     runner, port = await serve(app, args.listen)
-    observer = None if hubble is None else HubbleServer(agent.flow_feed, args.node_name, hubble.address, tls=hubble.tls,
-                                                        labels=lambda e: pod_labels(agent.view.pods, e))
+    observer = None
+    if hubble is not None:
+        from podmeter.adapters.hubble.flows import pod_labels
+        from podmeter.adapters.hubble.server import HubbleServer
+
+        observer = HubbleServer(agent.flow_feed, args.node_name, hubble.address, tls=hubble.tls,
+                                labels=lambda e: pod_labels(agent.view.pods, e))
     try:
         if observer is not None:
             await observer.start()
-    except AccessError as exc:
+    except ValueError as exc:  # the Hubble API's AccessError
         log.error("%s", exc)
         await runner.cleanup()
         return 1

@@ -15,6 +15,7 @@ what is missing, and an agent that runs without drop metrics.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,9 +61,10 @@ def open_drops(datapath: Datapath, size: int = DEFAULT_DROP_MAP_SIZE, *, btf_pat
     and returned in ``notices``."""
     if size == 0:
         return _off("drops and TCP health are off (--drop-map-size 0)", logging.INFO)
-    from podmeter.adapters.datapath.ebpf import EbpfDatapath
-
-    if not isinstance(datapath, EbpfDatapath):
+    # Only an eBPF datapath has the filter map to trace next to; the eBPF adapter (ctypes, pyroute2) is
+    # not imported for another datapath, which would cost an agent on the memory datapath ~10 MiB.
+    ebpf = sys.modules.get("podmeter.adapters.datapath.ebpf")
+    if ebpf is None or not isinstance(datapath, ebpf.EbpfDatapath):
         return _off("drops and TCP health are counted by the eBPF datapath only: off with this datapath",
                     logging.INFO)
     from podmeter.adapters.datapath.ebpf import btf
