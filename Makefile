@@ -20,7 +20,7 @@ src/podmeter/bpf/%.bpf.o: bpf/%.bpf.c $(wildcard bpf/*.h)
 src/podmeter/bpf/podmeter_noflows.bpf.o: bpf/podmeter.bpf.c
 
 # The Python stubs of Hubble's API (docs/hubble.md), generated from the .proto files and committed: the
-# package needs no code generator to install. tests/test_hubble_proto.py checks they match the .proto files.
+# package needs no code generator to install. tests/adapters/test_hubble_proto.py checks they match the .proto files.
 HUBBLE_PROTO := src/podmeter/adapters/hubble/proto
 proto: setup
 	$(PY) -m grpc_tools.protoc -I src --plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy \
@@ -39,10 +39,9 @@ test: lint
 
 # The fast tier: model, property, decoder and reflector-rule tests, in seconds, without root. It starts no
 # process: with PODMETER_FAST_TESTS=1, tests/conftest.py makes every subprocess/fork fail the test.
-FAST_TESTS := tests/test_records.py tests/test_core_properties.py tests/test_core_prior_art.py \
-	tests/test_identity_model.py tests/test_traffic_ledger.py tests/test_operator_properties.py \
-	tests/test_apiserver_units.py tests/test_lab_scenario.py tests/test_reflector_rules.py
-FAST_DESELECT := tests/test_lab_scenario.py::test_podmeter_lab_refuses_a_bad_file_before_starting_anything
+FAST_TESTS := tests/model tests/adapters/test_reflector_rules.py tests/lab/test_apiserver_units.py \
+	tests/lab/test_lab_scenario.py
+FAST_DESELECT := tests/lab/test_lab_scenario.py::test_podmeter_lab_refuses_a_bad_file_before_starting_anything
 
 test-fast: setup
 	PODMETER_FAST_TESTS=1 $(VENV)/bin/pytest -q --timeout=60 $(FAST_TESTS) $(addprefix --deselect ,$(FAST_DESELECT))

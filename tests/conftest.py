@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 # The test servers (the lab API server fixture) speak plain HTTP with a token: allowed for tests only
-# (podmeter refuses credentials over plain HTTP otherwise; tests/test_kube_connection.py checks it).
+# (podmeter refuses credentials over plain HTTP otherwise; tests/adapters/test_kube_connection.py checks it).
 os.environ.setdefault("PODMETER_ALLOW_PLAIN_HTTP_CREDENTIALS", "1")
 
 # Fixtures shared by many test files: the lab API server (in-process and as a subprocess), and the

@@ -20,9 +20,9 @@ from podmeter.cli.parsing import Parser, VersionAction, give_every_default_a_hel
 # Subcommand modules; each defines ``register(subparsers) -> None`` and sets ``func`` on its parser.
 COMMANDS = ("agent", "operator", "observe", "apiserver", "node", "lab", "inspect", "doctor", "demo", "completion")
 # The lab's commands: they import podmeter.lab, which is only usable with the `lab` extra installed
-# (and is not in the image at all). The product's commands never import it (tests/test_packaging.py).
+# (and is not in the image at all). The product's commands never import it (tests/deploy/test_packaging.py).
 LAB_COMMANDS = frozenset({"apiserver", "node", "lab"})
-# What the `lab` extra of pyproject.toml brings, by import name (tests/test_packaging.py keeps them equal).
+# What the `lab` extra of pyproject.toml brings, by import name (tests/deploy/test_packaging.py keeps them equal).
 LAB_REQUIRES = ("matplotlib", "rich", "yaml")
 LAB_EXTRA_MISSING = "the lab needs the lab extra: pip install 'podmeter[lab]'"
 

@@ -7,7 +7,7 @@ as in the agents that had this bug; the lab's scenario for it avoids relists.
 ``stale-endpoints``: the agent's cluster-wide endpoint cache never forgets an IP: when a PodSlice drops an
 endpoint (its pod deleted, or moved to another slice) the IP keeps naming the old pod until another
 endpoint claims it. Entries of deleted pods that stay are the leak of the identity caches of the field;
-the multi-node lab's I7 check must fail on it, naming the IPs (tests/test_lab_cluster.py).
+the multi-node lab's I7 check must fail on it, naming the IPs (tests/lab/test_lab_cluster.py).
 
 The fault is installed by ``python -m podmeter.cli.lab --faulty-agent KIND agent ...`` before the agent
 starts; the product itself has no switch for it.

@@ -503,7 +503,7 @@ _UNCHECKED = {  # why an invariant the samples never checked was not checked
     "I1": "the agent's store was never read", "I2": "the kernel filter was never read",
     "I3": "the kernel filter was never read", "I4": "the operator did not run, or its identities were never read",
     "I5": "the agent's metrics were never read",
-    "I7": "this run did not check it; tests/test_endpoint_publication.py does (operators against the lab API "
+    "I7": "this run did not check it; tests/runtime/test_endpoint_publication.py does (operators against the lab API "
           "server)",
 }
 

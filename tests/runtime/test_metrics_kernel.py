@@ -12,7 +12,6 @@ from test_bpf_support import Topology, needs_root
 from test_metrics_agent import pod_value, scrape
 
 pytestmark = needs_root
-pytest_plugins = ["test_bpf_support"]
 
 
 def test_exact_per_pod_counts_from_real_udp(lab_apiserver: LabServer, topology: Topology,

@@ -22,10 +22,9 @@ from test_bpf_netns import udp_echo
 from test_bpf_support import Topology, needs_root, run
 
 pytestmark = needs_root
-pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
 
 Opener = Callable[..., EbpfDatapath]
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).parents[1])  # the shared helpers
 PEER = "192.0.2.1"
 
 # One agent run: open the pins, make sure the IP is observed, count N packets leaving it, report.

@@ -44,7 +44,6 @@ from test_bpf_netns import Capture, Node, node  # noqa: F401  (node: the attache
 from test_bpf_support import Pod, Topology, needs_root, run
 
 pytestmark = needs_root
-pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
 
 TC_ACT_UNSPEC = -1
 FROM, TO = Observation.FROM_POD, Observation.TO_POD
@@ -772,7 +771,7 @@ def test_real_udp_flows_at_both_observation_points(node: Node, topology: Topolog
 
 
 class FlowCapture(Capture):
-    """The capture of tests/test_bpf_netns.py, read as flows: what the programs should aggregate."""
+    """The capture of tests/adapters/test_bpf_netns.py, read as flows: what the programs should aggregate."""
 
     def expected_flows(self, observed: str) -> Totals:
         out: Totals = {}

@@ -22,7 +22,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from podmeter.adapters.hubble.proto import flow_pb2, health_pb2, observer_pb2, peer_pb2, relay_pb2
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROTO = ROOT / "src" / "podmeter" / "adapters" / "hubble" / "proto"
 MODULES = {"flow": flow_pb2, "observer": observer_pb2, "relay": relay_pb2, "peer": peer_pb2, "health": health_pb2}
 

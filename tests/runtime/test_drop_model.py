@@ -336,7 +336,7 @@ def test_the_exposition() -> None:
 
 
 def test_the_dashboard_has_the_drop_panels_and_uses_documented_series_only() -> None:
-    root = Path(__file__).parent.parent
+    root = Path(__file__).parents[2]
     dashboard = json.loads((root / "deploy/dashboards/pod-traffic.json").read_text())
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
     for series in ("podmeter_pod_drops_total", "podmeter_pod_tcp_retransmits_total", "podmeter_pod_tcp_resets_total",

@@ -50,7 +50,7 @@ def test_demo_prints_what_it_did() -> None:
 
 # --- --version ---------------------------------------------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENTRY = [sys.executable, "-m", "podmeter"]
 
 

@@ -17,7 +17,6 @@ from podmeter.model.datapath import Direction, Traffic
 from test_bpf_support import needs_root
 
 pytestmark = needs_root
-pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
 
 TC_ACT_UNSPEC = -1
 POD_V4, OTHER_V4, PEER_V4 = "10.40.0.5", "10.40.0.6", "192.0.2.9"

@@ -25,7 +25,7 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "podmeter"
 PRODUCT_COMMANDS = ("agent", "operator", "observe", "inspect", "doctor", "demo")
 LAB_CLI = ("podmeter.cli.lab", "podmeter.cli.apiserver", "podmeter.cli.node")

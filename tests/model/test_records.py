@@ -11,7 +11,7 @@ from factories import pod_json
 from podmeter.model.configuration import decode_configuration
 from podmeter.model.records import DecodeError, decode_namespace, decode_pod
 
-WIRE = Path(__file__).parent / "data" / "wire"
+WIRE = Path(__file__).parents[1] / "data" / "wire"
 
 
 def _dumps(obj: object) -> bytes:

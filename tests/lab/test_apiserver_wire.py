@@ -13,7 +13,7 @@ import pytest
 
 from lab_server import LabServer
 
-WIRE = Path(__file__).resolve().parent / "data" / "wire"
+WIRE = Path(__file__).resolve().parents[1] / "data" / "wire"
 
 
 def recorded(name: str) -> dict[str, Any]:

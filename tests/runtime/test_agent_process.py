@@ -51,7 +51,7 @@ def test_agent_process_endpoints_and_sigterm(lab_apiserver: LabServer, agent_pro
     assert 'podmeter_store_objects{resource="pods"} 1.0' in metrics
     assert 'podmeter_watch_relists_total{reason="initial",resource="pods"} 1.0' in metrics
     assert "process_resident_memory_bytes" in metrics
-    documented = (Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
+    documented = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
     families = {line.split()[2] for line in metrics.splitlines() if line.startswith("# TYPE podmeter_")}
     assert "podmeter_pod_bytes_total" in families
     undocumented = sorted(f for f in families if f not in documented and f.removesuffix("_total") not in documented)

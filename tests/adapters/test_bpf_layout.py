@@ -59,7 +59,7 @@ def test_per_cpu_values_are_summed() -> None:
 
 
 def test_interface_rule() -> None:
-    """Pod links by what they are, whatever their names (more in tests/test_bpf_cni.py)."""
+    """Pod links by what they are, whatever their names (more in tests/adapters/test_bpf_cni.py)."""
     rule = InterfaceRule()
     for name in ("pm1234x5", "veth9a8b7c", "lxc12ab", "cali0123", "eni1a2b3c4d5e6", "azv0a1b2c3d4e", "3f2a9c1b0d4e5f6"):
         assert rule.selects(LinkInfo(name, "veth", 3, 2))  # the peer in another netns

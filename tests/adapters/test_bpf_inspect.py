@@ -14,7 +14,6 @@ from podmeter.adapters.datapath.ebpf import frames as f
 from test_bpf_support import needs_root
 
 pytestmark = needs_root
-pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
 
 Opener = Callable[..., EbpfDatapath]
 

@@ -25,7 +25,6 @@ from podmeter.model.datapath import Direction, Traffic
 from test_bpf_support import Pod, Topology, needs_root, run, unique
 
 pytestmark = needs_root
-pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
 
 Opener = Callable[..., EbpfDatapath]
 UDP_HEADERS = 14 + 20 + 8

@@ -21,7 +21,6 @@ from test_bpf_netns import udp_echo
 from test_bpf_support import Topology, needs_root
 
 pytestmark = needs_root
-pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
 
 GHOST, NEWCOMER = "10.99.0.7", "10.99.0.8"  # pods without interfaces: only the filter sees them
 

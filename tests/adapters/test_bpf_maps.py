@@ -28,7 +28,6 @@ from podmeter.model.datapath import DatapathError, Direction, FilterFull, Traffi
 from test_bpf_support import BPFFS, needs_root, remove_pin_dir, run, unique
 
 pytestmark = needs_root
-pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
 
 Opener = Callable[..., EbpfDatapath]
 

@@ -45,7 +45,7 @@ async def test_memory_backend_lowest_free_and_idempotent() -> None:
 def test_parse_endpoint() -> None:
     assert parse_endpoint("http://127.0.0.1:2379") == ("127.0.0.1", 2379)
     assert parse_endpoint("etcd:4001") == ("etcd", 4001)
-    assert parse_endpoint("https://etcd:2379") == ("etcd", 2379)  # TLS: tests/test_identity_etcd_tls.py
+    assert parse_endpoint("https://etcd:2379") == ("etcd", 2379)  # TLS: tests/runtime/test_identity_etcd_tls.py
     with pytest.raises(ValueError, match="expected https://HOST:PORT"):
         parse_endpoint("ftp://etcd:2379")
 

@@ -23,7 +23,6 @@ from test_bpf_support import Topology, needs_root
 from waiting import stop_process
 
 pytestmark = needs_root
-pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, topology
 
 # Runs the agent with the BTF path or a tracepoint name replaced, as on a kernel that lacks them.
 SIMULATED = {

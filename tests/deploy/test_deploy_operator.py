@@ -257,7 +257,7 @@ def test_two_operator_replicas_elect_one_leader_that_writes_the_status(topology:
             assert cluster.call("POST", "/api/v1/namespaces/shop/pods", body)[0] == 201
         assert cluster.call("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                                           "metadata": {"name": NAMESPACE}})[0] == 201
-        config = yaml.safe_load((Path(__file__).parent.parent / "deploy/examples/metricsconfiguration-include.yaml")
+        config = yaml.safe_load((Path(__file__).parents[2] / "deploy/examples/metricsconfiguration-include.yaml")
                                 .read_text())
         assert cluster.call("POST", "/apis/podmeter.io/v1alpha1/metricsconfigurations", config)[0] == 201
         cluster.reset_requests()  # from here on, only the operators ask

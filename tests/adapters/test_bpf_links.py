@@ -28,7 +28,6 @@ from podmeter.adapters.datapath.ebpf.links import (
 from test_bpf_support import Topology, needs_root, run, unique
 
 pytestmark = needs_root
-pytest_plugins = ["test_bpf_support"]  # its fixtures: topology
 
 
 def ip_rows(topology: Topology) -> list[dict[str, Any]]:

@@ -41,7 +41,6 @@ from podmeter.model.flows import TCP, UDP
 from test_bpf_support import Pod, Topology, needs_root, run
 
 pytestmark = needs_root
-pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
 
 IN, OUT = Direction.INGRESS, Direction.EGRESS
 TRACEFS = Path("/sys/kernel/tracing")

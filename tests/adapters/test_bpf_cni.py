@@ -32,8 +32,6 @@ from test_bpf_netns import UDP_HEADERS, udp_echo
 from test_bpf_support import Topology, needs_root, run, unique
 from waiting import stop_process, wait_for
 
-pytest_plugins = ["test_bpf_support"]  # its fixtures: pin_dir, open_datapath, topology
-
 Opener = Callable[..., EbpfDatapath]
 
 

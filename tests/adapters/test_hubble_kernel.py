@@ -1,6 +1,6 @@
 """The Hubble API on real traffic: `podmeter agent --datapath ebpf --hubble-listen unix://...`, netns pods, packets.
 
-The lab API server and the agent run in a private netns (as tests/test_bpf_agent.py does); the agent drains
+The lab API server and the agent run in a private netns (as tests/adapters/test_bpf_agent.py does); the agent drains
 the kernel's flows every 0.3 s, and a client built from the project's definitions reads them over the
 agent's Unix socket: ``follow`` streams the pod's flows as they are drained, ``number=N`` returns the last
 N in order, the filters select real flows, ServerStatus counts them, the health check answers, and with
@@ -32,7 +32,6 @@ from waiting import wait_for
 
 pytestmark = [needs_root, pytest.mark.skipif(not hasattr(EbpfDatapath, "drain_flows"),
                                              reason="the eBPF datapath has no kernel flows (drain_flows) yet")]
-pytest_plugins = ["test_bpf_support"]
 
 
 class Agent:
