@@ -28,8 +28,8 @@ import msgspec
 
 from podmeter.model.compaction import PeakTracker
 from podmeter.model.datapath import Direction
-from podmeter.model.endpoints import Endpoint, Names
-from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
+from podmeter.model.endpoints import Names
+from podmeter.model.flow_records import VERDICT_DROPPED, EndpointCache, FlowEnd, FlowRecord
 from podmeter.model.flows import TCP, FlowCounts, Observation
 from podmeter.model.records import Pod
 
@@ -249,20 +249,13 @@ def name_drops(entries: Iterable[tuple[DropFlowKey, FlowCounts]], names: Names, 
     """Flow records with verdict ``dropped`` for the dropped flows of one drain, both ends named as of now
     (the drain comes before any change of owner). ``observation`` says which end was observed: from-pod
     when the source was (the packet was leaving that pod), else to-pod (it was on its way into one)."""
-    seen: dict[str, Endpoint | None] = {}
-
-    def lookup(ip: str) -> Endpoint | None:
-        if ip in seen:
-            return seen[ip]
-        found = seen[ip] = names.endpoint(ip)
-        return found
-
+    ends = EndpointCache(names)
     out = []
     for key, counts in entries:
         out.append(FlowRecord(
             time=counts.last_ns / 1e9 + wall_offset, first=counts.first_ns / 1e9 + wall_offset, node=node,
-            source=FlowEnd(key.source, key.source_port, lookup(key.source)),
-            destination=FlowEnd(key.destination, key.destination_port, lookup(key.destination)),
+            source=FlowEnd(key.source, key.source_port, ends[key.source]),
+            destination=FlowEnd(key.destination, key.destination_port, ends[key.destination]),
             protocol=key.protocol,
             observation=Observation.FROM_POD if key.source_observed else Observation.TO_POD,
             packets=counts.packets, bytes=counts.bytes, tcp_flags=counts.tcp_flags,

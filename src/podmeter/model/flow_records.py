@@ -94,7 +94,7 @@ def _end_json(end: FlowEnd, portless: bool) -> dict[str, Any]:
     }
 
 
-class _Ends(dict[str, "Endpoint | None"]):
+class EndpointCache(dict[str, "Endpoint | None"]):
     """IP -> its endpoint, looked up in ``names`` on first use (one drain's cache: a hit is a C-level
     dict lookup, where a Python-level function per end cost a third of the naming)."""
 
@@ -121,7 +121,7 @@ def name_flows(entries: Iterable[FlowEntry], names: Names, node: str, wall_offse
     One comprehension, entries unpacked as tuples, records built with positional arguments: 100,000
     entries right after their drain are named in about 85 ms (``bench.flows``; 100 with attribute access,
     keywords and a lookup function)."""
-    ends = _Ends(names)
+    ends = EndpointCache(names)
     record, end = FlowRecord, FlowEnd
     out = [
         record(last_ns / 1e9 + wall_offset, first_ns / 1e9 + wall_offset, node,
