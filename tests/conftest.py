@@ -53,3 +53,16 @@ def _no_processes_in_fast_tests(monkeypatch: pytest.MonkeyPatch) -> Iterator[Non
     yield
     if attempts:
         pytest.fail(f"started a process in the fast tier: {', '.join(attempts)}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs a command's main() in-process gets its logging set up (a handler on the test's
+    captured stderr); put the root logger back, so later tests do not log into a closed stream."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
