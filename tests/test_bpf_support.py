@@ -15,6 +15,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,8 +55,8 @@ def open_datapath(pin_dir: Path) -> Iterator[Callable[..., EbpfDatapath]]:
     """Open (load) datapaths on ``pin_dir``; every one opened is closed afterwards."""
     opened: list[EbpfDatapath] = []
 
-    def opener(filter_size: int = 64) -> EbpfDatapath:
-        datapath = EbpfDatapath.open(pin_dir, filter_size=filter_size)
+    def opener(filter_size: int = 64, **options: Any) -> EbpfDatapath:
+        datapath = EbpfDatapath.open(pin_dir, filter_size=filter_size, **options)
         opened.append(datapath)
         return datapath
 

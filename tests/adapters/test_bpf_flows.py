@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,20 +54,9 @@ Totals = dict[FlowKey, tuple[int, int, int]]  # packets, bytes, tcp_flags
 
 
 @pytest.fixture
-def open_flows(pin_dir: Path) -> Iterator[Callable[..., EbpfDatapath]]:
-    """Open datapaths on ``pin_dir`` with a chosen flow map size; all closed afterwards."""
-    opened: list[EbpfDatapath] = []
-
-    def opener(filter_size: int = 64, flow_size: int = 1024) -> EbpfDatapath:
-        datapath = EbpfDatapath.open(pin_dir, filter_size=filter_size, flow_size=flow_size)
-        opened.append(datapath)
-        return datapath
-
-    try:
-        yield opener
-    finally:
-        for datapath in opened:
-            datapath.close()
+def open_flows(open_datapath: Callable[..., EbpfDatapath]) -> Callable[..., EbpfDatapath]:
+    """The shared opener, with a small flow map unless told otherwise."""
+    return lambda filter_size=64, flow_size=1024: open_datapath(filter_size, flow_size=flow_size)
 
 
 @pytest.fixture

@@ -232,3 +232,17 @@ def test_slices_are_bounded_and_stale_ones_go_when_the_cluster_shrinks(
     _, _, body = lab_apiserver.request("GET", SLICES)
     assert [item["metadata"]["name"] for item in body["items"]] == ["pods-1-0"]  # the stale slices went
     assert op.metric('podmeter_slice_writes_total{op="delete"}') >= 1
+
+
+def test_the_endpoint_cache_returns_to_empty_after_churn_and_gives_its_tables_back() -> None:
+    cache = ClusterEndpoints()
+    store: Store[PodSlice] = Store(POD_SLICES)
+    for round_ in range(3):
+        for n in range(40):  # 40 slices of 100 pods each come and go, every round with new IPs
+            pods = {f"10.{round_}.{n}.{i}": f"p{round_}-{n}-{i}" for i in range(100)}
+            store.apply(Upsert(POD_SLICES, _slice(f"s{n}", round_ * 100 + n, pods)), cache.changed)
+        assert len(cache) == 4000
+        for n in range(40):
+            store.apply(Delete(POD_SLICES, f"s{n}"), cache.changed)
+        assert len(cache) == 0 and not cache.slices and not store.objects
+    assert cache._peak.peak < 1024  # rebuilt when emptied: the peak of a past round pins no memory
