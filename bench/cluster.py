@@ -54,7 +54,7 @@ from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP, load_connection
 from podmeter.adapters.kube.reflector import ReflectorSettings
 from podmeter.lab.apiserver.client import AdminClient
 from podmeter.model.deltas import POD_SLICES, Replace, Upsert
-from podmeter.model.endpoint_slices import ClusterEndpoints, PodSlice, decode_slice
+from podmeter.model.endpoint_slices import ClusterEndpoints, PodSlice, decode_slice, unpack_ip
 from podmeter.model.identity import IdentityKey, LabelFilter, key_of_flat
 from podmeter.model.records import Pod
 from podmeter.model.store import Store
@@ -201,7 +201,7 @@ class StampedAgent:
 
         def stamped(old: PodSlice | None, new: PodSlice | None) -> None:
             now = time.monotonic()
-            for ip, _ in new.endpoints if new is not None else ():
+            for ip in map(unpack_ip, new.ips if new is not None else ()):
                 self.arrived.setdefault(ip, now)
             original(old, new)
 

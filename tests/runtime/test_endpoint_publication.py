@@ -104,7 +104,7 @@ def test_the_cache_is_the_union_of_the_stored_slices(steps: list[tuple[str, bool
         store.apply(delta, cache.changed)
         listed: dict[str, set[str]] = {}
         for stored in store.objects.values():
-            for ip, endpoint in stored.endpoints:
+            for ip, endpoint in stored.endpoints():
                 listed.setdefault(ip, set()).add(endpoint.pod)
         cached = dict(cache.items())
         assert set(cached) == set(listed)  # nothing stale, nothing missing

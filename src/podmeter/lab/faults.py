@@ -45,9 +45,9 @@ def _keep_dropped_endpoints() -> None:
     changed = ClusterEndpoints.changed
 
     def keep(self: ClusterEndpoints, old: PodSlice | None, new: PodSlice | None) -> None:
-        before = dict(self.items())
+        before = dict(self._by_ip)
         changed(self, old, new)
-        for ip, endpoint in before.items():
-            self._by_ip.setdefault(ip, endpoint)  # the seeded bug: what a slice dropped stays named
+        for packed, owner in before.items():
+            self._by_ip.setdefault(packed, owner)  # the seeded bug: what a slice dropped stays named
 
     ClusterEndpoints.changed = keep  # type: ignore[method-assign]

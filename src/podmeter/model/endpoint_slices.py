@@ -25,9 +25,11 @@ them.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import sys
 import zlib
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -135,12 +137,77 @@ class _WireSlice(msgspec.Struct):
 
 
 class PodSlice(msgspec.Struct, frozen=True, gc=False):
-    """A decoded slice: its endpoints by IP, and the labels of their identities (flat, sorted)."""
+    """A decoded slice, kept in columns: row ``i`` is the address ``ips[i]`` (packed, 4 or 16 bytes; sorted,
+    one row per address) of the pod ``pods[i]``, which runs on ``nodes[i]`` and belongs to ``owners[i]``
+    (``namespace/kind/workload/identity``, see :func:`owner_key`).
+
+    Why columns and not one record per endpoint: an agent holds every pod of the cluster (100,000s). A
+    record per row cost its header and a pointer per field (80 bytes), a pair per address 56 more; here a
+    row costs a pointer per column, the strings the columns share are interned (the interpreter frees them
+    with their last user), and :class:`Endpoint` records are made when a flow end is named (once per address
+    per drain). ``agent_endpoint_bytes_per_entry`` in ``bench.cluster`` measures it."""
 
     name: str
     resource_version: str
-    endpoints: tuple[tuple[str, Endpoint], ...]  # (ip, endpoint), one per IP
+    ips: tuple[bytes, ...] = ()
+    pods: tuple[str, ...] = ()
+    owners: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = ()
     labels: tuple[tuple[int, tuple[str, ...]], ...] = ()
+
+    def row(self, packed: bytes) -> int:
+        """The row of a packed address this slice lists, -1 if it lists none."""
+        i = bisect_left(self.ips, packed)
+        return i if i < len(self.ips) and self.ips[i] == packed else -1
+
+    def endpoint_at(self, i: int) -> Endpoint:
+        namespace, kind, rest = self.owners[i].split("/", 2)
+        workload, _, identity = rest.rpartition("/")
+        return Endpoint(namespace, self.pods[i], kind, workload, self.nodes[i], "",
+                        int(identity) if identity else None)
+
+    def endpoints(self) -> list[tuple[str, Endpoint]]:
+        """(IP, endpoint) for every row, in row order."""
+        return [(unpack_ip(ip), self.endpoint_at(i)) for i, ip in enumerate(self.ips)]
+
+    def same_rows(self, other: PodSlice) -> bool:
+        return (self.ips, self.pods, self.owners, self.nodes) == (other.ips, other.pods, other.owners,
+                                                                  other.nodes)
+
+
+def owner_key(namespace: str, kind: str, workload: str, identity: int | None) -> str:
+    """What the pods of one workload with one identity share, as one interned string (a tuple would need a
+    table of its own to be shared). Namespaces and kinds hold no ``/``; the identity is digits, last."""
+    return _intern(f"{namespace}/{kind}/{workload}/{'' if identity is None else identity}")
+
+
+def pack_ip(ip: str) -> bytes:
+    """A slice's IP in packed form (4 or 16 bytes), checked as the API server checks pod IPs (ValueError;
+    a zone-scoped IPv6 address is none: it names no pod)."""
+    if "%" in ip:
+        raise ValueError(ip)
+    return ipaddress.ip_address(ip).packed
+
+
+def lookup_key(ip: str) -> bytes | None:
+    """The packed form of an address a flow names (the agent's own canonical text), None if it is none.
+    IPv4 without the ``ipaddress`` parser: a flow end is looked up once per drain, 18,000 a drain."""
+    if ":" in ip:
+        if "%" in ip:
+            return None
+        try:
+            return ipaddress.IPv6Address(ip).packed
+        except ValueError:
+            return None
+    try:
+        packed = bytes(map(int, ip.split(".")))
+    except ValueError:
+        return None
+    return packed if len(packed) == 4 else None
+
+
+def unpack_ip(packed: bytes) -> str:
+    return ".".join(map(str, packed)) if len(packed) == 4 else str(ipaddress.IPv6Address(packed))
 
 
 _decoder = msgspec.json.Decoder(_WireSlice)
@@ -178,21 +245,10 @@ def decode_slice_digest(data: bytes | dict[str, Any]) -> SliceDigest:
     return SliceDigest(wire.metadata.name, wire.metadata.resourceVersion, spec_digest(wire.spec))
 
 
-_IDENTITY_INTERN_MAX = 1 << 16
-_identities: dict[int, int] = {}
-
-
-def _shared(identity: int | None) -> int | None:
-    """One int object per identity number, as strings are interned (a cache holds 100,000s of them);
-    bounded, so a hostile slice cannot grow it."""
-    if identity is None or len(_identities) >= _IDENTITY_INTERN_MAX:
-        return identity
-    return _identities.setdefault(identity, identity)
-
-
 def decode_slice(data: bytes | dict[str, Any], labels: bool = False) -> PodSlice:
     """A ``PodSlice`` object -> :class:`PodSlice`; :class:`DecodeError` names what is wrong. The identities'
-    labels are kept only if asked (``labels``): an agent names flows with IDs and does not need them."""
+    labels are kept only if asked (``labels``): an agent names flows with IDs and does not need them. An
+    address listed twice belongs to the endpoint listed last (the pod it was given to most recently)."""
     try:
         wire = msgspec.convert(data, _WireSlice) if isinstance(data, dict) else _decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -200,37 +256,47 @@ def decode_slice(data: bytes | dict[str, Any], labels: bool = False) -> PodSlice
     name = wire.metadata.name
     if len(wire.spec.endpoints) > MAX_SLICE_ENDPOINTS:
         raise DecodeError(KIND, name, "$.spec.endpoints", f"more than {MAX_SLICE_ENDPOINTS} endpoints")
-    endpoints: list[tuple[str, Endpoint]] = []
-    for e in wire.spec.endpoints:
-        endpoint = Endpoint(_intern(e.namespace), e.name, _intern(e.workloadKind), _intern(e.workload),
-                            _intern(e.node), "", _shared(e.identity), name)
-        endpoints.extend((ip, endpoint) for ip in e.ips)
+    rows: dict[bytes, tuple[str, str, str]] = {}
+    for n, e in enumerate(wire.spec.endpoints):
+        if "/" in e.namespace or "/" in e.workloadKind:
+            raise DecodeError(KIND, name, f"$.spec.endpoints[{n}]", "a namespace or kind with '/'")
+        row = (e.name, owner_key(e.namespace, e.workloadKind, e.workload, e.identity), _intern(e.node))
+        for m, ip in enumerate(e.ips):
+            try:
+                rows[pack_ip(ip)] = row
+            except ValueError:
+                raise DecodeError(KIND, name, f"$.spec.endpoints[{n}].ips[{m}]", f"not an IP: {ip!r}") from None
+    ordered = sorted(rows.items())
     labels_of: list[tuple[int, tuple[str, ...]]] = []
     for ident, identity in wire.spec.identities.items() if labels else ():
         if ident.isdigit():
             labels_of.append((int(ident), tuple(x for k in sorted(identity.labels) for x in (k, identity.labels[k]))))
-    return PodSlice(name, wire.metadata.resourceVersion, tuple(endpoints), tuple(labels_of))
+    return PodSlice(name, wire.metadata.resourceVersion, tuple(ip for ip, _ in ordered),
+                    tuple(r[0] for _, r in ordered), tuple(r[1] for _, r in ordered),
+                    tuple(r[2] for _, r in ordered), tuple(labels_of))
 
 
 class ClusterEndpoints:
     """IP -> endpoint for every pod the stored slices publish (the agent's cluster-wide cache).
 
-    Invariants: ``_by_ip[ip]`` is the endpoint of ``ip`` in the slice named by its ``slice`` field, and that
-    slice is stored and lists ``ip``; an IP listed by two slices (a pod moved between slices, seen mid-way) belongs
-    to the slice stored last, and goes back to the other when that one goes. So the cache is exactly the
-    union of the stored slices, whatever order their changes came in.
+    Invariants: ``_by_ip[packed]`` is a stored slice that lists the address; an address listed by two
+    slices (a pod moved between slices, seen mid-way) belongs to the slice stored last, and goes back to
+    the other when that one goes. So the cache is exactly the union of the stored slices, whatever order
+    their changes came in. An entry costs the address, a dict slot and the slice's columns (no record).
     """
 
     def __init__(self) -> None:
         self.slices: dict[str, PodSlice] = {}
-        self._by_ip: dict[str, Endpoint] = {}
+        self._by_ip: dict[bytes, PodSlice] = {}
         self._peak = PeakTracker()
 
     def __len__(self) -> int:
         return len(self._by_ip)
 
     def endpoint(self, ip: str) -> Endpoint | None:
-        return self._by_ip.get(ip)
+        packed = lookup_key(ip)
+        owner = self._by_ip.get(packed) if packed is not None else None
+        return None if owner is None or packed is None else owner.endpoint_at(owner.row(packed))
 
     def is_local(self, ip: str) -> bool:
         return False  # the node's own pods are named by its store, before this cache is asked
@@ -244,7 +310,8 @@ class ClusterEndpoints:
         return {}
 
     def items(self) -> Iterator[tuple[str, Endpoint]]:
-        return iter(self._by_ip.items())
+        for packed, owner in self._by_ip.items():
+            yield unpack_ip(packed), owner.endpoint_at(owner.row(packed))
 
     def changed(self, old: PodSlice | None, new: PodSlice | None) -> None:
         """A store change of one slice (the store's ``changed`` callback)."""
@@ -254,35 +321,33 @@ class ClusterEndpoints:
         else:
             self.slices[name] = new
         by_ip = self._by_ip
-        for ip, _ in old.endpoints if old is not None else ():
-            current = by_ip.get(ip)
-            if current is not None and current.slice == name:
-                del by_ip[ip]
-        for ip, endpoint in new.endpoints if new is not None else ():
-            by_ip[ip] = endpoint
-        if old is not None and (new is None or old.endpoints != new.endpoints):
-            self._refill_from_others(old, name)
-        self._peak.grew_to(len(self._by_ip))
-        if self._peak.should_rebuild(len(self._by_ip)):
-            self._by_ip, self.slices = dict(self._by_ip), dict(self.slices)
+        for packed in old.ips if old is not None else ():
+            if by_ip.get(packed) is old:
+                del by_ip[packed]
+        if new is not None:
+            by_ip.update(dict.fromkeys(new.ips, new))
+        if old is not None and (new is None or old.ips != new.ips):
+            self._refill_from_others(old)
+        self._peak.grew_to(len(by_ip))
+        if self._peak.should_rebuild(len(by_ip)):
+            self._by_ip, self.slices = dict(by_ip), dict(self.slices)
 
     def renames(self, old: PodSlice | None, new: PodSlice | None) -> bool:
         """Whether replacing ``old`` by ``new`` would change the endpoint of any IP."""
-        before = dict(old.endpoints) if old is not None else {}
-        after = dict(new.endpoints) if new is not None else {}
-        return before != after
+        if old is None or new is None:
+            return bool(old.ips if old is not None else new.ips if new is not None else ())
+        return not old.same_rows(new)
 
-    def _refill_from_others(self, gone: PodSlice, name: str) -> None:
-        """IPs ``gone`` listed that another stored slice also lists go to that slice."""
-        orphans = {ip for ip, _ in gone.endpoints if ip not in self._by_ip}
+    def _refill_from_others(self, gone: PodSlice) -> None:
+        """Addresses ``gone`` listed that another stored slice also lists go to that slice."""
+        orphans = {packed for packed in gone.ips if packed not in self._by_ip}
         if not orphans:
             return
         for other in self.slices.values():
-            if other.name == name:
+            if other.name == gone.name:
                 continue
-            for ip, endpoint in other.endpoints:
-                if ip in orphans:
-                    self._by_ip[ip] = endpoint
+            for packed in orphans.intersection(other.ips):
+                self._by_ip[packed] = other
 
 
 def expected_endpoints(pods: Iterable[Pod], identities: Mapping[str, int]) -> dict[str, tuple[str, str, int]]:

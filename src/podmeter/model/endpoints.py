@@ -32,7 +32,6 @@ class Endpoint(msgspec.Struct, frozen=True, gc=False):
     node: str
     uid: str = ""
     identity: int | None = None
-    slice: str = ""  # the PodSlice that published it (cluster-wide endpoints only)
 
 
 def pod_endpoint(pod: Pod) -> Endpoint:

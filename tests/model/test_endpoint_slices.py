@@ -1,0 +1,81 @@
+"""The agent's endpoint cache in columns: addresses round-trip through their packed form, a slice's rows
+name the right pod, and what a slice cannot carry is refused with the path that is wrong."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from podmeter.model.deltas import POD_SLICES, Delete, Upsert
+from podmeter.model.endpoint_slices import ClusterEndpoints, PodSlice, decode_slice, lookup_key, pack_ip, unpack_ip
+from podmeter.model.records import DecodeError
+from podmeter.model.store import Store
+
+addresses = st.one_of(st.ip_addresses(v=4), st.ip_addresses(v=6))
+
+
+@given(addresses)
+def test_an_address_round_trips_and_a_flow_end_finds_it(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
+    text = str(address)
+    assert lookup_key(text) == pack_ip(text) == address.packed
+    assert unpack_ip(pack_ip(text)) == text
+
+
+@pytest.mark.parametrize("text", ["", "10.0.0", "10.0.0.256", "10.0.0.1.2", "fe80::1%eth0", "pod-a", "::g"])
+def test_what_is_no_address_finds_nothing(text: str) -> None:
+    assert lookup_key(text) is None
+    assert ClusterEndpoints().endpoint(text) is None
+
+
+def _spec(*endpoints: dict[str, object]) -> dict[str, object]:
+    return {"metadata": {"name": "pods-1-0", "resourceVersion": "7"}, "spec": {"endpoints": list(endpoints)}}
+
+
+def _endpoint(name: str, *ips: str, identity: int | None = 300, kind: str = "Deployment") -> dict[str, object]:
+    return {"uid": f"u-{name}", "namespace": "shop", "name": name, "ips": list(ips), "node": "n1",
+            "workloadKind": kind, "workload": "web", "identity": identity}
+
+
+def test_a_slice_names_every_address_of_its_pods() -> None:
+    decoded = decode_slice(_spec(_endpoint("web-1", "10.0.0.2", "fd00::2"), _endpoint("web-2", "10.0.0.1",
+                                                                                      identity=None)))
+    cache = ClusterEndpoints()
+    cache.changed(None, decoded)
+    one, two, six = cache.endpoint("10.0.0.2"), cache.endpoint("10.0.0.1"), cache.endpoint("fd00::2")
+    assert one is not None and two is not None and six is not None
+    assert (one.namespace, one.pod, one.workload_kind, one.workload, one.node, one.identity) == (
+        "shop", "web-1", "Deployment", "web", "n1", 300)
+    assert six == one and two.pod == "web-2" and two.identity is None
+    assert dict(cache.items()) == dict(decoded.endpoints()) and len(cache) == 3
+
+
+def test_an_address_listed_twice_belongs_to_the_pod_listed_last() -> None:
+    decoded = decode_slice(_spec(_endpoint("old", "10.0.0.9"), _endpoint("new", "10.0.0.9")))
+    assert [(ip, e.pod) for ip, e in decoded.endpoints()] == [("10.0.0.9", "new")]
+
+
+@pytest.mark.parametrize(("endpoint", "path"), [
+    (_endpoint("web-1", "10.0.0.1", "fe80::1%eth0"), "$.spec.endpoints[0].ips[1]"),
+    (_endpoint("web-1", "not-an-ip"), "$.spec.endpoints[0].ips[0]"),
+    (_endpoint("web-1", "10.0.0.1", kind="Deploy/ment"), "$.spec.endpoints[0]"),
+])
+def test_what_a_slice_cannot_carry_is_refused_with_its_path(endpoint: dict[str, object], path: str) -> None:
+    with pytest.raises(DecodeError) as raised:
+        decode_slice(_spec(endpoint))
+    assert path in str(raised.value)
+
+
+def test_a_slice_that_moves_an_address_gives_it_back_when_it_goes() -> None:
+    store: Store[PodSlice] = Store(POD_SLICES)
+    cache = ClusterEndpoints()
+    first = decode_slice(_spec(_endpoint("a", "10.0.0.1")))
+    second = decode_slice({**_spec(_endpoint("b", "10.0.0.1")), "metadata": {"name": "pods-2-1"}})
+    store.apply(Upsert(POD_SLICES, first), cache.changed)
+    store.apply(Upsert(POD_SLICES, second), cache.changed)
+    assert getattr(cache.endpoint("10.0.0.1"), "pod", None) == "b"
+    store.apply(Delete(POD_SLICES, "pods-2-1"), cache.changed)
+    assert getattr(cache.endpoint("10.0.0.1"), "pod", None) == "a"
+    assert not cache.renames(first, first) and cache.renames(first, second) and cache.renames(None, first)
