@@ -47,13 +47,19 @@ def job_pod(i: int) -> Pod:
 
 class StoreSource:
     """The pod-source interface over an in-process store: ``apply`` updates the store, then yields the
-    change (unless the event is lost: ``deliver=False``)."""
+    change (unless the event is lost: ``deliver=False``). The store starts listed (empty), unless
+    ``listed=False``: then nothing says the list was applied until ``list_applied()``."""
 
     reflector = None
 
-    def __init__(self) -> None:
+    def __init__(self, listed: bool = True) -> None:
         self.store: dict[str, Pod] = {}
-        self.queue: asyncio.Queue[Change[Pod] | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[Change[Pod] | None] = asyncio.Queue()  # None: "the list was applied"
+        if listed:
+            self.list_applied()
+
+    def list_applied(self) -> None:
+        self.queue.put_nowait(None)
 
     def apply(self, event: str, p: Pod, *, deliver: bool = True) -> None:
         old = self.store.pop(p.uid, None) if event == "DELETED" else self.store.get(p.uid)
@@ -63,9 +69,9 @@ class StoreSource:
         if deliver and (old, new) != (None, None):
             self.queue.put_nowait((old, new))
 
-    async def events(self) -> AsyncIterator[Change[Pod]]:
-        while (item := await self.queue.get()) is not None:
-            yield item
+    async def events(self) -> AsyncIterator[Change[Pod] | None]:
+        while True:
+            yield await self.queue.get()
 
     def pods(self) -> Iterable[Pod]:
         return list(self.store.values())
@@ -178,6 +184,28 @@ async def test_missed_add_is_repaired_and_counted() -> None:
         await asyncio.sleep(0.05)
     assert set(backend.held()) == {IdentityKey("batch", ("app", "x"))}
     assert metric(op, "podmeter_drift_repaired_total", {"kind": "identity_missing"}) == 1
+    await stop(task)
+
+
+async def test_before_its_first_list_the_operator_is_not_ready_and_sweeps_nothing() -> None:
+    """A slow first list (a big cluster, 429s) outlasting the sweep period: the store is not the cluster
+    yet, so a sweep would release the identities other operators' pods hold, and a leader's publication
+    (which waits for ready) would delete every PodSlice."""
+    source, backend = StoreSource(listed=False), MemoryIdentityBackend()
+    held = IdentityKey("batch", ("app", "x"))
+    await backend.acquire(held)  # what the cluster's pods hold, from before this operator started
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=0.05))
+    task = asyncio.create_task(op.run())
+    source.apply("ADDED", pod("u1", labels={"app": "y"}))  # a pod of the list, the rest still coming
+    await asyncio.sleep(0.5)  # ten sweep periods
+    assert not op.ready.is_set() and op.last_sweep is None
+    assert held in backend.held()
+    source.apply("ADDED", pod("u2", labels={"app": "x"}))
+    source.list_applied()
+    await settle(op, source)
+    assert op.ready.is_set()
+    await asyncio.sleep(0.2)  # sweeps run now
+    assert op.last_sweep is not None and set(backend.held()) == {held, IdentityKey("batch", ("app", "y"))}
     await stop(task)
 
 

@@ -411,19 +411,26 @@ class Operator:
                     await task
 
     async def _consume(self, queue: asyncio.Queue[Change[Pod] | Tick]) -> None:
-        """Apply changes in order; flush when the queue is drained; sweep only then (store == changes)."""
-        sweep_due = False
+        """Apply changes in order; flush when the queue is drained. Ready, and sweeps, only once a list was
+        applied: before it the store is not the cluster, and a sweep would release every identity (and the
+        leader's publication, which waits for ready, delete every slice)."""
+        sweep_due = listed = False
         while True:
             item = await queue.get()
             if item is Tick.END:
                 return
             if item is Tick.SWEEP:
                 sweep_due = True
+            elif item is Tick.SYNCED:
+                listed = True
             elif not isinstance(item, Tick):
                 self.reconciler.observe(*item)
-            if queue.empty():
-                await self.reconciler.flush()
-                self.ready.set()
+            if not queue.empty():
+                continue
+            await self.reconciler.flush()
+            if not listed:
+                continue
+            self.ready.set()
             if sweep_due and queue.empty():  # checked again: the flush may have let events in
                 await self.sweep()
                 sweep_due = False
