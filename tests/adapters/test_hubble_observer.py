@@ -345,6 +345,22 @@ async def test_server_status_counts_and_get_nodes_is_this_node(hubble: Any) -> N
     assert node.tls.enabled is False and node.address == "127.0.0.1:0"
 
 
+async def test_get_namespaces_lists_the_namespaces_of_both_ends_of_the_rings_flows_sorted(hubble: Any) -> None:
+    feed, _, client = hubble
+    empty = await client.observer.GetNamespaces(observer_pb2.GetNamespacesRequest(), timeout=10)
+    assert list(empty.namespaces) == []  # no flow yet
+    other = make_pod("api", "billing", ips=("10.0.0.9",))
+    (inbound,) = name_flows([(FlowKey("8.8.8.8", "10.0.0.9", 1, 443, TCP, TO), FlowCounts(1, 1, 0, 0, 0))],
+                            AddressBook([other]), "node-a", BASE)  # billing only as a destination
+    feed.publish([*records(5), inbound])
+    answer = await client.observer.GetNamespaces(observer_pb2.GetNamespacesRequest(), timeout=10)
+    assert [(n.cluster, n.namespace) for n in answer.namespaces] == [
+        ("default", "billing"), ("default", "default"), ("default", "shop")]  # world ends name none
+    feed.publish(records(100, start=5))  # the ring (100) no longer holds the billing flow
+    answer = await client.observer.GetNamespaces(observer_pb2.GetNamespacesRequest(), timeout=10)
+    assert [n.namespace for n in answer.namespaces] == ["default", "shop"]
+
+
 async def test_peer_notify_announces_this_node_for_relay_and_stays_open(hubble: Any) -> None:
     _, server, client = hubble
     call = peer_pb2_grpc.PeerStub(client.channel).Notify(peer_pb2.NotifyRequest())

@@ -88,6 +88,8 @@ CONTRACT: dict[str, dict[str, tuple[int, int, bool]]] = {
                       "num_flows": (7, T.TYPE_UINT64, False), "max_flows": (8, T.TYPE_UINT64, False),
                       "seen_flows": (9, T.TYPE_UINT64, False)},
     "observer.TLS": {"enabled": (1, T.TYPE_BOOL, False), "server_name": (2, T.TYPE_STRING, False)},
+    "observer.GetNamespacesResponse": {"namespaces": (1, T.TYPE_MESSAGE, True)},
+    "observer.Namespace": {"cluster": (1, T.TYPE_STRING, False), "namespace": (2, T.TYPE_STRING, False)},
     "peer.ChangeNotification": {"name": (1, T.TYPE_STRING, False), "address": (2, T.TYPE_STRING, False),
                                 "type": (3, T.TYPE_ENUM, False), "tls": (4, T.TYPE_MESSAGE, False)},
     "peer.TLS": {"server_name": (1, T.TYPE_STRING, False)},
@@ -104,7 +106,8 @@ ENUMS = {
     "peer.ChangeNotificationType": {"UNKNOWN": 0, "PEER_ADDED": 1, "PEER_DELETED": 2, "PEER_UPDATED": 3},
     "grpc.health.v1.HealthCheckResponse.ServingStatus": {"UNKNOWN": 0, "SERVING": 1, "NOT_SERVING": 2},
 }
-METHODS = {"observer.Observer": {"GetFlows": (True,), "GetNodes": (False,), "ServerStatus": (False,)},
+METHODS = {"observer.Observer": {"GetFlows": (True,), "GetNodes": (False,), "ServerStatus": (False,),
+                                  "GetNamespaces": (False,)},
            "peer.Peer": {"Notify": (True,)}, "grpc.health.v1.Health": {"Check": (False,)}}
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from google.protobuf import unknown_fields
 
 from podmeter.adapters.hubble.flows import (
+    CLUSTER,
     DIRECTIONS,
     MESSAGE_TYPE_TRACE,
     SUB_TYPES,
@@ -55,7 +56,6 @@ SCTP = 132
 PROTOCOLS: dict[str, int | None] = {"tcp": TCP, "udp": UDP, "icmpv4": ICMP, "icmpv6": ICMPV6, "sctp": SCTP,
                                     "http": None, "dns": None, "kafka": None}
 DEFAULT_NAMESPACE = "default"
-CLUSTER = "default"  # the cluster name a node_name pattern may carry: podmeter knows one cluster
 ABSENT = ("uuid", "source_fqdn", "destination_fqdn", "source_service", "destination_service", "http_status_code",
           "http_method", "http_path", "dns_query", "reply", "trace_id")
 TCP_FLAG_BITS = {"FIN": 0, "SYN": 1, "RST": 2, "PSH": 3, "ACK": 4, "URG": 5, "ECE": 6, "CWR": 7}

@@ -38,6 +38,7 @@ from podmeter.model.records import Pod
 # A pod's labels as the agent stores them, a flat tuple (k1, v1, k2, v2, ...); () when it does not know them.
 LabelSource = Callable[[Endpoint], tuple[str, ...]]
 
+CLUSTER = "default"  # podmeter knows one cluster; Cilium's default name for it (node names, TLS names, namespaces)
 WORLD_IDENTITY = 2  # Cilium's reserved identity for addresses outside the cluster
 WORLD_LABELS = ("reserved:world",)
 NAMESPACE_LABEL = "io.kubernetes.pod.namespace"

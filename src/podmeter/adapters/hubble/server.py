@@ -9,6 +9,8 @@ event loop), so that `hubble observe`, `hubble status`, Hubble Relay and Hubble 
   counted by the feed; its stream ends with ``RESOURCE_EXHAUSTED``. gRPC's own flow control bounds what a
   stalled client holds in the transport.
 - ``ServerStatus``: flows held (the ring), the ring's capacity, flows seen, uptime, one connected node.
+- ``GetNamespaces``: the namespaces of the pods at either end of the flows the ring holds, sorted, each in
+  podmeter's one cluster (``default``).
 - ``GetNodes``: this node. ``peer.Peer/Notify`` (what Hubble Relay asks to find nodes): this node, at the
   address it listens on, then nothing more until the client cancels.
 - ``Health/Check``: SERVING for ``hubble.server.Observer`` (what `hubble status` asks first), for
@@ -42,7 +44,7 @@ from google.protobuf.wrappers_pb2 import UInt32Value
 from grpc import aio
 
 from podmeter.adapters.hubble.filters import BadFilter, HubbleSelection, selection
-from podmeter.adapters.hubble.flows import FlowMessages, LabelSource, no_labels
+from podmeter.adapters.hubble.flows import CLUSTER, FlowMessages, LabelSource, no_labels
 from podmeter.adapters.hubble.proto import health_pb2, observer_pb2, peer_pb2, relay_pb2
 from podmeter.model.flow_records import FlowFilter, FlowRecord, FlowRing
 
@@ -268,6 +270,9 @@ class HubbleServer(Generic[F]):
             "GetNodes": grpc.unary_unary_rpc_method_handler(
                 self.get_nodes, request_deserializer=observer_pb2.GetNodesRequest.FromString,
                 response_serializer=observer_pb2.GetNodesResponse.SerializeToString),
+            "GetNamespaces": grpc.unary_unary_rpc_method_handler(
+                self.get_namespaces, request_deserializer=observer_pb2.GetNamespacesRequest.FromString,
+                response_serializer=observer_pb2.GetNamespacesResponse.SerializeToString),
         }
         health: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
             "Check": grpc.unary_unary_rpc_method_handler(
@@ -397,6 +402,17 @@ class HubbleServer(Generic[F]):
             num_flows=len(ring), max_flows=ring.capacity, seen_flows=self.feed.published)
         return observer_pb2.GetNodesResponse(nodes=[node])
 
+    async def get_namespaces(self, request: observer_pb2.GetNamespacesRequest,
+                             context: aio.ServicerContext[Any, Any]) -> observer_pb2.GetNamespacesResponse:
+        """The namespaces of the pods at either end of the ring's flows (a world end has none), sorted."""
+        found: set[str] = set()
+        for _, record in self.feed.ring.after(0):
+            for end in (record.source.endpoint, record.destination.endpoint):
+                if end is not None and end.namespace:
+                    found.add(end.namespace)
+        return observer_pb2.GetNamespacesResponse(
+            namespaces=[observer_pb2.Namespace(cluster=CLUSTER, namespace=name) for name in sorted(found)])
+
     # --- peer.Peer
 
     @property
@@ -414,7 +430,7 @@ class HubbleServer(Generic[F]):
     def tls_server_name(self) -> str:
         """The name Relay checks this server's certificate against: Hubble's naming for a node's server
         (``NODE.CLUSTER.hubble-grpc.cilium.io``, dots of the node name as dashes; the cluster is ``default``)."""
-        return f"{self.node_name.replace('.', '-')}.default.hubble-grpc.cilium.io"
+        return f"{self.node_name.replace('.', '-')}.{CLUSTER}.hubble-grpc.cilium.io"
 
     async def notify(self, request: peer_pb2.NotifyRequest, context: aio.ServicerContext[Any, Any]) -> None:
         tls = peer_pb2.TLS(server_name=self.tls_server_name) if self.tls is not None else None

@@ -3,7 +3,7 @@
 isort:skip_file
 podmeter's subset of Hubble's Observer service (package `observer`), written for podmeter from the
 field numbers and types of Hubble's published API: the calls `hubble observe`, `hubble status`,
-`hubble list nodes`, Hubble Relay and Hubble UI make. Numbers are wire contracts: never renumber.
+`hubble list nodes`, `hubble list namespaces`, Hubble Relay and Hubble UI make. Numbers are wire contracts: never renumber.
 A request field not declared here (e.g. the field mask of `hubble observe`) is ignored.
 """
 
@@ -254,3 +254,62 @@ class TLS(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TLS: _TypeAlias = TLS  # noqa: Y015
+
+@_typing.final
+class GetNamespacesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetNamespacesRequest: _TypeAlias = GetNamespacesRequest  # noqa: Y015
+
+@_typing.final
+class GetNamespacesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def namespaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___Namespace]: ...
+    def __init__(
+        self,
+        *,
+        namespaces: _abc.Iterable[Global___Namespace] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespaces", b"namespaces"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetNamespacesResponse: _TypeAlias = GetNamespacesResponse  # noqa: Y015
+
+@_typing.final
+class Namespace(_message.Message):
+    """One namespace of one cluster (podmeter knows one cluster, named "default")."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    cluster: _builtins.str
+    namespace: _builtins.str
+    def __init__(
+        self,
+        *,
+        cluster: _builtins.str = ...,
+        namespace: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster", b"cluster", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Namespace: _TypeAlias = Namespace  # noqa: Y015

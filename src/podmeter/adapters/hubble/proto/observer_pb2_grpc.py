@@ -50,6 +50,11 @@ class ObserverStub:
                 request_serializer=podmeter_dot_adapters_dot_hubble_dot_proto_dot_observer__pb2.ServerStatusRequest.SerializeToString,
                 response_deserializer=podmeter_dot_adapters_dot_hubble_dot_proto_dot_observer__pb2.ServerStatusResponse.FromString,
                 _registered_method=True)
+        self.GetNamespaces = channel.unary_unary(
+                '/observer.Observer/GetNamespaces',
+                request_serializer=podmeter_dot_adapters_dot_hubble_dot_proto_dot_observer__pb2.GetNamespacesRequest.SerializeToString,
+                response_deserializer=podmeter_dot_adapters_dot_hubble_dot_proto_dot_observer__pb2.GetNamespacesResponse.FromString,
+                _registered_method=True)
 
 
 class ObserverServicer:
@@ -78,6 +83,13 @@ class ObserverServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetNamespaces(self, request, context):
+        """The namespaces of the flows the server holds (`hubble list namespaces`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ObserverServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +107,11 @@ def add_ObserverServicer_to_server(servicer, server):
                     servicer.ServerStatus,
                     request_deserializer=podmeter_dot_adapters_dot_hubble_dot_proto_dot_observer__pb2.ServerStatusRequest.FromString,
                     response_serializer=podmeter_dot_adapters_dot_hubble_dot_proto_dot_observer__pb2.ServerStatusResponse.SerializeToString,
+            ),
+            'GetNamespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetNamespaces,
+                    request_deserializer=podmeter_dot_adapters_dot_hubble_dot_proto_dot_observer__pb2.GetNamespacesRequest.FromString,
+                    response_serializer=podmeter_dot_adapters_dot_hubble_dot_proto_dot_observer__pb2.GetNamespacesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +196,33 @@ class Observer:
             '/observer.Observer/ServerStatus',
             podmeter_dot_adapters_dot_hubble_dot_proto_dot_observer__pb2.ServerStatusRequest.SerializeToString,
             podmeter_dot_adapters_dot_hubble_dot_proto_dot_observer__pb2.ServerStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetNamespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/observer.Observer/GetNamespaces',
+            podmeter_dot_adapters_dot_hubble_dot_proto_dot_observer__pb2.GetNamespacesRequest.SerializeToString,
+            podmeter_dot_adapters_dot_hubble_dot_proto_dot_observer__pb2.GetNamespacesResponse.FromString,
             options,
             channel_credentials,
             insecure,

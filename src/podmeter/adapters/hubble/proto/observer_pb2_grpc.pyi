@@ -3,7 +3,7 @@
 isort:skip_file
 podmeter's subset of Hubble's Observer service (package `observer`), written for podmeter from the
 field numbers and types of Hubble's published API: the calls `hubble observe`, `hubble status`,
-`hubble list nodes`, Hubble Relay and Hubble UI make. Numbers are wire contracts: never renumber.
+`hubble list nodes`, `hubble list namespaces`, Hubble Relay and Hubble UI make. Numbers are wire contracts: never renumber.
 A request field not declared here (e.g. the field mask of `hubble observe`) is ignored.
 """
 
@@ -45,6 +45,8 @@ class ObserverStub:
     """The nodes this server speaks for: podmeter's agent speaks for its own node."""
     ServerStatus: _grpc.UnaryUnaryMultiCallable[_observer_pb2.ServerStatusRequest, _observer_pb2.ServerStatusResponse]
     """How many flows the server holds, can hold and has seen, and since when."""
+    GetNamespaces: _grpc.UnaryUnaryMultiCallable[_observer_pb2.GetNamespacesRequest, _observer_pb2.GetNamespacesResponse]
+    """The namespaces of the flows the server holds (`hubble list namespaces`)."""
 
 @_typing.type_check_only
 class ObserverAsyncStub(ObserverStub):
@@ -59,6 +61,8 @@ class ObserverAsyncStub(ObserverStub):
     """The nodes this server speaks for: podmeter's agent speaks for its own node."""
     ServerStatus: _aio.UnaryUnaryMultiCallable[_observer_pb2.ServerStatusRequest, _observer_pb2.ServerStatusResponse]  # type: ignore[assignment]
     """How many flows the server holds, can hold and has seen, and since when."""
+    GetNamespaces: _aio.UnaryUnaryMultiCallable[_observer_pb2.GetNamespacesRequest, _observer_pb2.GetNamespacesResponse]  # type: ignore[assignment]
+    """The namespaces of the flows the server holds (`hubble list namespaces`)."""
 
 class ObserverServicer(metaclass=_abc_1.ABCMeta):
     """The flows of the server's node(s), and the server's state."""
@@ -88,5 +92,13 @@ class ObserverServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_observer_pb2.ServerStatusResponse, _abc.Awaitable[_observer_pb2.ServerStatusResponse]]:
         """How many flows the server holds, can hold and has seen, and since when."""
+
+    @_abc_1.abstractmethod
+    def GetNamespaces(
+        self,
+        request: _observer_pb2.GetNamespacesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_observer_pb2.GetNamespacesResponse, _abc.Awaitable[_observer_pb2.GetNamespacesResponse]]:
+        """The namespaces of the flows the server holds (`hubble list namespaces`)."""
 
 def add_ObserverServicer_to_server(servicer: ObserverServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
