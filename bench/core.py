@@ -3,7 +3,7 @@
     python -m bench.core            # full sizes (about a minute)
     python -m bench.core --quick    # a tenth of the sizes, for a smoke run
 
-Prints a table (figure, value, reference = the issue's target, ratio) and, last, one JSON line with
+Prints a table (figure, value, reference = podmeter's target for it, ratio) and, last, one JSON line with
 ``apply_events_per_s``, ``reconcile_100k_ms``, ``bytes_per_pod`` and ``rss_growth_mib_1m_lifecycles``.
 """
 

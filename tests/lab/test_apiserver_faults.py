@@ -1,4 +1,5 @@
-"""Every fault knob, shown on the wire; and the kube-api.md "correct consumer" transcript end to end."""
+"""Every fault knob, shown on the wire; and a minimal correct consumer (list, watch, resume, relist on 410)
+end to end."""
 
 from __future__ import annotations
 
@@ -229,7 +230,7 @@ def test_inject_bypasses_validation_for_tests(srv: LabServer) -> None:
     assert status == 200 and [p["metadata"]["name"] for p in body["items"]] == ["bad"]
 
 
-# --- kube-api.md, "What a correct consumer does" -----------------------------------------------------------
+# --- What a correct consumer does: list, watch from the list's RV, resume, relist on 410 --------------------
 
 
 class Reflector:

@@ -80,7 +80,7 @@ def test_decode_rejects_malformed(text: str) -> None:
 
 
 def test_450_job_pods_take_one_reference_set() -> None:
-    """Prior-art items 12/13 at the model level: churned Job pods leave nothing behind."""
+    """Failure modes F12/F13 (docs/design.md) at the model level: churned Job pods leave nothing behind."""
     refs = PodRefs()
     acquired = released = 0
     for i in range(450):

@@ -287,7 +287,7 @@ class Driver:
         self.include = list(include)
 
     def _unobserve_delete(self, step: sc.UnobserveThenDelete, rng: random.Random) -> None:
-        """Prior-art 1-4, repeated: fresh observed pods lose the interest, then are deleted."""
+        """Failure modes F1-F4 (docs/design.md), repeated: fresh observed pods lose the interest, then are deleted."""
         for _ in range(step.repeat):
             if self.stop.is_set():
                 return

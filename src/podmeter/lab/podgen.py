@@ -4,8 +4,8 @@
 labels with a ``pod-template-hash``, an owner reference to its ReplicaSet, annotations, two managed-field
 entries (controller and kubelet), two containers with env, ports, probes and resources, a projected token
 volume and a Running status with conditions and container statuses. Encoded compactly it is about 7 KiB,
-the size kube-api.md measured memory on. The output is deterministic in its arguments (uids derive from
-``i``), so two runs of a benchmark see identical input.
+the pod podmeter's memory figures are measured on (bench/README.md). The output is deterministic in its
+arguments (uids derive from ``i``), so two runs of a benchmark see identical input.
 """
 
 from __future__ import annotations

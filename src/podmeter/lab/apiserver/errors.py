@@ -145,7 +145,7 @@ def expired(message: str) -> ApiError:
 
 
 def too_old_watch(requested: int, oldest: int) -> ApiError:
-    """The watch cache's wording (kube-api.md); the etcd path says "...provided watch is too old."."""
+    """The wording of a real API server's watch cache; its etcd path says "...provided watch is too old."."""
     return expired(f"too old resource version: {requested} ({oldest})")
 
 
