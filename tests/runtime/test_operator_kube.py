@@ -1,10 +1,12 @@
-"""The operator against the lab API server over real HTTP: Lease election, configuration status."""
+"""The operator against the lab API server over real HTTP: Lease election, configuration status (also with
+no MetricsConfiguration at all)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -12,11 +14,13 @@ from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 
 from lab_server import LabServer, lab_apiserver
+from podmeter.adapters.identity.memory import MemoryIdentityBackend
+from podmeter.adapters.kube.connection import load_connection
 from podmeter.adapters.kube.lease import KubeLeaseStore
 from podmeter.adapters.kube.status import KubeConfigApi
 from podmeter.model.lease import LeaseConflict, LeaseRecord
 from podmeter.runtime.leadership import LeaderElector
-from podmeter.runtime.operator import ConfigurationStatus
+from podmeter.runtime.operator import ConfigurationStatus, Operator, OperatorSettings, ReflectorPodSource
 
 __all__ = ["lab_apiserver"]
 
@@ -116,3 +120,39 @@ async def test_valid_configuration_is_accepted_and_fixed_one_too(
     writes = status.writes
     await status.reconcile()
     assert status.writes == writes  # steady: no rewrite
+
+
+async def test_no_metrics_configuration_at_all_reads_as_valid(client: AsyncClient, lab_apiserver: LabServer) -> None:
+    """Annotations alone are a valid setup: an operator that found no ``default`` MetricsConfiguration
+    exports podmeter_configuration_valid 1 (PodmeterConfigurationInvalid must not fire), writes no status,
+    and goes back to 1 when an invalid object it reported as 0 is deleted."""
+    source = ReflectorPodSource(load_connection(str(lab_apiserver.kubeconfig)))
+    op = Operator(source, MemoryIdentityBackend(), config=KubeConfigApi(client),
+                  settings=OperatorSettings(sweep_period=60, config_period=0.05))
+
+    async def until(predicate: Callable[[], bool], what: str) -> None:
+        for _ in range(200):
+            if predicate():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"operator: {what}")
+
+    def valid() -> float | None:
+        return op.registry.get_sample_value("podmeter_configuration_valid")
+
+    task = asyncio.create_task(op.run())
+    try:
+        # Several checks of the absent object (each a GET answered 404), not merely the initial value.
+        checks = lambda: lab_apiserver.admin.count("get", "podmeter.io/metricsconfigurations")  # noqa: E731
+        await until(lambda: checks() >= 3, "no config checks")
+        assert op.config is not None and op.config.valid is None and op.config.writes == 0
+        assert valid() == 1
+        create_config(lab_apiserver, {"namespaces": {"include": ["-bad-"]}})
+        await until(lambda: valid() == 0, "the invalid object was not reported")
+        status, _, _ = lab_apiserver.request("DELETE", f"{MC_PATH}/default")
+        assert status == 200
+        await until(lambda: valid() == 1, "no MetricsConfiguration again, yet not valid")
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
