@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -95,6 +96,78 @@ async def test_clean_exit_hands_over_at_once() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert await b.step()  # no need to wait for the lease to run out
+
+
+async def forge(store: MemoryLeaseStore, holder: str) -> LeaseRecord:
+    """Rewrite the Lease as anyone with write access to it could (a real, versioned write)."""
+    record = await store.get()
+    assert record is not None
+    return await store.update(replace(record, holder=holder))
+
+
+async def test_a_forged_lease_naming_the_standby_never_gives_two_leaders() -> None:
+    store = MemoryLeaseStore()
+    a, b = LeaderElector(store, "a", **FAST), LeaderElector(store, "b", **FAST)
+    tasks = [asyncio.create_task(a.run())]
+    while not a.is_leader:
+        await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(b.run()))
+    await asyncio.sleep(5 * RETRY)
+    await forge(store, "b")  # the standby's name, written by neither elector
+    forged = time.monotonic()
+    samples: list[tuple[float, bool, bool]] = []
+    try:
+        while time.monotonic() - forged < LEASE + 1.5:
+            samples.append((time.monotonic() - forged, a.is_leader, b.is_leader))
+            await asyncio.sleep(0.05)
+        record = await store.get()
+        leaders = [e for e in (a, b) if e.is_leader]
+        assert len(leaders) == 1, "one leader at the end"
+        assert record is not None and record.holder == leaders[0].identity and leaders[0].holds
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert not [t for t, x, y in samples if x and y], "two leaders at once"
+    # The text "b" made nobody lead: the one who leads now waited the lease out and wrote the Lease itself.
+    assert not [t for t, _, y in samples if y and t < LEASE - 2 * RETRY]
+    assert not [t for t, x, _ in samples if x and RETRY + 0.05 < t < LEASE - 2 * RETRY]  # a stepped down
+
+
+async def test_a_leader_steps_down_at_once_when_a_read_shows_another_holder() -> None:
+    store = MemoryLeaseStore()
+    clock = [0.0]
+    changes: list[bool] = []
+    a = LeaderElector(store, "a", on_change=changes.append, clock=lambda: clock[0], **FAST)
+    assert await a.step()
+    await forge(store, "c")
+    assert not await a.step()  # the same instant: no renew deadline to wait for
+    assert not a.is_leader and changes == [True, False]
+    clock[0] = LEASE - 0.1
+    assert not await a.step()  # c's lease is waited out like any other
+    clock[0] = LEASE + 0.1
+    assert await a.step()
+    record = await store.get()
+    assert record is not None and (record.holder, record.transitions) == ("a", 1)
+
+
+async def test_a_lease_left_under_the_same_identity_is_waited_out_then_written() -> None:
+    """A restarted process with a fixed identity finds its name in the Lease: it did not write that."""
+    store = MemoryLeaseStore()
+    clock = [0.0]
+    earlier = LeaderElector(store, "a", clock=lambda: clock[0], **FAST)
+    assert await earlier.step()
+    left = await store.get()
+    clock[0] = 0.5  # the earlier process is SIGKILLed; its successor starts under the same name
+    successor = LeaderElector(store, "a", clock=lambda: clock[0], **FAST)
+    assert not await successor.step() and not successor.is_leader
+    assert await store.get() == left  # not renewed on the strength of its text
+    clock[0] = 0.5 + LEASE
+    assert await successor.step()
+    taken = await store.get()
+    assert taken is not None and left is not None
+    assert taken.resource_version != left.resource_version and taken.acquire_time != left.acquire_time
+    assert not await earlier.step()  # had it survived, the successor's write would end its leadership
 
 
 class DictConfigApi:

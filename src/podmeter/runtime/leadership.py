@@ -6,6 +6,11 @@ has not changed for ``lease_duration`` *as measured by its own clock* since it l
 of different machines are never compared. A leader that cannot renew for ``renew_deadline`` (shorter than
 the lease duration) steps down before anyone else may take over. On a clean exit the holder empties the
 Lease so that a successor need not wait.
+
+Leading rests on this process's own writes, never on the Lease's text: a record naming this candidate
+that it did not write (forged, or left by an earlier process with the same identity) is someone else's
+lease, waited out like any other and then taken over with a write of its own; and a read that shows any
+record other than the one its last write produced ends its leadership at once.
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ class LeaseStore(Protocol):
 class LeaderElector:
     """Decides whether this process leads.
 
-    Invariant: ``is_leader`` is True iff this process's last successful write of the Lease (naming it
-    as holder) happened less than ``renew_deadline`` ago; since ``renew_deadline < lease_duration`` and
-    others wait ``lease_duration`` after the last change they saw, two processes never both believe they
-    lead (given clocks that advance at a similar rate). ``on_change`` is called on every flip.
+    Invariant: ``is_leader`` is True iff (a) the record this process last read or wrote is the very one
+    its own last acquire-or-renew write produced (same resourceVersion, naming it as holder) and (b) that
+    write happened less than ``renew_deadline`` ago. Any other candidate waits ``lease_duration`` (longer
+    than ``renew_deadline``) after the last change it saw before writing, and a read showing a record this
+    process did not write ends (a) at once; so two processes never both believe they lead, beyond the
+    one ``retry_period`` a leader needs to read what another wrote (given clocks that advance at a
+    similar rate). ``on_change`` is called on every flip.
     """
 
     def __init__(
@@ -61,16 +69,24 @@ class LeaderElector:
         self.retry_period = retry_period
         self._on_change = on_change
         self._clock = clock
-        self._last_renew = -1e18
-        self._observed_version: str | None = None
-        self._observed_at = 0.0
+        self._renewed_at = -1e18  # when this process last acquired or renewed the Lease (its own clock)
+        self._written_version: str | None = None  # the resourceVersion that write produced
+        self._observed: LeaseRecord | None = None  # the record last read or written
+        self._observed_at = 0.0  # when the observed record last changed, by this process's clock
         self._leader = False
         self.transitions_seen = 0
         self.errors = 0
 
     @property
+    def holds(self) -> bool:
+        """The record last read or written is this process's own write naming it as holder."""
+        seen = self._observed
+        return (seen is not None and seen.holder == self.identity
+                and self._written_version is not None and seen.resource_version == self._written_version)
+
+    @property
     def is_leader(self) -> bool:
-        return self._leader and self._clock() - self._last_renew < self.renew_deadline
+        return self._leader and self.holds and self._clock() - self._renewed_at < self.renew_deadline
 
     async def run(self) -> None:
         """Campaign and renew until cancelled; on cancellation, give the Lease up if held."""
@@ -85,16 +101,17 @@ class LeaderElector:
             self._set(False)
 
     async def step(self) -> bool:
-        """One round: try to acquire or renew; returns whether this process leads now."""
+        """One round: read the Lease, then acquire or renew it if this process may; returns whether it
+        leads now."""
         try:
-            if await self._try_acquire_or_renew():
-                self._last_renew = self._clock()
+            await self._try_acquire_or_renew()
         except LeaseConflict:
-            pass
+            # Someone wrote between our read and our write: whatever the Lease says now, it is not ours.
+            self._written_version = None
         except Exception as exc:  # an unreachable server must not end the campaign
             self.errors += 1
             log.warning("leader election: %s: %s", type(exc).__name__, exc)
-        self._set(self._clock() - self._last_renew < self.renew_deadline)
+        self._set(self.holds and self._clock() - self._renewed_at < self.renew_deadline)
         return self._leader
 
     def _set(self, leader: bool) -> None:
@@ -104,37 +121,41 @@ class LeaderElector:
             if self._on_change is not None:
                 self._on_change(leader)
 
-    async def _try_acquire_or_renew(self) -> bool:
+    async def _try_acquire_or_renew(self) -> None:
         now, wall = self._clock(), datetime.now(UTC)
         record = await self._store.get()
         if record is None:
-            mine = LeaseRecord(self.identity, int(self.lease_duration), wall, wall, 0)
-            self._observe(await self._store.create(mine), now)
-            return True
-        if record.resource_version != self._observed_version:
-            self._observe(record, now)
-        held_by_other = record.holder not in ("", self.identity)
+            self._wrote(await self._store.create(LeaseRecord(self.identity, int(self.lease_duration), wall, wall)),
+                        now)
+            self.transitions_seen += 1
+            return
+        self._observe(record, now)  # a record we did not write ends our leadership here, before any write
+        renewing = self.holds
         # The candidate's own --lease-duration decides (client-go's rule), never the record's: a forged or
         # misconfigured leaseDurationSeconds cannot stop leader-only work for longer than that.
-        if held_by_other and now - self._observed_at < self.lease_duration:
-            return False
-        taking = record.holder != self.identity
+        if not renewing and record.holder and now - self._observed_at < self.lease_duration:
+            return
         new = replace(
             record,
             holder=self.identity,
             duration_s=int(self.lease_duration),
             renew_time=wall,
-            acquire_time=wall if taking else record.acquire_time,
-            transitions=record.transitions + (1 if taking and record.holder else 0),
+            acquire_time=record.acquire_time if renewing else wall,
+            transitions=record.transitions + (1 if record.holder not in ("", self.identity) else 0),
         )
-        self._observe(await self._store.update(new), now)
-        self.transitions_seen += taking
-        return True
+        self._wrote(await self._store.update(new), now)
+        self.transitions_seen += not renewing
 
     def _observe(self, record: LeaseRecord, now: float) -> None:
-        self._observed_version, self._observed_at = record.resource_version, now
+        if self._observed is None or record.resource_version != self._observed.resource_version:
+            self._observed_at = now
+        self._observed = record
+
+    def _wrote(self, record: LeaseRecord, now: float) -> None:
+        self._observed, self._observed_at = record, now
+        self._written_version, self._renewed_at = record.resource_version, now
 
     async def _release(self) -> None:
         record = await self._store.get()
-        if record is not None and record.holder == self.identity:
+        if record is not None and record.holder == self.identity and record.resource_version == self._written_version:
             await self._store.update(replace(record, holder="", renew_time=datetime.now(UTC)))
