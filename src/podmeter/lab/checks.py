@@ -29,6 +29,7 @@ from podmeter.model.identity import IdentityKey, LabelFilter, key_of_flat
 from podmeter.model.interest import holds_identity
 from podmeter.model.records import DecodeError, Pod, decode_namespace, decode_pod
 from podmeter.model.view import NodeView
+from podmeter.runtime.doctor import NOT_OBSERVED, why_not_counted
 
 MCONF_PATH = "/apis/podmeter.io/v1alpha1/metricsconfigurations"
 
@@ -232,8 +233,8 @@ class Checker:
         for ip in sorted(kernel - truth.desired.keys()):
             holders = truth.holders(ip)
             if holders:
-                who = ", ".join(f"{p.key} ({_why_not(p)})" for p in holders)
-                invariant = "I3" if any(_why_not(p) != "not observed" for p in holders) else "I2"
+                who = ", ".join(f"{p.key} ({why_not_counted(p)})" for p in holders)
+                invariant = "I3" if any(why_not_counted(p) != NOT_OBSERVED for p in holders) else "I2"
                 found.append((invariant, ip, f"{ip} is in the kernel filter but its pods do not count: {who}"))
             else:
                 last = self.last_holder.get(ip, "no pod seen by the lab")
@@ -318,14 +319,6 @@ def _checked_by(obs: Observation) -> set[str]:
     if obs.operator_keys is not None:
         checked.add("I4")
     return checked
-
-
-def _why_not(pod: Pod) -> str:
-    if pod.host_network:
-        return "hostNetwork"
-    if pod.phase in ("Succeeded", "Failed"):
-        return pod.phase
-    return "not observed"
 
 
 def _violation_json(v: Violation) -> dict[str, Any]:

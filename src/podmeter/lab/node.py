@@ -33,11 +33,11 @@ from typing import Any
 
 from podmeter.lab.kube import KubeClient, KubeError, pod_path
 from podmeter.lab.netns import Sandbox, enable_forwarding
+from podmeter.model.records import TERMINAL_PHASES
 
 log = logging.getLogger("podmeter.node")
 
 RUN_SECONDS_ANNOTATION = "lab.podmeter.io/run-seconds"
-TERMINAL = frozenset({"Succeeded", "Failed"})
 SYNC_TEARDOWN = False  # True: delete the host veth before freeing the IP (slower, same result)
 
 
@@ -253,7 +253,7 @@ class Node:
                 self._dispatch(uid, lambda: self._finish_delete(meta))
             return
         phase = status.get("phase", "")
-        if phase in TERMINAL:
+        if phase in TERMINAL_PHASES:
             self._stop_pod(uid)
             return
         if uid in self.running or uid in self._finished:

@@ -9,10 +9,10 @@ The datapath counts, for observed IPs only (docs/drops.md):
 The agent drains everything each flow interval (:class:`DropDrain`: read and deleted, so amounts are
 deltas) and at every change of who holds an address, once more (right after the filter write). So what a
 drain takes was counted while the IP had the owner it had at the previous drain: :class:`DropLedger`
-credits it to that owner if the IP changed hands since, else to its owner now. The ledger's series follow
-the per-pod traffic series' lifecycle (``model.traffic``): a series exists while its pod holds an observed
-IP, then ``grace`` seconds more, then it is gone (its counts stay in the node totals); a pod observed again
-starts from zero.
+credits it to that owner if the IP changed hands since, else to its owner now. The ledger's series live
+as the per-pod traffic series do (one lifecycle for both, ``model.pod_series``): a series exists while its
+pod holds an observed IP, then ``grace`` seconds more, then it is gone (its counts stay in the node
+totals); a pod observed again starts from zero.
 
 Pure and synchronous, like the traffic ledger: the writer task calls it; the scrape reads it.
 """
@@ -26,11 +26,11 @@ from typing import NamedTuple, Protocol
 
 import msgspec
 
-from podmeter.model.compaction import PeakTracker
 from podmeter.model.datapath import Direction
 from podmeter.model.endpoints import Names
 from podmeter.model.flow_records import VERDICT_DROPPED, EndpointCache, FlowEnd, FlowRecord
 from podmeter.model.flows import TCP, FlowCounts, Observation
+from podmeter.model.pod_series import SeriesBook
 from podmeter.model.records import Pod
 
 # The datapath's hooks, by tracepoint name (what `podmeter_drop_tracing_enabled{hook}` names).
@@ -140,18 +140,22 @@ class DropLedger:
       within the same flow interval;
     * ``node_drops`` and ``node_tcp`` hold every amount ever added, credited to a pod or not (an IP nobody
       owned at the drain: it left the filter between the count and the drain), so they never decrease;
-    * a series exists iff its pod holds an observed IP, or lost its last one less than ``grace`` ago.
+    * a series exists iff its pod holds an observed IP, or lost its last one less than ``grace`` ago
+      (the lifecycle of :class:`~podmeter.model.pod_series.SeriesBook`, shared with the traffic ledger).
     """
 
     def __init__(self, grace: float) -> None:
-        self.grace = grace
         self.owners: dict[str, str] = {}
         self.previous: dict[str, tuple[str | None, float]] = {}
-        self.series: dict[str, DropSeries] = {}
         self.node_drops: dict[tuple[Direction, str], int] = {}
         self.node_tcp: dict[TcpEvent, int] = {}
         self.unattributed = 0  # events of IPs no pod owned at their drain
-        self._peak = PeakTracker()
+        self._book: SeriesBook[DropSeries] = SeriesBook(grace, _new_series)
+
+    @property
+    def series(self) -> dict[str, DropSeries]:
+        """The live and ending series by pod UID (read-only for callers)."""
+        return self._book.series
 
     def assign(self, ip: str, pod: Pod | None, now: float) -> None:
         """``pod`` owns ``ip`` from now on (None: nobody)."""
@@ -163,7 +167,7 @@ class DropLedger:
         elif pod is not None and ip in self.previous and self.previous[ip][1] != now:
             self.previous[ip] = (None, now)  # freed earlier, reused now, no drain between: not splittable
         if pod is not None:
-            self._series_for(pod).ips.add(ip)
+            self._book.holds(pod, ip)
             self.owners[ip] = pod.uid
 
     def release(self, ips: Iterable[str], now: float) -> None:
@@ -196,12 +200,7 @@ class DropLedger:
 
     def expire(self, now: float) -> int:
         """Drop series whose grace is over; returns how many."""
-        done = [s for s in self.series.values() if s.ended_at is not None and now - s.ended_at >= self.grace]
-        for series in done:
-            del self.series[series.uid]
-        if done and self._peak.should_rebuild(len(self.series)):
-            self.series = dict(self.series)
-        return len(done)
+        return self._book.expire(now)
 
     def values(self) -> Iterator[DropSeries]:
         return iter(self.series.values())
@@ -213,24 +212,11 @@ class DropLedger:
     def _close(self, ip: str, uid: str, now: float) -> None:
         self.previous.setdefault(ip, (uid, now))
         del self.owners[ip]
-        series = self.series.get(uid)
-        if series is None:
-            return
-        series.ips.discard(ip)
-        if not series.ips:
-            series.ended_at = now
+        self._book.lets_go(uid, ip, now)
 
-    def _series_for(self, pod: Pod) -> DropSeries:
-        series = self.series.get(pod.uid)
-        if series is not None and series.ended_at is not None:
-            del self.series[pod.uid]  # observed again: a new series from zero
-            series = None
-        if series is None:
-            series = DropSeries(pod.uid, pod.namespace, pod.name)
-            self.series[pod.uid] = series
-            self._peak.grew_to(len(self.series))
-        series.ended_at = None
-        return series
+
+def _new_series(pod: Pod) -> DropSeries:
+    return DropSeries(pod.uid, pod.namespace, pod.name)
 
 
 @dataclass

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from podmeter.model.compaction import PeakTracker
 from podmeter.model.datapath import Direction, Traffic
+from podmeter.model.pod_series import SeriesBook
 from podmeter.model.records import Pod
 from podmeter.model.workloads import workload_of
 
@@ -56,15 +56,20 @@ class TrafficLedger:
     Invariants:
     * an IP is in ``owners`` iff it is in ``series[owners[ip].uid].ips``;
     * a series' value is ``closed + sum(kernel(ip) - base(ip) for ip in ips)``, and never decreases;
-    * ``node_expired`` holds the final values of dropped series, so node totals never decrease either.
+    * ``node_expired`` holds the final values of dropped series, so node totals never decrease either;
+    * a series lives as :class:`~podmeter.model.pod_series.SeriesBook` says (while its pod holds an IP,
+      then ``grace`` seconds).
     """
 
     def __init__(self, grace: float) -> None:
-        self.grace = grace
         self.owners: dict[str, _Ownership] = {}
-        self.series: dict[str, PodSeries] = {}
         self.node_expired: dict[Direction, Traffic] = {}
-        self._series_peak = PeakTracker()
+        self._book: SeriesBook[PodSeries] = SeriesBook(grace, _new_series, self._expired)
+
+    @property
+    def series(self) -> dict[str, PodSeries]:
+        """The live and ending series by pod UID (read-only for callers)."""
+        return self._book.series
 
     def assign(self, ip: str, pod: Pod | None, kernel: Counters, now: float) -> None:
         """``pod`` owns ``ip`` from now on (None: nobody). ``kernel`` holds the IP's counters now."""
@@ -75,7 +80,7 @@ class TrafficLedger:
         if current is not None:
             self._close(ip, current, now_value, now)
         if pod is not None:
-            self._series_for(pod).ips.add(ip)
+            self._book.holds(pod, ip)
             self.owners[ip] = _Ownership(pod.uid, now_value)
 
     def release(self, ips: list[str], final: Counters, now: float) -> None:
@@ -110,44 +115,27 @@ class TrafficLedger:
         return totals
 
     def expire(self, now: float) -> int:
-        """Drop series whose grace period is over; returns how many."""
-        done = [s for s in self.series.values() if s.ended_at is not None and now - s.ended_at >= self.grace]
-        for series in done:
-            self._drop(series)
-        if done and self._series_peak.should_rebuild(len(self.series)):
-            self.series = dict(self.series)
-        return len(done)
+        """Drop series whose grace period is over (their totals stay in the node's); returns how many."""
+        return self._book.expire(now)
 
     # --- internals ----------------------------------------------------------------------------
 
     def _close(self, ip: str, ownership: _Ownership, now_value: Mapping[Direction, Traffic], now: float) -> None:
         del self.owners[ip]
-        series = self.series.get(ownership.uid)
-        if series is None:
-            return
-        for direction in Direction:
-            series.add_closed(direction, _since(now_value.get(direction, ZERO), ownership.base[direction]))
-        series.ips.discard(ip)
-        if not series.ips:
-            series.ended_at = now
+        series = self._book.lets_go(ownership.uid, ip, now)
+        if series is not None:
+            for direction in Direction:
+                series.add_closed(direction, _since(now_value.get(direction, ZERO), ownership.base[direction]))
 
-    def _series_for(self, pod: Pod) -> PodSeries:
-        series = self.series.get(pod.uid)
-        if series is not None and series.ended_at is not None:
-            self._drop(series)  # observed again: a new series that starts from zero
-            series = None
-        if series is None:
-            kind, name = workload_of(pod)
-            series = PodSeries(pod.uid, pod.namespace, pod.name, kind, name)
-            self.series[pod.uid] = series
-            self._series_peak.grew_to(len(self.series))
-        series.ended_at = None
-        return series
-
-    def _drop(self, series: PodSeries) -> None:
+    def _expired(self, series: PodSeries) -> None:
+        """A series goes (grace over, or its pod observed again): its totals stay in the node's."""
         for direction, value in series.closed.items():
             self.node_expired[direction] = self.node_expired.get(direction, ZERO) + value
-        del self.series[series.uid]
+
+
+def _new_series(pod: Pod) -> PodSeries:
+    kind, name = workload_of(pod)
+    return PodSeries(pod.uid, pod.namespace, pod.name, kind, name)
 
 
 def _since(now_value: Traffic, base: Traffic) -> Traffic:

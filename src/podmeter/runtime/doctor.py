@@ -27,6 +27,7 @@ from podmeter.model.records import TERMINAL_PHASES, DecodeError, Pod, decode_nam
 from podmeter.model.view import NodeView
 
 CONFIG_PATH = f"/apis/podmeter.io/v1alpha1/metricsconfigurations/{DEFAULT_NAME}"
+NOT_OBSERVED = "not observed"  # what why_not_counted says of an eligible pod nobody asked for
 
 
 class DoctorError(RuntimeError):
@@ -101,7 +102,7 @@ def audit(view: NodeView, kernel: set[str], capacity: int, skipped: list[str] | 
     desired = view.recompute()
     result = Audit(view.node_name or "", len(desired), len(kernel), capacity, skipped=skipped or [])
     for ip in sorted(kernel - desired.keys()):
-        holders = tuple(f"{p.key} ({_why_not(view, p)})" for p in view.pods.values() if ip in p.ips)
+        holders = tuple(f"{p.key} ({why_not_counted(p)})" for p in view.pods.values() if ip in p.ips)
         result.findings.append(Finding("leaked", ip, holders))
     missing = sorted(desired.keys() - kernel)
     if missing and len(kernel) >= capacity and kernel <= desired.keys():
@@ -113,12 +114,15 @@ def audit(view: NodeView, kernel: set[str], capacity: int, skipped: list[str] | 
     return result
 
 
-def _why_not(view: NodeView, pod: Pod) -> str:
+def why_not_counted(pod: Pod) -> str:
+    """Why a pod that lists an IP does not hold it in the filter (invariant I3): ``hostNetwork`` or its
+    terminal phase when it is not eligible, else ``not observed`` (eligible, but nobody asked for it).
+    The doctor and the lab's checker name the holders of a leaked IP with it."""
     if pod.host_network:
         return "hostNetwork"
     if pod.phase in TERMINAL_PHASES:
         return pod.phase
-    return "not observed"
+    return NOT_OBSERVED
 
 
 def _decoded(items: list[Any], decode: Any, skipped: list[str]) -> list[Any]:
