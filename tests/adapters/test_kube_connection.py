@@ -1,4 +1,5 @@
-"""Client configuration: kubeconfig (token, token file, CA), KUBECONFIG, in-cluster; both transports."""
+"""Client configuration: kubeconfig (token, token file, CA), KUBECONFIG, in-cluster; both transports; no
+credentials over plain HTTP."""
 
 from __future__ import annotations
 
@@ -123,3 +124,50 @@ def test_credentials_over_plain_http_are_refused_unless_allowed_for_a_test_serve
     monkeypatch.delenv(ALLOW_PLAIN_HTTP)
     kubeconfig.write_text(kubeconfig.read_text().replace("{token: secret}", "{}"))
     assert load_connection(str(kubeconfig)).server == "http://10.0.0.1:8080"  # no credentials: nothing to leak
+
+
+EXEC = {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "/bin/false"}
+PLAIN_HTTP_CREDENTIALS = {
+    "token file": ({"tokenFile": "/nonexistent/token"}, "a token"),
+    "basic auth": ({"username": "admin", "password": "secret"}, "a username and password"),
+    "exec plugin": ({"exec": EXEC}, "an exec plugin's token"),
+    "auth provider": ({"auth-provider": {"name": "oidc", "config": {"id-token": "secret"}}},
+                      "an auth provider's token"),
+}
+
+
+def plain_http_kubeconfig(path: Path, user: dict[str, object]) -> Path:
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": "http://10.0.0.1:8080"}}],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    return path
+
+
+@pytest.mark.parametrize("user, named", PLAIN_HTTP_CREDENTIALS.values(), ids=PLAIN_HTTP_CREDENTIALS.keys())
+def test_every_kind_of_credential_over_plain_http_is_refused_unless_allowed(
+        user: dict[str, object], named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An exec plugin or an auth provider makes a token that would travel in the clear like a written one.
+    from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP
+
+    kubeconfig = plain_http_kubeconfig(tmp_path / "kubeconfig", user)
+    monkeypatch.delenv(ALLOW_PLAIN_HTTP, raising=False)
+    with pytest.raises(ConnectionConfigError, match=rf"sends credentials \({named}\) .* over plain HTTP"):
+        load_connection(str(kubeconfig))
+    monkeypatch.setenv(ALLOW_PLAIN_HTTP, "1")
+    assert load_connection(str(kubeconfig)).server == "http://10.0.0.1:8080"
+
+
+@pytest.mark.parametrize("user", [
+    {"client-certificate": "/tmp/client.crt", "client-key": "/tmp/client.key"},
+    {"client-certificate-data": "Y2VydA==", "client-key-data": "a2V5"},
+], ids=["files", "data"])
+def test_a_client_certificate_with_a_plain_http_server_is_refused_even_when_allowed(
+        user: dict[str, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # No TLS handshake, no certificate presented: the agent would run anonymous, not with less security.
+    from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP
+
+    monkeypatch.setenv(ALLOW_PLAIN_HTTP, "1")
+    with pytest.raises(ConnectionConfigError, match=r"client certificate .* every request would be anonymous"):
+        load_connection(str(plain_http_kubeconfig(tmp_path / "kubeconfig", user)))

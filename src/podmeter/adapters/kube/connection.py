@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightkube.config.kubeconfig import KubeConfig, SingleConfig
+from lightkube.config.models import User
 from lightkube.core.exceptions import ConfigError
 
 from podmeter.adapters.kube.transport import Transport, make_transport
@@ -45,8 +46,10 @@ class Connection:
 def load_connection(kubeconfig: str | None, context: str | None = None, *,
                     allow_plain_http: bool = False) -> Connection:
     """The ``--kubeconfig`` flag, else ``$KUBECONFIG``, else the in-cluster service account. Credentials
-    are never sent over plain HTTP (kubectl does not either): such a configuration is refused, unless
-    ``PODMETER_ALLOW_PLAIN_HTTP_CREDENTIALS`` is set (or ``allow_plain_http``), for test servers."""
+    (a token or token file, basic auth, an exec plugin, an auth provider) are never sent over plain HTTP
+    (kubectl does not either): such a configuration is refused, unless ``PODMETER_ALLOW_PLAIN_HTTP_CREDENTIALS``
+    is set (or ``allow_plain_http``), for test servers. A client certificate with an http:// server is
+    refused always: it would never be presented."""
     path = kubeconfig or os.environ.get("KUBECONFIG")
     if path:
         return _checked(_from_file(path, context), allow_plain_http)
@@ -64,15 +67,33 @@ def load_connection(kubeconfig: str | None, context: str | None = None, *,
 
 
 def _checked(connection: Connection, allowed: bool) -> Connection:
+    """Refuse what would authenticate over plain HTTP: a secret sent in the clear (a token, a password, or
+    what an exec plugin or auth provider makes: a token too), unless allowed for a test server; and a client
+    certificate always, which only a TLS handshake presents (over http:// every request would be anonymous,
+    whatever is allowed)."""
+    if not connection.server.startswith("http://") or connection.config.user is None:
+        return connection
     user = connection.config.user
-    has_credentials = user is not None and bool(user.token or user.token_file or user.password)
-    plain = connection.server.startswith("http://")
-    allowed = allowed or os.environ.get(ALLOW_PLAIN_HTTP, "").lower() in ("1", "true", "yes")
-    if plain and has_credentials and not allowed:
+    if user.client_cert or user.client_cert_data or user.client_key or user.client_key_data:
         raise ConnectionConfigError(
-            f"{connection.source} sends credentials to {connection.server} over plain HTTP, where anyone on "
-            f"the path can read them: use an https:// server (for a test server only, set {ALLOW_PLAIN_HTTP}=1)")
+            f"{connection.source} names a client certificate for {connection.server}, but a client certificate "
+            "is presented only in a TLS handshake: over plain HTTP every request would be anonymous; use an "
+            "https:// server")
+    secrets = _secrets(user)
+    allowed = allowed or os.environ.get(ALLOW_PLAIN_HTTP, "").lower() in ("1", "true", "yes")
+    if secrets and not allowed:
+        raise ConnectionConfigError(
+            f"{connection.source} sends credentials ({', '.join(secrets)}) to {connection.server} over plain "
+            "HTTP, where anyone on the path can read them: use an https:// server (for a test server only, set "
+            f"{ALLOW_PLAIN_HTTP}=1)")
     return connection
+
+
+def _secrets(user: User) -> list[str]:
+    """The kinds of secret ``user`` sends with each request; exec plugins and auth providers make tokens."""
+    kinds = {"a token": user.token or user.token_file, "a username and password": user.username or user.password,
+             "an exec plugin's token": user.exec, "an auth provider's token": user.auth_provider}
+    return [kind for kind, present in kinds.items() if present]
 
 
 def _from_file(path: str, context: str | None) -> Connection:
