@@ -308,14 +308,63 @@ async def test_a_flow_carries_what_podmeter_knows_in_hubbles_fields(hubble: Any)
     assert not tcp.HasField("is_reply")  # unknown, printed as <> by hubble observe
 
 
-async def test_a_dropped_record_is_a_dropped_flow_and_the_verdict_filter_selects_it(hubble: Any) -> None:
+def with_drops(batch: list[FlowRecord]) -> list[FlowRecord]:
+    """The records with 5, 6, 8 and 9 dropped: by netfilter, for a bad IPv6 extension header (the one kernel
+    reason with an exact Cilium code), for a bad TCP checksum, by netfilter."""
+    reasons = {5: "NETFILTER_DROP", 6: "IPV6_BAD_EXTHDR", 8: "TCP_CSUM", 9: "NETFILTER_DROP"}
+    return [msgspec.structs.replace(r, verdict="dropped", drop_reason=reasons[i]) if i in reasons else r
+            for i, r in enumerate(batch)]
+
+
+DROPPED = [5, 6, 8, 9]
+
+
+async def test_a_dropped_record_is_a_drop_event_with_the_cilium_code_only_where_it_is_exact(hubble: Any) -> None:
     feed, _, client = hubble
-    forwarded, dropped = records(2)
-    feed.publish([forwarded, msgspec.structs.replace(dropped, verdict="dropped", drop_reason="NETFILTER_DROP")])
-    assert [r.flow.verdict for r in await client.flows(number=10)] == [flow_pb2.FORWARDED, flow_pb2.DROPPED]
-    (only,) = await client.flows(number=10, whitelist=[flow_pb2.FlowFilter(verdict=[flow_pb2.DROPPED])])
-    assert only.flow.drop_reason_desc == flow_pb2.DROP_REASON_UNKNOWN  # the kernel's reasons are not Cilium's codes
-    assert only.flow.trace_observation_point == flow_pb2.FROM_ENDPOINT
+    feed.publish(with_drops(records(10)))
+    flows = [r.flow for r in await client.flows(number=10)]
+    assert [i for i, f in enumerate(flows) if f.verdict == flow_pb2.DROPPED] == DROPPED
+    netfilter, exthdr, forwarded = flows[5], flows[6], flows[7]
+    assert (netfilter.event_type.type, netfilter.event_type.sub_type) == (1, 255)  # a drop, no Cilium code
+    assert netfilter.drop_reason_desc == flow_pb2.DROP_REASON_UNKNOWN
+    assert (exthdr.event_type.type, exthdr.event_type.sub_type) == (1, 156)
+    assert exthdr.drop_reason_desc == flow_pb2.INVALID_IPV6_EXTENSION_HEADER
+    assert (forwarded.event_type.type, forwarded.drop_reason_desc) == (4, flow_pb2.DROP_REASON_UNKNOWN)
+    assert netfilter.trace_observation_point == flow_pb2.FROM_ENDPOINT  # the observed end, as for forwarded flows
+    assert flows[8].traffic_direction == flow_pb2.INGRESS
+
+
+def event(kind: int, sub_type: int | None = None) -> flow_pb2.EventTypeFilter:
+    """What `hubble observe --type KIND[:SUB]` sends."""
+    if sub_type is None:
+        return flow_pb2.EventTypeFilter(type=kind)
+    return flow_pb2.EventTypeFilter(type=kind, match_sub_type=True, sub_type=sub_type)
+
+
+DROP_FILTERS: dict[str, tuple[list[dict[str, Any]], list[int]]] = {
+    "verdict dropped": ([{"verdict": [flow_pb2.DROPPED]}], DROPPED),
+    "type drop": ([{"event_type": [event(1)]}], DROPPED),
+    "type drop with the code": ([{"event_type": [event(1, 156)]}], [6]),
+    "type drop with the unknown code": ([{"event_type": [event(1, 255)]}], [5, 8, 9]),
+    "type trace": ([{"event_type": [event(4)]}], [0, 1, 2, 3, 4, 7]),
+    "type trace to-endpoint": ([{"event_type": [event(4, 0)]}], [2, 3, 7]),
+    "type 0 is any type": ([{"event_type": [event(0)]}], ALL),
+    "type drop or trace": ([{"event_type": [event(1), event(4, 5)]}], [0, 1, 4, 5, 6, 8, 9]),
+}
+
+
+@pytest.mark.parametrize("name", list(DROP_FILTERS))
+async def test_drop_filters(hubble: Any, name: str) -> None:
+    feed, _, client = hubble
+    feed.publish(with_drops(records(10)))
+    whitelist, expected = DROP_FILTERS[name]
+    assert await matching(client, whitelist) == expected
+
+
+async def test_the_deny_list_removes_drops_by_type(hubble: Any) -> None:
+    feed, _, client = hubble
+    feed.publish(with_drops(records(10)))
+    assert await matching(client, blacklist=[{"event_type": [event(1)]}]) == [0, 1, 2, 3, 4, 7]
 
 
 async def test_labels_of_a_pod_the_agent_no_longer_knows_are_absent(hubble: Any) -> None:

@@ -102,6 +102,7 @@ ENUMS = {
     "flow.TrafficDirection": {"TRAFFIC_DIRECTION_UNKNOWN": 0, "INGRESS": 1, "EGRESS": 2},
     "flow.TraceObservationPoint": {"UNKNOWN_POINT": 0, "FROM_ENDPOINT": 5, "TO_ENDPOINT": 101},
     "flow.IPVersion": {"IP_NOT_USED": 0, "IPv4": 1, "IPv6": 2},
+    "flow.DropReason": {"DROP_REASON_UNKNOWN": 0, "INVALID_IPV6_EXTENSION_HEADER": 156},
     "relay.NodeState": {"UNKNOWN_NODE_STATE": 0, "NODE_CONNECTED": 1},
     "peer.ChangeNotificationType": {"UNKNOWN": 0, "PEER_ADDED": 1, "PEER_DELETED": 2, "PEER_UPDATED": 3},
     "grpc.health.v1.HealthCheckResponse.ServingStatus": {"UNKNOWN": 0, "SERVING": 1, "NOT_SERVING": 2},

@@ -10,8 +10,10 @@ of its values does (OR). What each field means for podmeter's records:
 - ``source_port``/``destination_port``: a TCP or UDP port (as a string).
 - ``protocol``: ``tcp``, ``udp``, ``icmpv4``, ``icmpv6``, ``sctp`` (any case); ``http``, ``dns``, ``kafka``
   (L7: no podmeter flow is one).
-- ``verdict``, ``traffic_direction``, ``ip_version``, ``event_type``, ``source_identity``/``destination_identity``
+- ``verdict``, ``traffic_direction``, ``ip_version``, ``source_identity``/``destination_identity``
   (world is identity 2), ``node_name`` (``*`` wildcards; ``CLUSTER/NODE`` with cluster ``default``).
+- ``event_type``: the type and sub-type ``adapters.hubble.flows`` gives the record (a trace at its
+  observation point, or a drop); type 0 is any type, the sub-type counts only with ``match_sub_type``.
 - ``tcp_flags``: a TCP record whose flags include every flag of one of the values.
 - ``source_workload``/``destination_workload``: name and kind (an empty one matches any).
 - ``source_label``/``destination_label``: Kubernetes label selectors (``app=web``, ``app!=web``,
@@ -39,12 +41,11 @@ from google.protobuf import unknown_fields
 from podmeter.adapters.hubble.flows import (
     CLUSTER,
     DIRECTIONS,
-    MESSAGE_TYPE_TRACE,
-    SUB_TYPES,
     VERDICTS,
     LabelSource,
     end_identity,
     end_labels,
+    event_type,
     no_labels,
 )
 from podmeter.adapters.hubble.proto import flow_pb2
@@ -279,9 +280,13 @@ def _node_names(values: Sequence[str]) -> Check:
 
 
 def _event_types(values: Iterable[flow_pb2.EventTypeFilter]) -> Check:
+    """Type 0 is any type (as in Hubble); the sub-type counts only with ``match_sub_type``."""
     wanted = [(v.type, v.sub_type if v.match_sub_type else None) for v in values]
-    return lambda record: any(t == MESSAGE_TYPE_TRACE and (s is None or s == SUB_TYPES[record.observation])
-                              for t, s in wanted)
+
+    def check(record: FlowRecord) -> bool:
+        kind, sub_type = event_type(record)
+        return any(t in (0, kind) and (s is None or s == sub_type) for t, s in wanted)
+    return check
 
 
 def compile_filter(message: flow_pb2.FlowFilter, labels: LabelSource = no_labels) -> tuple[Check, ...]:

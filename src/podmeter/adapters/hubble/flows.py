@@ -10,13 +10,18 @@ What a record carries maps onto Hubble's message like this (the compatibility ta
   ``k8s:io.kubernetes.pod.namespace=NS`` as Cilium labels pods); an address no pod holds (podmeter's
   ``world``) is Cilium's world: identity 2, the one label ``reserved:world``.
 - ``traffic_direction`` is from the pod's point of view: a packet entering a pod (``to-pod``) is ingress,
-  one leaving it (``from-pod``) egress. ``trace_observation_point`` is ``TO_ENDPOINT``/``FROM_ENDPOINT``,
-  and ``event_type`` the matching trace event (type 4, sub-type 0 or 5), which Hubble's printers show as
-  ``to-endpoint``/``from-endpoint``.
-- ``Type`` is ``L3_L4``, ``verdict`` ``FORWARDED``, or ``DROPPED`` for a record of dropped packets (its
-  ``drop_reason_desc`` stays unknown: Hubble's reasons are Cilium's datapath codes, podmeter's the
-  kernel's ``skb_drop_reason`` names), ``is_reply`` unset (podmeter tracks no connections, so it does not
-  know).
+  one leaving it (``from-pod``) egress. ``trace_observation_point`` is ``TO_ENDPOINT``/``FROM_ENDPOINT``
+  (for dropped records too: the end that was observed).
+- ``Type`` is ``L3_L4``, ``verdict`` ``FORWARDED``, or ``DROPPED`` for a record of dropped packets;
+  ``is_reply`` unset (podmeter tracks no connections, so it does not know).
+- ``event_type``: a forwarded record is a trace event (type 4, sub-type 0 or 5 for to/from the pod), which
+  Hubble's printers show as ``to-endpoint``/``from-endpoint``; a dropped one a drop event (type 1), so that
+  ``hubble observe --type drop`` selects it. Cilium's drop events carry their drop code as the sub-type and
+  in ``drop_reason_desc``. Those codes are Cilium's datapath's, podmeter's reasons the kernel's
+  ``skb_drop_reason`` names: :data:`DROP_REASONS` maps the only kernel reason whose meaning is exactly a
+  Cilium code's; any other leaves ``drop_reason_desc`` unknown and has the sub-type
+  :data:`DROP_SUB_TYPE_UNKNOWN` (255, which Cilium does not use: Hubble's printers, naming the sub-type from
+  Cilium's table, would show 0 as "Success").
 
 Hubble's flow has no packet or byte counts, no retransmit count and no field for the kernel's drop reason:
 they are absent from the message (``podmeter observe -o json`` and the metrics have them).
@@ -31,7 +36,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from podmeter.adapters.hubble.proto import flow_pb2, observer_pb2
 from podmeter.model.endpoints import Endpoint
-from podmeter.model.flow_records import FlowEnd, FlowRecord
+from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
 from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, Observation
 from podmeter.model.records import Pod
 
@@ -44,6 +49,15 @@ WORLD_LABELS = ("reserved:world",)
 NAMESPACE_LABEL = "io.kubernetes.pod.namespace"
 MESSAGE_TYPE_TRACE = 4  # Cilium's monitor message type of a trace event
 TRACE_TO_ENDPOINT, TRACE_FROM_ENDPOINT = 0, 5  # its sub-types: to and from a pod (an "lxc")
+MESSAGE_TYPE_DROP = 1  # Cilium's monitor message type of a drop event; its sub-type is the drop code
+DROP_SUB_TYPE_UNKNOWN = 255  # the sub-type of a drop whose kernel reason has no Cilium code (Cilium's end at 205)
+# Kernel drop reasons (skb_drop_reason names, without the SKB_DROP_REASON_ prefix) whose meaning is exactly
+# that of a Cilium drop code. Deliberately short: most kernel reasons describe the kernel's stack (a full
+# socket buffer, a netfilter rule, a missing route), Cilium's codes decisions of Cilium's datapath, and a near
+# match would name a cause that was not the cause.
+DROP_REASONS: dict[str, flow_pb2.DropReason.ValueType] = {
+    "IPV6_BAD_EXTHDR": flow_pb2.INVALID_IPV6_EXTENSION_HEADER,
+}
 
 POINTS = {Observation.TO_POD: flow_pb2.TO_ENDPOINT, Observation.FROM_POD: flow_pb2.FROM_ENDPOINT}
 DIRECTIONS = {Observation.TO_POD: flow_pb2.INGRESS, Observation.FROM_POD: flow_pb2.EGRESS}
@@ -87,6 +101,21 @@ def end_identity(end: FlowEnd) -> int:
 
 def ip_version(ip: str) -> flow_pb2.IPVersion.ValueType:
     return flow_pb2.IPv6 if ":" in ip else flow_pb2.IPv4
+
+
+def drop_reason(record: FlowRecord) -> flow_pb2.DropReason.ValueType:
+    """The Cilium drop code of a dropped record, ``DROP_REASON_UNKNOWN`` when its kernel reason has none (and for
+    a forwarded record)."""
+    if record.verdict != VERDICT_DROPPED or record.drop_reason is None:
+        return flow_pb2.DROP_REASON_UNKNOWN
+    return DROP_REASONS.get(record.drop_reason, flow_pb2.DROP_REASON_UNKNOWN)
+
+
+def event_type(record: FlowRecord) -> tuple[int, int]:
+    """The monitor event type and sub-type of the record's flow: a trace at its observation point, or a drop."""
+    if record.verdict == VERDICT_DROPPED:
+        return MESSAGE_TYPE_DROP, drop_reason(record) or DROP_SUB_TYPE_UNKNOWN
+    return MESSAGE_TYPE_TRACE, SUB_TYPES[record.observation]
 
 
 def timestamp(seconds: float) -> Timestamp:
@@ -144,6 +173,7 @@ class FlowMessages:
 
     def flow(self, record: FlowRecord) -> flow_pb2.Flow:
         observation = record.observation
+        kind, sub_type = event_type(record)
         flow = flow_pb2.Flow(
             time=timestamp(record.time),
             verdict=VERDICTS.get(record.verdict, flow_pb2.VERDICT_UNKNOWN),
@@ -154,10 +184,12 @@ class FlowMessages:
             destination=self.endpoint(record.destination),
             Type=flow_pb2.L3_L4,
             node_name=record.node,
-            event_type=flow_pb2.CiliumEventType(type=MESSAGE_TYPE_TRACE, sub_type=SUB_TYPES[observation]),
+            event_type=flow_pb2.CiliumEventType(type=kind, sub_type=sub_type),
             traffic_direction=DIRECTIONS[observation],
             trace_observation_point=POINTS[observation],
         )
+        if kind == MESSAGE_TYPE_DROP:
+            flow.drop_reason_desc = drop_reason(record)
         return flow
 
     def encoded(self, record: FlowRecord) -> bytes:

@@ -79,11 +79,16 @@ class _DropReason:
 class _DropReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DropReason.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     DROP_REASON_UNKNOWN: _DropReason.ValueType  # 0
+    INVALID_IPV6_EXTENSION_HEADER: _DropReason.ValueType  # 156
 
 class DropReason(_DropReason, metaclass=_DropReasonEnumTypeWrapper):
-    """Only the unknown reason so far: podmeter reports no drops yet."""
+    """Cilium's datapath drop codes. podmeter's drops are the kernel's (skb_drop_reason names): a dropped flow
+    carries the one code whose meaning is exactly the kernel reason's (an invalid IPv6 extension header),
+    DROP_REASON_UNKNOWN otherwise. A filter may carry any code (the enum is open).
+    """
 
 DROP_REASON_UNKNOWN: DropReason.ValueType  # 0
+INVALID_IPV6_EXTENSION_HEADER: DropReason.ValueType  # 156
 Global___DropReason: _TypeAlias = DropReason  # noqa: Y015
 
 class _TrafficDirection:
@@ -487,8 +492,9 @@ Global___Workload: _TypeAlias = Workload  # noqa: Y015
 
 @_typing.final
 class CiliumEventType(_message.Message):
-    """The monitor event a flow came from: podmeter's flows are trace events (type 4), the sub-type being the
-    observation point's trace code.
+    """The monitor event a flow came from: a forwarded podmeter flow is a trace event (type 4, the sub-type
+    being the observation point's trace code), a dropped one a drop event (type 1, the sub-type being the
+    drop code of drop_reason_desc, or 255, a code Cilium does not use, when that is unknown).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
