@@ -86,6 +86,11 @@ def parse_query(params: Mapping[str, str]) -> tuple[FlowFilter, int, bool]:
 
 
 def flows_handler(feed: Feed[Any]) -> Callable[[web.Request], Any]:
+    """The handler. Invariant (as the feed's): a follower gets every matching record published after its
+    past ones, in order, none twice. The slot is taken and the past read at once, before the first await:
+    nothing can be published in between (no gap, no overlap), and a reader refused for want of a slot is
+    told so by a 503, never by a stream cut after its headers."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
             wanted, last, follow = parse_query(request.query)
@@ -93,25 +98,29 @@ def flows_handler(feed: Feed[Any]) -> Callable[[web.Request], Any]:
             return web.Response(status=400, text=f"{exc}\n")
         if follow and not feed.can_follow():
             return web.Response(status=503, text="too many readers follow the flows; try again later\n")
+        follower = feed.subscribe(wanted) if follow else None
+        past = feed.last(last, wanted) if last else []
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await response.prepare(request)
         try:
-            for record in feed.last(last, wanted) if last else ():
+            await response.prepare(request)
+            for record in past:
                 await response.write(_encode(record.to_json()) + b"\n")
-            if follow:
-                await _follow(request, response, feed, wanted)
-        except ConnectionResetError:
-            return response  # the reader went away
-        await response.write_eof()
+            if follower is not None and not await _follow(request, response, follower):
+                return response  # the reader went away: nobody to end the stream for
+            await response.write_eof()
+        except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the reader went away
+            pass
+        finally:
+            if follower is not None:
+                feed.unsubscribe(follower)
         return response
 
     return handler
 
 
-async def _follow(request: web.Request, response: web.StreamResponse, feed: Feed[Any], wanted: FlowFilter) -> None:
-    """Stream new records until the feed cuts the follower off or its client goes (a quiet stream is
-    checked every second, so a reader that left does not keep its slot)."""
-    follower = feed.subscribe(wanted)
+async def _follow(request: web.Request, response: web.StreamResponse, follower: Follower) -> bool:
+    """Stream new records until the feed cuts the follower off (True) or its client goes (False; a quiet
+    stream is checked every second, so a reader that left does not keep its slot)."""
     waiting: asyncio.Future[FlowRecord | None] | None = None
     try:
         while True:
@@ -120,13 +129,12 @@ async def _follow(request: web.Request, response: web.StreamResponse, feed: Feed
             done, _ = await asyncio.wait({waiting}, timeout=CLOSED_CHECK)
             if not done:
                 if request.transport is None or request.transport.is_closing():
-                    return
+                    return False
                 continue
             record, waiting = waiting.result(), None
             if record is None:
-                return
+                return True
             await response.write(_encode(record.to_json()) + b"\n")
     finally:
         if waiting is not None:
             waiting.cancel()
-        feed.unsubscribe(follower)
