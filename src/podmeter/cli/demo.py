@@ -44,13 +44,14 @@ class _Story:
         self.writer = Writer(self.view.desired, self.datapath)
         self.step = 0
 
-    def upsert(self, item: Pod | Namespace | MetricsConfiguration) -> None:
-        if isinstance(item, Pod):
-            self.view.apply(Upsert(PODS, item))
-        elif isinstance(item, Namespace):
-            self.view.apply(Upsert(NAMESPACES, item))
-        else:
-            self.view.apply(Upsert(CONFIGURATIONS, item))
+    def pod(self, pod: Pod) -> None:
+        self.view.apply(Upsert(PODS, pod))
+
+    def namespace(self, namespace: Namespace) -> None:
+        self.view.apply(Upsert(NAMESPACES, namespace))
+
+    def configuration(self, configuration: MetricsConfiguration) -> None:
+        self.view.apply(Upsert(CONFIGURATIONS, configuration))
 
     def delete(self, pod: Pod) -> None:
         self.view.apply(Delete(PODS, pod.uid))
@@ -66,23 +67,23 @@ class _Story:
 def run(args: argparse.Namespace) -> int:
     story = _Story(args.capacity)
     print(f"podmeter demo: in-memory core, filter capacity {args.capacity}\n")
-    story.upsert(_ns("shop", observe=True))
+    story.namespace(_ns("shop", observe=True))
     web = _pod("web", "shop", "10.0.0.1")
-    story.upsert(web)
+    story.pod(web)
     story.show("namespace shop annotated podmeter.io/observe=true; pod shop/web gets 10.0.0.1")
-    story.upsert(_ns("shop", observe=False))
+    story.namespace(_ns("shop", observe=False))
     story.show("annotation removed from namespace shop (interest gone before the delete)")
     story.delete(web)
     story.show("pod shop/web deleted: nothing left behind")
     old = _pod("job-1", "batch", "10.0.0.9", observe=True)
-    story.upsert(old)
+    story.pod(old)
     new = _pod("job-2", "batch", "10.0.0.9", observe=True)
-    story.upsert(new)
+    story.pod(new)
     story.delete(old)
     story.show("IP 10.0.0.9 passes from batch/job-1 to batch/job-2; the late delete of job-1 keeps it")
-    story.upsert(MetricsConfiguration(DEFAULT_NAME, "1", 1, Interest(include=frozenset({"load"}))))
+    story.configuration(MetricsConfiguration(DEFAULT_NAME, "1", 1, Interest(include=frozenset({"load"}))))
     for i in range(args.capacity + 2):
-        story.upsert(_pod(f"gen-{i}", "load", f"10.0.1.{i}"))
+        story.pod(_pod(f"gen-{i}", "load", f"10.0.1.{i}"))
     story.show(f"MetricsConfiguration includes namespace load; {args.capacity + 2} pods there")
     story.datapath.entries.add("10.9.9.9")
     story.datapath.entries.discard("10.0.1.0")

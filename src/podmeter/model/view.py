@@ -16,7 +16,8 @@ Next stage: the writer (``runtime.writer``) pushes the desired filter's crossing
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from podmeter.model.configuration import DEFAULT_NAME, NO_CONFIGURATION, Interest, MetricsConfiguration
 from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, POD_SLICES, PODS, Collection, Delete, Delta, Replace
@@ -28,6 +29,19 @@ from podmeter.model.store import Store
 
 # A delta of any collection the view stores.
 ViewDelta = Delta[Pod] | Delta[Namespace] | Delta[MetricsConfiguration] | Delta[PodSlice]
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class _Route(Generic[R]):
+    """Where a collection's deltas go: its store, what follows each change the store reports, and whether
+    a change ``(old, new)`` would take an address from the one it names now (None: the collection names
+    no address, so none of its changes renames)."""
+
+    store: Store[R]
+    changed: Callable[[R | None, R | None], None]
+    renames: Callable[[R | None, R | None], bool] | None = None
 
 
 class NodeView:
@@ -53,18 +67,18 @@ class NodeView:
         # The cluster's pods as the operator publishes them (names of the far ends of flows).
         self.slice_store: Store[PodSlice] = Store(POD_SLICES)
         self.cluster = ClusterEndpoints()
-        # Each collection's store, with the handler of the changes it reports.
-        self._routes: dict[Collection[Any], tuple[Store[Any], Callable[[Any, Any], None]]] = {
-            PODS: (self.pod_store, self._pod_changed),
-            NAMESPACES: (self.namespace_store, self._namespace_changed),
-            CONFIGURATIONS: (self.configuration_store, self._configuration_changed),
-            POD_SLICES: (self.slice_store, self.cluster.changed),
+        # Each collection's route: its store, the handler of the changes it reports, its renaming rule.
+        self._routes: dict[Collection[Any], _Route[Any]] = {
+            PODS: _Route(self.pod_store, self._pod_changed, self._pod_renames),
+            NAMESPACES: _Route(self.namespace_store, self._namespace_changed),
+            CONFIGURATIONS: _Route(self.configuration_store, self._configuration_changed),
+            POD_SLICES: _Route(self.slice_store, self.cluster.changed, self.cluster.renames),
         }
 
     def apply(self, delta: ViewDelta) -> int:
         """Apply one delta to its collection's store and the desired filter; how many objects changed."""
-        store, changed = self._routes[delta.collection]
-        return store.apply(delta, changed)
+        route = self._routes[delta.collection]
+        return route.store.apply(delta, route.changed)
 
     # --- what the stores hold (read-only views) ------------------------------------------------
 
@@ -87,39 +101,25 @@ class NodeView:
         return observed(pod, self.namespace_store.objects.get(pod.namespace), self.interest, self.node_name)
 
     def renames(self, delta: ViewDelta) -> bool:
-        """Whether ``delta`` would take an address from the pod that holds it now (a pod deleted, finished,
-        or with other IPs; a new pod given an IP another stored pod still holds): flows counted before it
-        must be named with the view as it is now. A pod given a free address takes nothing from anyone."""
-        if delta.collection is POD_SLICES:
-            return self._renames_slices(delta)
-        if delta.collection is not PODS:
+        """Whether ``delta`` would take an address from the one that holds it now (a pod deleted, finished
+        or with other IPs, a new pod given an IP another stored pod still holds, a slice that lists other
+        endpoints): flows counted before it must be named with the view as it is now. Each collection's
+        route says it for one change; a relist of a collection that names addresses may rename any."""
+        route = self._routes[delta.collection]
+        if route.renames is None:
             return False
         if isinstance(delta, Replace):
             return True
-        stored = self.pod_store.objects
+        store = route.store
         if isinstance(delta, Delete):
-            old = stored.get(delta.key)
-            return old is not None and holds_address(old)
-        new = delta.item
-        if not isinstance(new, Pod):  # cannot be, for a delta of PODS (narrows the type)
-            return False
-        old = stored.get(new.uid)
-        before = set(old.ips) if old is not None and holds_address(old) else set()
-        after = set(new.ips) if holds_address(new) else set()
-        if before - after:
-            return True
-        gained = after - before
-        return bool(gained) and any(p.uid != new.uid and holds_address(p) and not gained.isdisjoint(p.ips)
-                                    for p in stored.values())
+            old = store.get(delta.key)
+            return old is not None and route.renames(old, None)
+        return route.renames(store.get(store.collection.key(delta.item)), delta.item)
 
-    def _renames_slices(self, delta: ViewDelta) -> bool:
-        if isinstance(delta, Replace):
-            return True
-        stored = self.slice_store.objects
-        if isinstance(delta, Delete):
-            return delta.key in stored
-        new = delta.item
-        return isinstance(new, PodSlice) and self.cluster.renames(stored.get(new.name), new)
+    def take_moved(self) -> list[str]:
+        """IPs whose holders changed since the last call (the view tracks them only if asked to): the
+        traffic and drop ledgers give each of them to its new owner."""
+        return self.desired.take_moved()
 
     def recompute(self) -> dict[str, frozenset[str]]:
         """The desired filter computed from scratch: IP -> UIDs of the observed pods holding it."""
@@ -152,6 +152,17 @@ class NodeView:
             holds = new.ips
         if held or holds:
             self.desired.move(new.uid if new is not None else old.uid if old is not None else "", held, holds)
+
+    def _pod_renames(self, old: Pod | None, new: Pod | None) -> bool:
+        """A pod gives up an address it held, or takes one another stored pod still holds. A pod given a
+        free address takes nothing from anyone."""
+        before = set(old.ips) if old is not None and holds_address(old) else set()
+        after = set(new.ips) if new is not None and holds_address(new) else set()
+        if before - after:
+            return True
+        gained = after - before
+        return new is not None and bool(gained) and any(
+            p.uid != new.uid and holds_address(p) and not gained.isdisjoint(p.ips) for p in self.pods.values())
 
     def _namespace_changed(self, old: Namespace | None, new: Namespace | None) -> None:
         if old is not None and new is not None and old.observe == new.observe:

@@ -1,10 +1,10 @@
 """``podmeter agent``: the composition root on one node.
 
-One pod event's path, in one pass: a reflector (this node's pods, the namespaces, the
-MetricsConfigurations) puts a typed delta on the one queue; the writer task takes it, ``view.apply``
+One pod event's path, in one pass: a reflector (this node's pods, the namespaces, the MetricsConfigurations,
+the cluster's PodSlices) puts a typed delta on the one queue; the writer task takes it, ``view.apply``
 stores it and moves the desired filter, ``writer.flush`` writes the filter's crossings to the datapath, and
-what the flush released (the final counters of IPs that left the filter) closes their owners' share in
-the traffic ledger, which then gives every IP whose holder changed to its new owner. Only the writer task
+what the flush released (the final counters of IPs that left the filter) closes their owners' share in the
+traffic ledger, which then gives every IP whose holder changed to its new owner. Only the writer task
 touches the view, the writer and the ledger, so there is no lock to forget. Timers queue ticks
 (``runtime.ticks``): a periodic resync compares the filter with what the kernel really holds and repairs
 drift, an expiry drops traffic series whose grace is over.
@@ -150,16 +150,7 @@ class Agent:
         """Apply queued items, then push the result to the datapath. Only the writer task calls this
         (tests and benchmarks drive it directly, without reflectors)."""
         interest = self.view.interest
-        renaming = [item for item in items if not isinstance(item, Tick) and self.view.renames(item)]
-        holders_before: list[Pod] | None = None
-        if renaming and (self.flows is not None or self.drops is not None) and self.ready.is_set():
-            if any(item.collection is POD_SLICES.collection for item in renaming):
-                self._drain(before_change=True)  # a far end changes hands: named as the cache is now
-            else:
-                # A pod of this node gives up an address: what the kernel counted until now is named by
-                # the pods as they are now, but drained after the filter write, so that the write (a
-                # delete's IP leaving the filter) does not wait for the drain.
-                holders_before = list(self.view.pods.values())
+        holders_before = self._drain_before_renames(items)
         for item in items:
             self._apply(item)
         if self.view.interest != interest:
@@ -168,6 +159,21 @@ class Agent:
         self._push()
         if holders_before is not None:
             self._drain(before_change=True, pods=holders_before)
+
+    def _drain_before_renames(self, items: list[Item]) -> list[Pod] | None:
+        """What the kernel counted before ``items`` change who an address names is named as the view is
+        now. A far end that changes hands (a PodSlice): drained here, before the change. A pod of this node
+        that gives up an address: drained after the filter write (so a delete's IP leaving the filter does
+        not wait for the drain), named by the pods returned here (None: no drain owed)."""
+        if (self.flows is None and self.drops is None) or not self.ready.is_set():
+            return None
+        renaming = [item for item in items if not isinstance(item, Tick) and self.view.renames(item)]
+        if not renaming:
+            return None
+        if any(item.collection is POD_SLICES.collection for item in renaming):
+            self._drain(before_change=True)
+            return None
+        return list(self.view.pods.values())
 
     def _drain_queue(self) -> None:
         while not self.queue.empty():
@@ -230,7 +236,7 @@ class Agent:
         if pushed.released:
             self.ledger.release(pushed.released, pushed.final, now)
             self.drop_ledger.release(pushed.released, now)
-        moved = self.view.desired.take_moved()
+        moved = self.view.take_moved()
         if not moved:
             return
         kernel = self.datapath.read_counters()
