@@ -79,3 +79,44 @@ def test_a_slice_that_moves_an_address_gives_it_back_when_it_goes() -> None:
     store.apply(Delete(POD_SLICES, "pods-2-1"), cache.changed)
     assert getattr(cache.endpoint("10.0.0.1"), "pod", None) == "a"
     assert not cache.renames(first, first) and cache.renames(first, second) and cache.renames(None, first)
+
+
+def _labelled(name: str, identities: dict[int, dict[str, str]]) -> PodSlice:
+    spec = _spec(*(_endpoint(f"{name}-{ident}", f"10.1.{ident % 250}.{len(name)}", identity=ident)
+                   for ident in identities))
+    spec["spec"]["identities"] = {str(i): {"namespace": "shop", "labels": labels}  # type: ignore[index]
+                                  for i, labels in identities.items()}
+    spec["metadata"] = {"name": name, "resourceVersion": "1"}
+    return decode_slice(spec)
+
+
+def test_an_identity_s_labels_are_shared_by_the_slices_and_go_with_the_last_of_them() -> None:
+    store: Store[PodSlice] = Store(POD_SLICES)
+    cache = ClusterEndpoints()
+    first, second = _labelled("a", {300: {"app": "web"}}), _labelled("b", {300: {"app": "web"}, 301: {"app": "db"}})
+    assert first.labels[0] is second.labels[0]  # one object however many slices carry it
+    store.apply(Upsert(POD_SLICES, first), cache.changed)
+    store.apply(Upsert(POD_SLICES, second), cache.changed)
+    assert cache.labels(300) == ("app", "web") and cache.labels(301) == ("app", "db")
+    store.apply(Delete(POD_SLICES, "b"), cache.changed)
+    assert cache.labels(300) == ("app", "web") and cache.labels(301) == ()
+    store.apply(Upsert(POD_SLICES, _labelled("a", {302: {"app": "api"}})), cache.changed)
+    assert cache.labels(300) == () and cache.labels(302) == ("app", "api")
+    store.apply(Delete(POD_SLICES, "a"), cache.changed)
+    assert cache._labels == {} and cache._label_holders == {} and len(cache) == 0
+
+
+def test_a_remote_end_is_labelled_by_its_identity_and_a_local_one_by_its_pod() -> None:
+    from podmeter.model.endpoint_slices import endpoint_labels
+    from podmeter.model.endpoints import pod_endpoint
+    from podmeter.model.records import Pod
+
+    cache = ClusterEndpoints()
+    cache.changed(None, _labelled("a", {300: {"app": "web"}}))
+    remote = cache.endpoint("10.1.50.1")
+    assert remote is not None and endpoint_labels(remote, {}, cache) == ("app", "web")
+    local = Pod(uid="u1", namespace="shop", name="web-0", node_name="n1", ips=("10.9.0.1",), host_network=False,
+                phase="Running", deleting=False, observe=True, labels=("app", "web", "tier", "front"),
+                resource_version="1")
+    assert endpoint_labels(pod_endpoint(local), {"u1": local}, cache) == ("app", "web", "tier", "front")
+    assert endpoint_labels(pod_endpoint(local), {}, ClusterEndpoints()) == ()

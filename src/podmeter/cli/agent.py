@@ -17,6 +17,9 @@ from podmeter.adapters.metrics.agent_state import AgentStateCollector
 from podmeter.adapters.metrics.flow_traffic import render_workload_flows
 from podmeter.adapters.metrics.pod_drops import PodDropExposition
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
+from podmeter.adapters.metrics.retina import LOCAL, REMOTE, render_remote, retina_context
+from podmeter.model.endpoint_slices import endpoint_labels
+from podmeter.model.retina_flows import WorkloadFlowsAndRetina
 from podmeter.runtime.agent import Agent, AgentSettings
 from podmeter.runtime.datapaths import OpenDatapath, open_datapath
 from podmeter.runtime.drop_drain import DEFAULT_DROP_MAP_SIZE, DropTracing, open_drops
@@ -70,8 +73,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--drop-map-size", type=_non_negative, default=DEFAULT_DROP_MAP_SIZE,
                    help="max_entries of each kernel drop and TCP map: drops by pod, direction and reason, and "
                         "dropped flows, between two drains; 0 turns drops and TCP health off (default 16384)")
-    p.add_argument("--retina-compat", action="store_true",
-                   help="also export per-pod traffic as networkobservability_adv_forward_bytes/_count")
+    p.add_argument("--retina-compat", nargs="?", const=LOCAL, type=retina_context, metavar="local|remote",
+                   help="also export Retina's networkobservability_adv_forward_count/_bytes: per pod (local, the "
+                        "flag alone) or per flow (remote, as Retina's pod-level dashboards query them)")
     p.add_argument("--hubble-listen", metavar="ADDR",
                    help="serve Hubble's Observer gRPC API (hubble observe, Relay, UI) on unix:///PATH or HOST:PORT "
                         "(default: off; 4246 suggested: docs/hubble.md); a non-loopback address needs the TLS options")
@@ -152,23 +156,27 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     registry.register(AgentStateCollector(agent.snapshot))
-    traffic = PodTrafficExposition(agent.ledger, datapath.read_counters, args.retina_compat)
+    renderers = [lambda: render_workload_flows(agent.workload_flows)]
+    if args.retina_compat == REMOTE and agent.flows is not None:  # the drain feeds both (model.retina_flows)
+        flows = WorkloadFlowsAndRetina(args.node_name, settings.flow_series_limit, settings.flow_series_idle)
+        agent.workload_flows = agent.flows.series = flows
+        renderers.append(lambda: render_remote(flows.retina))
+    traffic = PodTrafficExposition(agent.ledger, datapath.read_counters, args.retina_compat == LOCAL)
     drop_series = PodDropExposition(agent.drop_ledger, lambda: drops.hooks,
                                     drops.source.drops_lost if drops.source else None,
                                     agent.drops.stats if agent.drops else None)
     debug = {"/debug/state": agent.debug_state, "/debug/endpoints": agent.debug_endpoints}
     app = build_app(registry, agent.ready.is_set, debug, args.debug_remote,
-                    [traffic.render, lambda: render_workload_flows(agent.workload_flows), drop_series.render],
+                    [traffic.render, *renderers, drop_series.render],
                     debug_streams={"/debug/flows": flows_handler(agent.flow_feed)},
                     healthy=lambda: agent.supervisor.healthy, metrics_min_interval=args.metrics_min_interval)
     runner, port = await serve(app, args.listen)
     observer = None
     if hubble is not None:
-        from podmeter.adapters.hubble.flows import pod_labels
         from podmeter.adapters.hubble.server import HubbleServer
 
         observer = HubbleServer(agent.flow_feed, args.node_name, hubble.address, tls=hubble.tls,
-                                labels=lambda e: pod_labels(agent.view.pods, e))
+                                labels=lambda e: endpoint_labels(e, agent.view.pods, agent.view.cluster))
     try:
         if observer is not None:
             await observer.start()
