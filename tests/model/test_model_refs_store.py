@@ -7,6 +7,8 @@ previous state, give the new state, for every kind of delta (relists with ``keep
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -47,9 +49,24 @@ def test_refs_give_their_table_back_after_a_burst() -> None:
     refs: Refs[str] = Refs()
     for i in range(5000):
         refs.add(f"10.1.{i // 250}.{i % 250}", "u")
+    table, burst_size = refs._held, sys.getsizeof(refs._held)
     for i in range(4990):
         refs.discard(f"10.1.{i // 250}.{i % 250}", "u")
-    assert len(refs) == 10 and refs._peak.peak < 1024  # rebuilt: the peak restarted from the survivors
+    assert len(refs) == 10 and refs._peak.peak < 1024  # the peak restarted from the survivors
+    assert refs._held is not table  # ... because the table was rebuilt,
+    assert sys.getsizeof(refs._held) * 10 < burst_size  # at the size of what is left
+
+
+def test_a_store_gives_its_table_back_after_a_burst() -> None:
+    store: Store[Pod] = Store(PODS)
+    pods = [make_pod(f"p{i}", uid=f"u{i}") for i in range(5000)]
+    for pod in pods:
+        store.upsert(pod)
+    table, burst_size = store.objects, sys.getsizeof(store.objects)
+    for pod in pods[10:]:
+        store.delete(pod.uid)
+    assert len(store) == 10 and store.objects is not table
+    assert sys.getsizeof(store.objects) * 10 < burst_size
 
 
 def _pod(uid: str, version: int) -> Pod:

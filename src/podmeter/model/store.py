@@ -78,9 +78,7 @@ class Store(Generic[R]):
         if old == item:
             return 0
         objects[key] = item
-        peak = self._peak
-        if len(objects) > peak.peak:  # noqa: PLR1730 (not max(): every watch event comes here)
-            peak.peak = len(objects)
+        self._peak.grew_to(len(objects))
         changed(old, item)
         return 1
 
