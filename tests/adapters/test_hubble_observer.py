@@ -217,6 +217,17 @@ FILTERS: dict[str, tuple[list[dict[str, Any]], list[int]]] = {
                                                                                  sub_type=5)]}],
                                        sorted(WEB_TO_DB + WEB_TO_WORLD + CACHE_V6)),
     "fields podmeter flows never have": ([{"source_fqdn": ["example.com"]}], []),
+    "http url": ([{"http_url": ["https://example.com/.*"]}], []),
+    "http header": ([{"http_header": [flow_pb2.HTTPHeader(key="x-user", value="a")]}], []),
+    "snat ip": ([{"source_ip_xlated": ["10.0.0.1"]}], []),  # observed at the pod: never translated
+    "ip trace id": ([{"ip_trace_id": [7]}], []),
+    "source cluster": ([{"source_cluster_name": ["default"]}], sorted(WEB_TO_DB + WEB_TO_WORLD + DB_TO_WEB + CACHE_V6)),
+    "destination cluster": ([{"destination_cluster_name": ["other", "default"]}],
+                            sorted(WEB_TO_DB + WORLD_TO_WEB + DB_TO_WEB)),
+    # hubble observe --cluster default: either end in the cluster
+    "cluster": ([{"source_cluster_name": ["default"]}, {"destination_cluster_name": ["default"]}], ALL),
+    "another cluster": ([{"source_cluster_name": ["other"]}], []),
+    "experimental without an expression": ([{"experimental": flow_pb2.FlowFilter.Experimental()}], ALL),
     "fields AND within a filter": ([{"source_pod": ["shop/"], "protocol": ["tcp"]}], sorted(WEB_TO_DB + DB_TO_WEB)),
     "empty filter matches all": ([{}], ALL),
 }
@@ -237,6 +248,9 @@ async def test_the_deny_list_removes_what_it_matches_from_the_allow_list(hubble:
         sorted(WEB_TO_DB + WORLD_TO_WEB + DB_TO_WEB)
     assert await matching(client, [{"source_pod": ["shop/"]}], [{"protocol": ["udp"]}]) == sorted(WEB_TO_DB + DB_TO_WEB)
     assert await matching(client, blacklist=[{"source_fqdn": ["x"]}]) == ALL  # never matches: removes nothing
+    assert await matching(client, blacklist=[{"http_url": ["/"]}, {"source_ip_xlated": ["10.0.0.1"]}]) == ALL
+    assert await matching(client, blacklist=[{"destination_cluster_name": ["default"]}]) == \
+        sorted(WEB_TO_WORLD + CACHE_V6)  # what leaves the cluster
 
 
 async def test_follow_applies_the_filters_to_new_flows(hubble: Any) -> None:
@@ -254,6 +268,7 @@ async def test_follow_applies_the_filters_to_new_flows(hubble: Any) -> None:
 @pytest.mark.parametrize(("filter_", "word"), [
     ({"source_ip": ["10.0.0.300"]}, "IP"), ({"source_port": ["http"]}, "port"), ({"protocol": ["quic"]}, "protocol"),
     ({"source_label": ["app in web"]}, "label"), ({"source_pod": ["/"]}, "pod"),
+    ({"destination_cluster_name": [""]}, "cluster"),
 ])
 async def test_a_bad_filter_value_is_invalid_argument_that_says_which(hubble: Any, filter_: dict[str, Any],
                                                                       word: str) -> None:
@@ -263,16 +278,39 @@ async def test_a_bad_filter_value_is_invalid_argument_that_says_which(hubble: An
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in (error.value.details() or "")
 
 
-async def test_a_filter_field_podmeter_does_not_know_is_refused_not_ignored(hubble: Any) -> None:
-    """A newer client's filter field (here number 999, a varint) must not be silently dropped: ignoring it
-    would return flows the client excluded."""
+@pytest.mark.parametrize(("raw", "named"), [
+    (bytes([0xB0, 0x3E, 0x01]), "998"),  # field 998, varint 1
+    (bytes([0xBA, 0x3E, 0x02, 0x10, 0x01]), "experimental.2"),  # experimental (999) with its field 2, varint 1
+    (bytes([0xD2, 0x01, 0x04, 0x0A, 0x00, 0x18, 0x01]), "source_workload.3"),  # a workload (26) with a field 3
+])
+async def test_a_filter_field_podmeter_does_not_know_is_refused_not_ignored(hubble: Any, raw: bytes,
+                                                                           named: str) -> None:
+    """A newer client's filter field, at the top or inside a field's message, must not be silently dropped:
+    ignoring it would return flows the client excluded."""
     feed, _, client = hubble
     feed.publish(records(3))
-    unknown = flow_pb2.FlowFilter.FromString(flow_pb2.FlowFilter(protocol=["tcp"]).SerializeToString()
-                                             + bytes([0xB8, 0x3E, 0x01]))  # field 999, varint 1
+    unknown = flow_pb2.FlowFilter.FromString(flow_pb2.FlowFilter(protocol=["tcp"]).SerializeToString() + raw)
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await client.flows(number=1, whitelist=[unknown])
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "999" in (error.value.details() or "")
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and named in (error.value.details() or "")
+
+
+@pytest.mark.parametrize(("filter_", "named"), [
+    ({"interface": [flow_pb2.NetworkInterface(name="lxc1")]}, "interface (35)"),
+    ({"node_labels": ["kubernetes.io/os=linux"]}, "node_labels (36)"),
+    ({"encrypted": [False]}, "encrypted (40)"),  # hubble observe --unencrypted
+    ({"experimental": flow_pb2.FlowFilter.Experimental(cel_expression=["true"])}, "experimental.cel_expression"),
+])
+async def test_a_filter_on_what_podmeter_does_not_know_is_unimplemented_naming_the_field(
+        hubble: Any, filter_: dict[str, Any], named: str) -> None:
+    """Matching nothing would let a deny list through what it excludes: refused, in either list."""
+    feed, _, client = hubble
+    feed.publish(records(3))
+    for lists in ({"whitelist": [flow_pb2.FlowFilter(**filter_)]}, {"blacklist": [flow_pb2.FlowFilter(**filter_)]}):
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await client.flows(number=1, **lists)
+        assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert named in (error.value.details() or "") and "not supported" in (error.value.details() or "")
 
 
 # --- what a flow message carries --------------------------------------------------------------------------
@@ -292,15 +330,16 @@ async def test_a_flow_carries_what_podmeter_knows_in_hubbles_fields(hubble: Any)
     assert (icmp.l4.ICMPv4.type, icmp.l4.ICMPv4.code) == (8, 0)
     assert (v6.l4.ICMPv6.type, v6.IP.ipVersion) == (128, flow_pb2.IPv6)
     source = tcp.source
-    assert (source.namespace, source.pod_name, source.identity) == ("shop", "web-5d9f7-x2x7p", 0)
+    assert (source.cluster_name, source.namespace, source.pod_name, source.identity) == ("default", "shop",
+                                                                                          "web-5d9f7-x2x7p", 0)
     assert [(w.kind, w.name) for w in source.workloads] == [("Deployment", "web")]
     assert list(source.labels) == ["k8s:app=web", "k8s:io.kubernetes.pod.namespace=shop", "k8s:pod-template-hash=5d9f7",
                                    "k8s:tier=front"]
     assert [(w.kind, w.name) for w in tcp.destination.workloads] == [("StatefulSet", "db")]
     assert [(w.kind, w.name) for w in v6.source.workloads] == [("Pod", "cache")]
     world = udp.destination
-    assert (world.identity, list(world.labels), world.pod_name, world.namespace) == (WORLD_IDENTITY,
-                                                                                    ["reserved:world"], "", "")
+    assert (world.identity, list(world.labels), world.pod_name, world.namespace, world.cluster_name) == (
+        WORLD_IDENTITY, ["reserved:world"], "", "", "")
     # direction from the pod's point of view: leaving it is egress, entering it ingress
     assert (tcp.traffic_direction, tcp.trace_observation_point) == (flow_pb2.EGRESS, flow_pb2.FROM_ENDPOINT)
     assert (icmp.traffic_direction, icmp.trace_observation_point) == (flow_pb2.INGRESS, flow_pb2.TO_ENDPOINT)
@@ -350,6 +389,9 @@ DROP_FILTERS: dict[str, tuple[list[dict[str, Any]], list[int]]] = {
     "type trace to-endpoint": ([{"event_type": [event(4, 0)]}], [2, 3, 7]),
     "type 0 is any type": ([{"event_type": [event(0)]}], ALL),
     "type drop or trace": ([{"event_type": [event(1), event(4, 5)]}], [0, 1, 4, 5, 6, 8, 9]),
+    "drop reason with a code": ([{"drop_reason_desc": [flow_pb2.INVALID_IPV6_EXTENSION_HEADER]}], [6]),
+    "drop reason unknown": ([{"drop_reason_desc": [flow_pb2.DROP_REASON_UNKNOWN]}], [5, 8, 9]),  # dropped ones
+    "drop reason podmeter never gives": ([{"drop_reason_desc": [133]}], []),  # POLICY_DENIED: Cilium's policy
 }
 
 

@@ -49,7 +49,8 @@ CONTRACT: dict[str, dict[str, tuple[int, int, bool]]] = {
                       enumerate(("FIN", "SYN", "RST", "PSH", "ACK", "URG", "ECE", "CWR", "NS"), start=1)},
     "flow.Endpoint": {"ID": (1, T.TYPE_UINT32, False), "identity": (2, T.TYPE_UINT32, False),
                       "namespace": (3, T.TYPE_STRING, False), "labels": (4, T.TYPE_STRING, True),
-                      "pod_name": (5, T.TYPE_STRING, False), "workloads": (6, T.TYPE_MESSAGE, True)},
+                      "pod_name": (5, T.TYPE_STRING, False), "workloads": (6, T.TYPE_MESSAGE, True),
+                      "cluster_name": (7, T.TYPE_STRING, False)},
     "flow.Workload": {"name": (1, T.TYPE_STRING, False), "kind": (2, T.TYPE_STRING, False)},
     "flow.CiliumEventType": {"type": (1, T.TYPE_INT32, False), "sub_type": (2, T.TYPE_INT32, False)},
     "flow.EventTypeFilter": {"type": (1, T.TYPE_INT32, False), "match_sub_type": (2, T.TYPE_BOOL, False),
@@ -69,7 +70,16 @@ CONTRACT: dict[str, dict[str, tuple[int, int, bool]]] = {
         "tcp_flags": (23, T.TYPE_MESSAGE, True), "node_name": (24, T.TYPE_STRING, True),
         "ip_version": (25, T.TYPE_ENUM, True), "source_workload": (26, T.TYPE_MESSAGE, True),
         "destination_workload": (27, T.TYPE_MESSAGE, True), "trace_id": (28, T.TYPE_STRING, True),
-        "uuid": (29, T.TYPE_STRING, True), "traffic_direction": (30, T.TYPE_ENUM, True)},
+        "uuid": (29, T.TYPE_STRING, True), "traffic_direction": (30, T.TYPE_ENUM, True),
+        "http_url": (31, T.TYPE_STRING, True), "http_header": (32, T.TYPE_MESSAGE, True),
+        "drop_reason_desc": (33, T.TYPE_ENUM, True), "source_ip_xlated": (34, T.TYPE_STRING, True),
+        "interface": (35, T.TYPE_MESSAGE, True), "node_labels": (36, T.TYPE_STRING, True),
+        "source_cluster_name": (37, T.TYPE_STRING, True), "destination_cluster_name": (38, T.TYPE_STRING, True),
+        "ip_trace_id": (39, T.TYPE_UINT64, True), "encrypted": (40, T.TYPE_BOOL, True),
+        "experimental": (999, T.TYPE_MESSAGE, False)},
+    "flow.FlowFilter.Experimental": {"cel_expression": (1, T.TYPE_STRING, True)},
+    "flow.HTTPHeader": {"key": (1, T.TYPE_STRING, False), "value": (2, T.TYPE_STRING, False)},
+    "flow.NetworkInterface": {"index": (1, T.TYPE_UINT32, False), "name": (2, T.TYPE_STRING, False)},
     "observer.GetFlowsRequest": {"number": (1, T.TYPE_UINT64, False), "follow": (3, T.TYPE_BOOL, False),
                                  "blacklist": (5, T.TYPE_MESSAGE, True), "whitelist": (6, T.TYPE_MESSAGE, True),
                                  "since": (7, T.TYPE_MESSAGE, False), "until": (8, T.TYPE_MESSAGE, False),
@@ -154,6 +164,22 @@ def test_a_request_encoded_from_the_published_numbers_decodes_as_meant() -> None
     assert [list(f.source_pod) for f in request.whitelist] == [["shop/"], []]
     assert [list(f.destination_pod) for f in request.whitelist] == [[], ["shop/"]]
     assert [list(f.protocol) for f in request.whitelist] == [["tcp"], ["tcp"]]
+
+
+def test_the_newer_filter_fields_decode_from_their_published_numbers() -> None:
+    """`hubble observe --from-cluster default --drop-reason-desc INVALID_IPV6_EXTENSION_HEADER --snat-ip
+    10.0.0.1 --interface eth0 --cel-expression true`, as a current hubble encodes it (repeated enums packed)."""
+    def text(field: int, value: bytes) -> bytes:
+        tag = field << 3 | 2
+        head = bytes([tag]) if tag < 0x80 else bytes([tag & 0x7F | 0x80, tag >> 7])
+        return head + bytes([len(value)]) + value
+
+    raw = (text(37, b"default") + text(33, bytes([0x9C, 0x01]))  # 156, packed
+           + text(34, b"10.0.0.1") + text(35, text(2, b"eth0")) + text(999, text(1, b"true")))
+    f = flow_pb2.FlowFilter.FromString(raw)
+    assert list(f.source_cluster_name) == ["default"] and list(f.drop_reason_desc) == [156]
+    assert list(f.source_ip_xlated) == ["10.0.0.1"] and [i.name for i in f.interface] == ["eth0"]
+    assert list(f.experimental.cel_expression) == ["true"]
 
 
 def test_a_response_puts_node_name_and_time_at_1000_and_1001() -> None:

@@ -20,12 +20,24 @@ of its values does (OR). What each field means for podmeter's records:
   ``app in (a,b)``, ``app notin (a)``, ``app``, ``!app``, joined by commas), over the end's labels as
   ``adapters.hubble.flows`` writes them; a key without a source prefix (``k8s:``, ``reserved:``; ``any:``)
   matches it under any source. ``reserved:world`` selects the world.
-- ``uuid``, ``source_fqdn``/``destination_fqdn``, ``source_service``/``destination_service``, ``http_*``,
-  ``dns_query``, ``reply``, ``trace_id``: podmeter's records carry none of these, so a filter that sets one
-  matches no record (in an allow list it selects nothing, in a deny list it removes nothing).
+- ``drop_reason_desc``: a dropped record whose Cilium drop code (``adapters.hubble.flows.drop_reason``) is
+  one of the values; ``DROP_REASON_UNKNOWN`` selects the dropped records without one.
+- ``source_cluster_name``/``destination_cluster_name``: podmeter knows one cluster, ``default``: a pod end
+  is in it, a world end in none. An empty name is refused (as Hubble does).
+- ``uuid``, ``source_fqdn``/``destination_fqdn``, ``source_service``/``destination_service``, ``http_*``
+  (status code, method, path, URL, header), ``dns_query``, ``reply``, ``trace_id``, ``ip_trace_id``,
+  ``source_ip_xlated``: podmeter's records carry none of these (no L7; no translated source, observed at the
+  pod, before any SNAT), so a filter that sets one matches no record (in an allow list it selects nothing,
+  in a deny list it removes nothing), as Hubble's filters do on a flow without them.
+- ``interface``, ``node_labels``, ``encrypted``, ``experimental.cel_expression``: a record has an
+  interface, a node and an encryption state, and a CEL expression may hold for it, but podmeter does not
+  know them (or evaluate CEL): matching nothing would let a deny list through what it excludes, so a
+  filter that sets one is refused: :class:`UnsupportedFilter`, which the server answers with
+  ``UNIMPLEMENTED`` naming the field.
 
-A filter with a field this definition does not know (a newer client's) is refused rather than half
-applied: :class:`BadFilter`, which the server answers with ``INVALID_ARGUMENT``.
+A filter with a field this definition does not know (a newer client's), at any depth, is refused rather
+than half applied: :class:`BadFilter`, which the server answers with ``INVALID_ARGUMENT``, as it does a bad
+value.
 """
 
 from __future__ import annotations
@@ -37,19 +49,21 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from google.protobuf import unknown_fields
+from google.protobuf.message import Message
 
 from podmeter.adapters.hubble.flows import (
     CLUSTER,
     DIRECTIONS,
     VERDICTS,
     LabelSource,
+    drop_reason,
     end_identity,
     end_labels,
     event_type,
     no_labels,
 )
 from podmeter.adapters.hubble.proto import flow_pb2
-from podmeter.model.flow_records import FlowEnd, FlowFilter, FlowRecord
+from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowFilter, FlowRecord
 from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP
 
 Check = Callable[[FlowRecord], bool]
@@ -58,12 +72,23 @@ PROTOCOLS: dict[str, int | None] = {"tcp": TCP, "udp": UDP, "icmpv4": ICMP, "icm
                                     "http": None, "dns": None, "kafka": None}
 DEFAULT_NAMESPACE = "default"
 ABSENT = ("uuid", "source_fqdn", "destination_fqdn", "source_service", "destination_service", "http_status_code",
-          "http_method", "http_path", "dns_query", "reply", "trace_id")
+          "http_method", "http_path", "http_url", "http_header", "dns_query", "reply", "trace_id", "ip_trace_id",
+          "source_ip_xlated")
+# Filter fields about what a record has but podmeter does not know: the field, its number, and why.
+UNSUPPORTED = (
+    ("interface", 35, "podmeter's flows do not say on which interface their packets were seen"),
+    ("node_labels", 36, "podmeter does not know its node's labels"),
+    ("encrypted", 40, "podmeter does not know whether the node encrypts a flow"),
+)
 TCP_FLAG_BITS = {"FIN": 0, "SYN": 1, "RST": 2, "PSH": 3, "ACK": 4, "URG": 5, "ECE": 6, "CWR": 7}
 
 
 class BadFilter(ValueError):
-    """A filter podmeter cannot apply as asked."""
+    """A filter podmeter cannot apply as asked: a bad value, or a field it does not know."""
+
+
+class UnsupportedFilter(BadFilter):
+    """A filter on something podmeter does not know about its flows (the message names the field)."""
 
 
 def _never(record: FlowRecord) -> bool:
@@ -143,6 +168,14 @@ def _workloads(values: Iterable[flow_pb2.Workload], side: Side) -> Check:
 def _identities(values: Iterable[int], side: Side) -> Check:
     wanted = set(values)
     return lambda record: end_identity(side(record)) in wanted
+
+
+def _clusters(values: Sequence[str], side: Side) -> Check:
+    if "" in values:
+        raise BadFilter("cluster name filter: a name must not be empty")
+    if CLUSTER not in values:
+        return _never  # another cluster's: none of this agent's records
+    return lambda record: side(record).endpoint is not None
 
 
 # --- label selectors -----------------------------------------------------------------------------------
@@ -289,23 +322,47 @@ def _event_types(values: Iterable[flow_pb2.EventTypeFilter]) -> Check:
     return check
 
 
+def _drop_reasons(values: Iterable[int]) -> Check:
+    wanted = set(values)
+    return lambda record: record.verdict == VERDICT_DROPPED and drop_reason(record) in wanted
+
+
+def unknown_fields_of(message: Message, prefix: str = "") -> list[str]:
+    """The numbers of the fields ``message`` carries that its definition does not declare, nested ones as
+    ``field.number`` (``experimental.2``), each once."""
+    unknown = unknown_fields.UnknownFieldSet(message)
+    found = [f"{prefix}{number}" for number in sorted({unknown[i].field_number for i in range(len(unknown))})]
+    for field, value in message.ListFields():
+        if field.type == field.TYPE_MESSAGE:
+            for item in value if field.is_repeated else (value,):
+                found.extend(unknown_fields_of(item, f"{prefix}{field.name}."))
+    return list(dict.fromkeys(found))
+
+
 def compile_filter(message: flow_pb2.FlowFilter, labels: LabelSource = no_labels) -> tuple[Check, ...]:
     """The checks of one FlowFilter (all must hold); :class:`BadFilter` for a value or field podmeter
-    cannot apply."""
-    unknown = unknown_fields.UnknownFieldSet(message)
-    if len(unknown):
-        numbers = sorted({unknown[i].field_number for i in range(len(unknown))})
-        raise BadFilter(f"the flow filter has fields podmeter does not know (numbers {numbers}); "
+    cannot apply, :class:`UnsupportedFilter` for a field about what it does not know."""
+    unknown = unknown_fields_of(message)
+    if unknown:
+        raise BadFilter(f"the flow filter has fields podmeter does not know (numbers {', '.join(unknown)}); "
                         "see docs/hubble.md for the filters it supports")
     m = message
+    for name, number, why in UNSUPPORTED:
+        if len(getattr(m, name)):
+            raise UnsupportedFilter(f"the flow filter field {name} ({number}) is not supported: {why}; "
+                                    "see docs/hubble.md")
+    if m.experimental.cel_expression:
+        raise UnsupportedFilter("the flow filter field experimental.cel_expression (999.1) is not supported: "
+                                "podmeter does not evaluate CEL expressions; see docs/hubble.md")
     checks: list[Check] = []
     for name in ABSENT:
         if len(getattr(m, name)):
             checks.append(_never)
-    for side, pods, ips, ports, workloads, identities, selectors in (
-        (_source, m.source_pod, m.source_ip, m.source_port, m.source_workload, m.source_identity, m.source_label),
+    for side, pods, ips, ports, workloads, identities, selectors, clusters in (
+        (_source, m.source_pod, m.source_ip, m.source_port, m.source_workload, m.source_identity, m.source_label,
+         m.source_cluster_name),
         (_destination, m.destination_pod, m.destination_ip, m.destination_port, m.destination_workload,
-         m.destination_identity, m.destination_label),
+         m.destination_identity, m.destination_label, m.destination_cluster_name),
     ):
         if pods:
             checks.append(_pods(pods, side))
@@ -319,6 +376,8 @@ def compile_filter(message: flow_pb2.FlowFilter, labels: LabelSource = no_labels
             checks.append(_identities(identities, side))
         if selectors:
             checks.append(_labels(selectors, side, labels))
+        if clusters:
+            checks.append(_clusters(clusters, side))
     if m.protocol:
         checks.append(_protocols(m.protocol))
     if m.verdict:
@@ -336,6 +395,8 @@ def compile_filter(message: flow_pb2.FlowFilter, labels: LabelSource = no_labels
         checks.append(_node_names(m.node_name))
     if m.event_type:
         checks.append(_event_types(m.event_type))
+    if m.drop_reason_desc:
+        checks.append(_drop_reasons(m.drop_reason_desc))
     return tuple(checks)
 
 

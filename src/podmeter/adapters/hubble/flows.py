@@ -5,8 +5,8 @@ What a record carries maps onto Hubble's message like this (the compatibility ta
 - ``time``: the last packet of the entry; ``node_name``: the agent's node.
 - ``IP``: both addresses and the IP version; ``l4``: TCP (ports and the flags seen), UDP (ports), ICMPv4 or
   ICMPv6 (type and code); other protocols have no ``l4``.
-- ``source``/``destination``: a pod is its namespace, name, workload (kind and name), numeric identity when
-  the record has one, and its labels when the agent still knows the pod (``k8s:key=value``, plus
+- ``source``/``destination``: a pod is its cluster (``default``), namespace, name, workload (kind and name),
+  numeric identity when the record has one, and its labels when the agent still knows the pod (``k8s:key=value``, plus
   ``k8s:io.kubernetes.pod.namespace=NS`` as Cilium labels pods); an address no pod holds (podmeter's
   ``world``) is Cilium's world: identity 2, the one label ``reserved:world``.
 - ``traffic_direction`` is from the pod's point of view: a packet entering a pod (``to-pod``) is ingress,
@@ -165,6 +165,7 @@ class FlowMessages:
             e = end.endpoint
             found = flow_pb2.Endpoint(identity=end_identity(end), labels=labels)
             if e is not None:
+                found.cluster_name = CLUSTER
                 found.namespace = e.namespace
                 found.pod_name = e.pod
                 found.workloads.add(name=e.workload, kind=e.workload_kind)

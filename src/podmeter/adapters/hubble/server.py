@@ -4,10 +4,12 @@ event loop), so that `hubble observe`, `hubble status`, Hubble Relay and Hubble 
 - ``GetFlows``: the last ``number`` matching records oldest first (the first ``number`` with ``first``; all
   of them between ``since`` and ``until`` when ``number`` is 0), then the stream ends with OK; with
   ``follow``, new records as the agent drains them, until the client cancels. ``first`` with ``follow``
-  is ``INVALID_ARGUMENT``, as in Hubble. A follower is a follower of the agent's flow feed like any other:
-  its bounded queue is the only buffer, and a reader that falls behind (or stops reading) is cut off and
-  counted by the feed; its stream ends with ``RESOURCE_EXHAUSTED``. gRPC's own flow control bounds what a
-  stalled client holds in the transport.
+  is ``INVALID_ARGUMENT``, as in Hubble; so is a bad filter, and a filter on what podmeter does not know
+  (the interface, the node's labels, encryption, CEL) is ``UNIMPLEMENTED`` (``adapters.hubble.filters``).
+  A follower is a follower of the agent's flow feed like any other: its bounded queue is the only buffer,
+  and a reader that falls behind (or stops reading) is cut off and counted by the feed; its stream ends
+  with ``RESOURCE_EXHAUSTED``. gRPC's own flow control bounds what a stalled client holds in the
+  transport.
 - ``ServerStatus``: flows held (the ring), the ring's capacity, flows seen, uptime, one connected node.
 - ``GetNamespaces``: the namespaces of the pods at either end of the flows the ring holds, sorted, each in
   podmeter's one cluster (``default``).
@@ -43,7 +45,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from google.protobuf.wrappers_pb2 import UInt32Value
 from grpc import aio
 
-from podmeter.adapters.hubble.filters import BadFilter, HubbleSelection, selection
+from podmeter.adapters.hubble.filters import BadFilter, HubbleSelection, UnsupportedFilter, selection
 from podmeter.adapters.hubble.flows import CLUSTER, FlowMessages, LabelSource, no_labels
 from podmeter.adapters.hubble.proto import health_pb2, observer_pb2, peer_pb2, relay_pb2
 from podmeter.model.flow_records import FlowFilter, FlowRecord, FlowRing
@@ -325,6 +327,8 @@ class HubbleServer(Generic[F]):
         until = _seconds(request.until) if request.HasField("until") else None
         try:
             wanted = selection(request.whitelist, request.blacklist, since, until, self.labels)
+        except UnsupportedFilter as exc:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
         except BadFilter as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         follower: F | None = None

@@ -436,12 +436,15 @@ class Endpoint(_message.Message):
 
     ID_FIELD_NUMBER: _builtins.int
     IDENTITY_FIELD_NUMBER: _builtins.int
+    CLUSTER_NAME_FIELD_NUMBER: _builtins.int
     NAMESPACE_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     POD_NAME_FIELD_NUMBER: _builtins.int
     WORKLOADS_FIELD_NUMBER: _builtins.int
     ID: _builtins.int
     identity: _builtins.int
+    cluster_name: _builtins.str
+    """"default" for a pod (podmeter knows one cluster), empty for the world"""
     namespace: _builtins.str
     pod_name: _builtins.str
     @_builtins.property
@@ -455,6 +458,7 @@ class Endpoint(_message.Message):
         *,
         ID: _builtins.int = ...,
         identity: _builtins.int = ...,
+        cluster_name: _builtins.str = ...,
         namespace: _builtins.str = ...,
         labels: _abc.Iterable[_builtins.str] | None = ...,
         pod_name: _builtins.str = ...,
@@ -462,7 +466,7 @@ class Endpoint(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ID", b"ID", "identity", b"identity", "labels", b"labels", "namespace", b"namespace", "pod_name", b"pod_name", "workloads", b"workloads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ID", b"ID", "cluster_name", b"cluster_name", "identity", b"identity", "labels", b"labels", "namespace", b"namespace", "pod_name", b"pod_name", "workloads", b"workloads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -543,13 +547,77 @@ class EventTypeFilter(_message.Message):
 Global___EventTypeFilter: _TypeAlias = EventTypeFilter  # noqa: Y015
 
 @_typing.final
+class HTTPHeader(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    value: _builtins.str
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        value: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HTTPHeader: _TypeAlias = HTTPHeader  # noqa: Y015
+
+@_typing.final
+class NetworkInterface(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NetworkInterface: _TypeAlias = NetworkInterface  # noqa: Y015
+
+@_typing.final
 class FlowFilter(_message.Message):
     """One filter: every field set must match (AND); the values of one field are alternatives (OR).
-    Fields about things podmeter's flows never carry (names from DNS, services, L7, trace ids, reply
-    direction) are declared so that a request carrying them is understood: they match no podmeter flow.
+    Fields about things podmeter's flows never carry (names from DNS, services, L7, translated addresses,
+    trace ids, reply direction) are declared so that a request carrying them is understood: they match no
+    podmeter flow. Fields about what podmeter does not know (the interface, the node's labels, encryption)
+    or cannot evaluate (CEL) are declared so that a request carrying them is refused by name.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class Experimental(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        CEL_EXPRESSION_FIELD_NUMBER: _builtins.int
+        @_builtins.property
+        def cel_expression(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+        def __init__(
+            self,
+            *,
+            cel_expression: _abc.Iterable[_builtins.str] | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["cel_expression", b"cel_expression"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     UUID_FIELD_NUMBER: _builtins.int
     SOURCE_IP_FIELD_NUMBER: _builtins.int
@@ -581,6 +649,17 @@ class FlowFilter(_message.Message):
     NODE_NAME_FIELD_NUMBER: _builtins.int
     IP_VERSION_FIELD_NUMBER: _builtins.int
     TRACE_ID_FIELD_NUMBER: _builtins.int
+    HTTP_URL_FIELD_NUMBER: _builtins.int
+    HTTP_HEADER_FIELD_NUMBER: _builtins.int
+    DROP_REASON_DESC_FIELD_NUMBER: _builtins.int
+    SOURCE_IP_XLATED_FIELD_NUMBER: _builtins.int
+    INTERFACE_FIELD_NUMBER: _builtins.int
+    NODE_LABELS_FIELD_NUMBER: _builtins.int
+    SOURCE_CLUSTER_NAME_FIELD_NUMBER: _builtins.int
+    DESTINATION_CLUSTER_NAME_FIELD_NUMBER: _builtins.int
+    IP_TRACE_ID_FIELD_NUMBER: _builtins.int
+    ENCRYPTED_FIELD_NUMBER: _builtins.int
+    EXPERIMENTAL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def uuid(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -641,6 +720,28 @@ class FlowFilter(_message.Message):
     def ip_version(self) -> _containers.RepeatedScalarFieldContainer[Global___IPVersion.ValueType]: ...
     @_builtins.property
     def trace_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def http_url(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def http_header(self) -> _containers.RepeatedCompositeFieldContainer[Global___HTTPHeader]: ...
+    @_builtins.property
+    def drop_reason_desc(self) -> _containers.RepeatedScalarFieldContainer[Global___DropReason.ValueType]: ...
+    @_builtins.property
+    def source_ip_xlated(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def interface(self) -> _containers.RepeatedCompositeFieldContainer[Global___NetworkInterface]: ...
+    @_builtins.property
+    def node_labels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def source_cluster_name(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def destination_cluster_name(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def ip_trace_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def encrypted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]: ...
+    @_builtins.property
+    def experimental(self) -> Global___FlowFilter.Experimental: ...
     def __init__(
         self,
         *,
@@ -674,10 +775,21 @@ class FlowFilter(_message.Message):
         node_name: _abc.Iterable[_builtins.str] | None = ...,
         ip_version: _abc.Iterable[Global___IPVersion.ValueType] | None = ...,
         trace_id: _abc.Iterable[_builtins.str] | None = ...,
+        http_url: _abc.Iterable[_builtins.str] | None = ...,
+        http_header: _abc.Iterable[Global___HTTPHeader] | None = ...,
+        drop_reason_desc: _abc.Iterable[Global___DropReason.ValueType] | None = ...,
+        source_ip_xlated: _abc.Iterable[_builtins.str] | None = ...,
+        interface: _abc.Iterable[Global___NetworkInterface] | None = ...,
+        node_labels: _abc.Iterable[_builtins.str] | None = ...,
+        source_cluster_name: _abc.Iterable[_builtins.str] | None = ...,
+        destination_cluster_name: _abc.Iterable[_builtins.str] | None = ...,
+        ip_trace_id: _abc.Iterable[_builtins.int] | None = ...,
+        encrypted: _abc.Iterable[_builtins.bool] | None = ...,
+        experimental: Global___FlowFilter.Experimental | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["experimental", b"experimental"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["destination_fqdn", b"destination_fqdn", "destination_identity", b"destination_identity", "destination_ip", b"destination_ip", "destination_label", b"destination_label", "destination_pod", b"destination_pod", "destination_port", b"destination_port", "destination_service", b"destination_service", "destination_workload", b"destination_workload", "dns_query", b"dns_query", "event_type", b"event_type", "http_method", b"http_method", "http_path", b"http_path", "http_status_code", b"http_status_code", "ip_version", b"ip_version", "node_name", b"node_name", "protocol", b"protocol", "reply", b"reply", "source_fqdn", b"source_fqdn", "source_identity", b"source_identity", "source_ip", b"source_ip", "source_label", b"source_label", "source_pod", b"source_pod", "source_port", b"source_port", "source_service", b"source_service", "source_workload", b"source_workload", "tcp_flags", b"tcp_flags", "trace_id", b"trace_id", "traffic_direction", b"traffic_direction", "uuid", b"uuid", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["destination_cluster_name", b"destination_cluster_name", "destination_fqdn", b"destination_fqdn", "destination_identity", b"destination_identity", "destination_ip", b"destination_ip", "destination_label", b"destination_label", "destination_pod", b"destination_pod", "destination_port", b"destination_port", "destination_service", b"destination_service", "destination_workload", b"destination_workload", "dns_query", b"dns_query", "drop_reason_desc", b"drop_reason_desc", "encrypted", b"encrypted", "event_type", b"event_type", "experimental", b"experimental", "http_header", b"http_header", "http_method", b"http_method", "http_path", b"http_path", "http_status_code", b"http_status_code", "http_url", b"http_url", "interface", b"interface", "ip_trace_id", b"ip_trace_id", "ip_version", b"ip_version", "node_labels", b"node_labels", "node_name", b"node_name", "protocol", b"protocol", "reply", b"reply", "source_cluster_name", b"source_cluster_name", "source_fqdn", b"source_fqdn", "source_identity", b"source_identity", "source_ip", b"source_ip", "source_ip_xlated", b"source_ip_xlated", "source_label", b"source_label", "source_pod", b"source_pod", "source_port", b"source_port", "source_service", b"source_service", "source_workload", b"source_workload", "tcp_flags", b"tcp_flags", "trace_id", b"trace_id", "traffic_direction", b"traffic_direction", "uuid", b"uuid", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
