@@ -149,6 +149,18 @@ async def test_follow_streams_new_flows_after_the_last_n_without_gap_or_repeat(h
     await wait_until(lambda: feed.followers == 0 and server.streams == 0)  # the follower left the feed
 
 
+async def test_follow_with_since_and_no_number_sends_every_flow_since_then_first(hubble: Any) -> None:
+    feed, _, client = hubble
+    feed.publish(records(5))
+    call = client.observer.GetFlows(observer_pb2.GetFlowsRequest(follow=True, since=stamp(BASE + 2)))
+    got = [await asyncio.wait_for(call.read(), 10) for _ in range(3)]  # hubble observe -f --since ...
+    await wait_until(lambda: feed.followers == 1)
+    feed.publish(records(1, start=5))
+    got.append(await asyncio.wait_for(call.read(), 10))
+    assert [r.flow.time.seconds - int(BASE) for r in got] == [2, 3, 4, 5]
+    call.cancel()
+
+
 async def test_follow_alone_sends_no_history_and_until_ends_the_stream(hubble: Any) -> None:
     feed, _, client = hubble
     feed.publish(records(5))

@@ -2,8 +2,9 @@
 event loop), so that `hubble observe`, `hubble status`, Hubble Relay and Hubble UI read podmeter's flows.
 
 - ``GetFlows``: the last ``number`` matching records oldest first (the first ``number`` with ``first``; all
-  of them between ``since`` and ``until`` when ``number`` is 0), then the stream ends with OK; with
-  ``follow``, new records as the agent drains them, until the client cancels. ``first`` with ``follow``
+  of them between ``since`` and ``until`` when ``number`` is 0, none without either), then the stream ends
+  with OK; with ``follow``, after the same past records (with ``number`` 0: all since ``since``, none
+  without it), new records as the agent drains them, until the client cancels. ``first`` with ``follow``
   is ``INVALID_ARGUMENT``, as in Hubble; so is a bad filter, and a filter on what podmeter does not know
   (the interface, the node's labels, encryption, CEL) is ``UNIMPLEMENTED`` (``adapters.hubble.filters``).
   A follower is a follower of the agent's flow feed like any other: its bounded queue is the only buffer,
