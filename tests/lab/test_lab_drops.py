@@ -1,15 +1,18 @@
 """The lab's drops and loss steps: the scenario format, the checks on wrong counts (no root), and a run that
-induces every kind in chosen pods and expects them exactly (root: namespaces, veths, bpffs, nft)."""
+induces every kind in chosen pods and expects them exactly, its report.html naming each induced reason and
+the retransmits where loss was induced (root: namespaces, veths, bpffs, nft)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
 from podmeter.lab.dropcheck import check_drop_records, check_drops, check_loss
+from podmeter.lab.report import write_report
 from podmeter.lab.run import LabOptions, LabRun
 from podmeter.lab.scenario import InduceDrops, InduceLoss, ScenarioError, load_scenario, parse_scenario
 
@@ -116,3 +119,47 @@ def test_a_run_that_induces_each_kind_counts_each_exactly_with_its_reason(tmp_pa
     assert loss["retransmits"][loss["src"]] > 0 and set(loss["retransmits"]) == {loss["src"]}
     assert loss["on_records"] > 0
     assert result.passed
+    write_report(result, tmp_path)
+    rows = report_rows((tmp_path / "report.html").read_text())
+    for how, reason, packets in (("netfilter-input", "NETFILTER_DROP", 25), ("netfilter-output", "NETFILTER_DROP", 10),
+                                 ("blackhole", "NOT_SPECIFIED", 15)):
+        check = checks[f"drops {how}"]
+        row = rows[f"udp drops {how}"]
+        assert row[1:3] == [check["src"], check["dst"]] and row[3] == f"{packets} {reason}", row
+        assert row[5] == f"{packets} x {reason}" and row[7] == "exact", row
+    assert rows["udp drops netfilter-input"][4] == "25 NETFILTER_DROP"  # the destination's ingress drops too
+    row = rows["tcp loss"]
+    assert row[1:3] == [loss["src"], loss["dst"]], row
+    assert row[3].startswith(f"{loss['retransmits'][loss['src']]:.0f} retransmits, ") and row[4] == "0 retransmits"
+    assert row[7] == "exact", row
+
+
+class _Cells(HTMLParser):
+    """The text of every table cell, row by row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[str]] = []
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: object) -> None:
+        if tag == "tr":
+            self.rows.append([])
+        elif tag == "td":
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "td" and self._cell is not None:
+            self.rows[-1].append("".join(self._cell).strip())
+            self._cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def report_rows(page: str) -> dict[str, list[str]]:
+    """The report's table rows by their first cell (the traffic checks: by check name)."""
+    cells = _Cells()
+    cells.feed(page)
+    return {row[0]: row for row in cells.rows if row}
