@@ -6,9 +6,9 @@ What a record carries maps onto Hubble's message like this (the compatibility ta
 - ``IP``: both addresses and the IP version; ``l4``: TCP (ports and the flags seen), UDP (ports), ICMPv4 or
   ICMPv6 (type and code); other protocols have no ``l4``.
 - ``source``/``destination``: a pod is its cluster (``default``), namespace, name, workload (kind and name),
-  numeric identity when the record has one, and its labels when the agent still knows the pod (``k8s:key=value``, plus
-  ``k8s:io.kubernetes.pod.namespace=NS`` as Cilium labels pods); an address no pod holds (podmeter's
-  ``world``) is Cilium's world: identity 2, the one label ``reserved:world``.
+  numeric identity when the record has one, and its labels when the agent still knows the pod
+  (``k8s:key=value``, plus ``k8s:io.kubernetes.pod.namespace=NS`` as Cilium labels pods); an address no pod
+  holds (podmeter's ``world``) is Cilium's world: identity 2, the one label ``reserved:world``, no cluster.
 - ``traffic_direction`` is from the pod's point of view: a packet entering a pod (``to-pod``) is ingress,
   one leaving it (``from-pod``) egress. ``trace_observation_point`` is ``TO_ENDPOINT``/``FROM_ENDPOINT``
   (for dropped records too: the end that was observed).
