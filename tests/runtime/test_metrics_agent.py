@@ -58,7 +58,7 @@ def test_observed_pod_series_and_no_series_for_others(lab_apiserver: LabServer) 
         assert pod_value(samples, "podmeter_pod_bytes_total", "unseen", "egress") is None
         assert samples[("podmeter_node_bytes_total", (("direction", "egress"),))] == 300
         retina = scrape(agent, retina=True)
-        assert any(name == "networkobservability_adv_forward_bytes" and dict(labels)["podname"] == "seen"
+        assert any(name.startswith("networkobservability_adv_forward_bytes") and dict(labels)["podname"] == "seen"
                    and dict(labels)["ip"] == "10.4.0.1" for name, labels in retina)
 
 

@@ -1,0 +1,70 @@
+"""Retina-compatible series, for clusters moving from Retina's advanced (pod-level) metrics to podmeter.
+
+``--retina-compat`` takes Retina's two advanced modes by their names (docs/metrics.md, "Retina names"):
+
+* ``local`` (the flag alone; Retina's ``remoteContext: false``): per-pod series read from the kernel
+  counters, labels ``direction``, ``ip``, ``namespace``, ``podname``, ``workload_kind``, ``workload_name``
+  (rendered by :mod:`podmeter.adapters.metrics.pod_traffic`);
+* ``remote`` (Retina's ``remoteContext: true``): series per flow between two ends, labels ``direction`` and
+  ``source_``/``destination_`` ``ip``, ``namespace``, ``podname``, ``workload_kind``, ``workload_name``,
+  built from the agent's flow records (:mod:`podmeter.model.retina_flows`) and rendered here. They are
+  what Retina's pod-level dashboards query.
+
+The two are never exported together: both are ``networkobservability_adv_forward_count``, and a dashboard
+query such as ``{source_podname!="unknown"}`` would match every local series too (they have no
+``source_podname``), so it would show the node's whole traffic as one pod with an empty name.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from podmeter.adapters.metrics.pod_traffic import RETINA_HELP, escape
+from podmeter.model.retina_flows import END_LABELS, RetinaFlows, RetinaKey
+
+LOCAL, REMOTE = "local", "remote"
+_ON = ("1", "true", "yes", "on")  # an environment variable may still say the flag's old boolean way
+_OFF = ("", "0", "false", "no", "off")
+
+
+def retina_context(value: str) -> str | None:
+    """``--retina-compat``'s value: ``local``, ``remote``, or None (off). Raises ArgumentTypeError for
+    anything else, which the command line turns into a usage error naming the option."""
+    text = value.strip().lower()
+    if text in (LOCAL, REMOTE):
+        return text
+    if text in _ON:
+        return LOCAL
+    if text in _OFF:
+        return None
+    raise argparse.ArgumentTypeError(f"must be local or remote, not {value!r}")
+
+
+def _labels(key: RetinaKey) -> str:
+    """Label names in the order Retina's exporter writes them (sorted: destination_, direction, source_)."""
+    ends = [*(f'destination_{name}="{escape(value)}"' for name, value in zip(END_LABELS, key.destination, strict=True)),
+            f'direction="{key.direction}"',
+            *(f'source_{name}="{escape(value)}"' for name, value in zip(END_LABELS, key.source, strict=True))]
+    return "{" + ",".join(ends) + "}"
+
+
+def render_remote(flows: RetinaFlows) -> bytes:
+    """Retina's remote-context forward series, then how many keys exist and how many records were folded
+    into the overflow keys (``--flow-series-limit``)."""
+    counts: list[str] = []
+    sizes: list[str] = []
+    for key, traffic in sorted(flows.values()):
+        labels = _labels(key)
+        counts.append(f"networkobservability_adv_forward_count{labels} {traffic.packets}")
+        sizes.append(f"networkobservability_adv_forward_bytes{labels} {traffic.bytes}")
+    out: list[str] = []
+    for name, lines in (("networkobservability_adv_forward_bytes", sizes),
+                        ("networkobservability_adv_forward_count", counts)):
+        out += [f"# HELP {name} {RETINA_HELP[name]}", f"# TYPE {name} counter", *lines]
+    out += ["# HELP podmeter_retina_flow_series Retina remote-context keys with a series (forward count and bytes).",
+            "# TYPE podmeter_retina_flow_series gauge",
+            f"podmeter_retina_flow_series {len(flows.keys)}",
+            "# HELP podmeter_retina_flow_series_folded_total Flow records counted in a Retina overflow series.",
+            "# TYPE podmeter_retina_flow_series_folded_total counter",
+            f"podmeter_retina_flow_series_folded_total {flows.folded}"]
+    return ("\n".join(out) + "\n").encode()

@@ -1,0 +1,147 @@
+"""Flow traffic keyed as Retina's remote-context pod-level series are, for ``--retina-compat=remote``.
+
+Retina's dashboards of pod-level traffic query ``networkobservability_adv_forward_count`` by the labels of
+both ends of a flow: ``source_ip``, ``source_namespace``, ``source_podname``, ``source_workload_kind``,
+``source_workload_name`` and the same five for the destination, plus ``direction``. This module adds the
+agent's forwarded flow records up by exactly that key, so those dashboards keep their queries.
+
+The counting rule is Retina's, not :mod:`podmeter.model.flow_series`' "once per node": every record
+counts, with ``direction`` ``EGRESS`` where it was seen leaving a pod and ``INGRESS`` where it was seen
+entering one (a packet between two pods of the node is one series of each). Dropped records do not
+count (Retina's forward series count forwarded packets only). An end no pod holds has ``unknown`` for its
+namespace, pod and workload, a pod without a controller for its workload, as Retina writes them; ``ip``
+is always the address.
+
+Bounds, the same as the workload-pair series: at most ``limit`` keys of their own (then one overflow key
+per direction, every end label ``_other_``, and ``folded`` counts the records that went there), and a key
+idle for ``idle`` seconds is dropped (if it carries traffic again it starts from zero: a counter reset).
+
+Pure and synchronous; the metrics adapter reads :meth:`RetinaFlows.values` at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+from podmeter.model.compaction import PeakTracker
+from podmeter.model.flow_records import VERDICT_FORWARDED, FlowEnd, FlowRecord
+from podmeter.model.flow_series import OTHER, PairTraffic, WorkloadFlows
+from podmeter.model.flows import Observation
+
+UNKNOWN = "unknown"  # the value Retina writes for a label it has nothing for
+INGRESS, EGRESS = "INGRESS", "EGRESS"  # Retina's remote-context direction values (the flow's own enum names)
+END_LABELS = ("ip", "namespace", "podname", "workload_kind", "workload_name")
+End = tuple[str, str, str, str, str]  # one end's values of END_LABELS
+
+
+class RetinaKey(NamedTuple):
+    """One remote-context series: the direction, then :data:`END_LABELS` of the source and destination."""
+
+    direction: str
+    source: End
+    destination: End
+
+
+_OTHER_END: End = (OTHER, OTHER, OTHER, OTHER, OTHER)
+
+
+def overflow_key(direction: str) -> RetinaKey:
+    return RetinaKey(direction, _OTHER_END, _OTHER_END)
+
+
+def retina_workload(kind: str, name: str) -> tuple[str, str]:
+    """A pod's workload as Retina labels it: ``unknown`` twice for a pod without a controller (podmeter
+    makes such a pod its own workload, kind ``Pod``: model.workloads)."""
+    if not kind or kind == "Pod":
+        return UNKNOWN, UNKNOWN
+    return kind, name or UNKNOWN
+
+
+def end_values(end: FlowEnd) -> End:
+    """The end's label values as Retina writes them: the pod's, or ``unknown`` where there is none."""
+    pod = end.endpoint
+    if pod is None:
+        return end.ip, UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN
+    return end.ip, pod.namespace, pod.pod, *retina_workload(pod.workload_kind, pod.workload)
+
+
+def key_of(record: FlowRecord) -> RetinaKey:
+    direction = EGRESS if record.observation is Observation.FROM_POD else INGRESS
+    return RetinaKey(direction, end_values(record.source), end_values(record.destination))
+
+
+class RetinaFlows:
+    """Forwarded traffic per :class:`RetinaKey`, bounded by ``limit`` keys plus one overflow key per
+    direction.
+
+    Invariants: a key's value only grows while it exists; ``len(keys) <= limit + 2``; a key with no
+    traffic for ``idle`` seconds is gone after the next :meth:`expire`.
+    """
+
+    def __init__(self, limit: int, idle: float) -> None:
+        if limit < 1:
+            raise ValueError("the flow series limit is at least 1")
+        self.limit = limit
+        self.idle = idle
+        self.keys: dict[RetinaKey, PairTraffic] = {}
+        self.folded = 0  # records counted in an overflow key because the limit was reached
+        self._own = 0  # keys that are not overflow keys
+        self._peak = PeakTracker()
+
+    def add(self, records: Iterable[FlowRecord], now: float) -> None:
+        for record in records:
+            if record.verdict != VERDICT_FORWARDED:
+                continue
+            traffic = self._traffic(key_of(record))
+            traffic.packets += record.packets
+            traffic.bytes += record.bytes
+            traffic.last_active = now
+
+    def _traffic(self, key: RetinaKey) -> PairTraffic:
+        traffic = self.keys.get(key)
+        if traffic is not None:
+            return traffic
+        if self._own >= self.limit:
+            self.folded += 1
+            key = overflow_key(key.direction)
+            traffic = self.keys.get(key)
+            if traffic is not None:
+                return traffic
+        else:
+            self._own += 1
+        traffic = self.keys[key] = PairTraffic()
+        self._peak.grew_to(len(self.keys))
+        return traffic
+
+    def expire(self, now: float) -> int:
+        """Drop the keys idle for ``idle`` seconds or more; returns how many."""
+        idle = [key for key, traffic in self.keys.items() if now - traffic.last_active >= self.idle]
+        for key in idle:
+            del self.keys[key]
+            if key.source != _OTHER_END:
+                self._own -= 1
+        if idle and self._peak.should_rebuild(len(self.keys)):
+            self.keys = dict(self.keys)  # give the table's memory back after a peak (F14)
+        return len(idle)
+
+    def values(self) -> Iterator[tuple[RetinaKey, PairTraffic]]:
+        return iter(self.keys.items())
+
+
+class WorkloadFlowsAndRetina(WorkloadFlows):
+    """The workload-pair series, with Retina's remote-context series fed the same records and expired at
+    the same ticks: the agent's flow drain and expiry see one :class:`WorkloadFlows` as ever."""
+
+    def __init__(self, node: str, limit: int, idle: float) -> None:
+        super().__init__(node, limit, idle)
+        self.retina = RetinaFlows(limit, idle)
+
+    def add(self, records: Iterable[FlowRecord], now: float) -> None:
+        records = records if isinstance(records, list) else list(records)  # read twice
+        super().add(records, now)
+        self.retina.add(records, now)
+
+    def expire(self, now: float) -> int:
+        self.retina.expire(now)
+        return super().expire(now)
