@@ -166,15 +166,18 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
+    failed = False
     try:
         await task
     except asyncio.CancelledError:
         log.info("podmeter operator: stopping")
+    except Exception:  # a supervised task died (logged with its traceback): exit non-zero to be restarted
+        failed = True
     finally:
         await runner.cleanup()
         with contextlib.suppress(Exception):
             await client.close()
-    return 0
+    return 1 if failed else 0
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -17,6 +17,13 @@ The pod source is a small interface (:class:`PodSource`): an async iterator of s
 ``(old, new)`` plus the store those changes were made to. :class:`ReflectorPodSource` feeds the kube
 reflector's deltas to a :class:`~podmeter.model.store.Store` (the same store, and the same relist diff, as
 the agent's view) and yields what each delta changed, after applying it.
+
+Every long-running task of the operator (the pod events, the sweep timer, the events consumer,
+housekeeping, the election, the publisher's slice watch, the etcd lease keepalive) is supervised
+(:mod:`podmeter.runtime.supervision`): one that dies is logged with its traceback, counted
+(``podmeter_task_failures_total{task}``), turns ``/healthz`` to 503 and ends :meth:`Operator.run` with its
+error, so the command exits non-zero and Kubernetes restarts it, instead of an operator that looks ready
+while applying nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -48,6 +55,7 @@ from podmeter.model.records import Pod
 from podmeter.model.store import Change, Store
 from podmeter.runtime.endpoint_publisher import EndpointPublisher
 from podmeter.runtime.leadership import LeaderElector
+from podmeter.runtime.supervision import Supervisor
 from podmeter.runtime.ticks import Tick, every
 
 log = logging.getLogger("podmeter.operator")
@@ -70,7 +78,8 @@ class ReflectorPodSource:
 
     The reflector queues deltas; :meth:`events` applies each one to the store and yields the changes it
     made, so ``pods()`` is exactly the state after the last yielded change and a sweep between changes
-    never races the event stream.
+    never races the event stream. If the reflector's task ends (it never should), :meth:`events` raises
+    once the deltas it queued are applied, so its consumer's supervisor sees the failure.
     """
 
     def __init__(self, connection: Connection, settings: ReflectorSettings | None = None) -> None:
@@ -78,7 +87,7 @@ class ReflectorPodSource:
         self.settings = settings or ReflectorSettings()
         self.store: Store[Pod] = Store(PODS.collection)
         self.reflector: Reflector[Pod] | None = None
-        self._deltas: asyncio.Queue[Delta[Pod]] = asyncio.Queue(maxsize=10_000)
+        self._deltas: asyncio.Queue[Delta[Pod] | None] = asyncio.Queue(maxsize=10_000)  # None: wake up
 
     def pods(self) -> Iterable[Pod]:
         return self.store.objects.values()
@@ -87,9 +96,14 @@ class ReflectorPodSource:
         transport = self.connection.transport(self.settings.request_timeout)
         self.reflector = Reflector(PODS, transport, self._deltas.put, self.settings)
         task = asyncio.create_task(self.reflector.run(), name="reflector-pods")
+        task.add_done_callback(self._wake)
         try:
             while True:
+                if self._deltas.empty() and task.done():
+                    _reflector_ended(task)
                 delta = await self._deltas.get()
+                if delta is None:
+                    continue
                 for change in self.store.changes(delta):
                     yield change
                 if isinstance(delta, Replace):
@@ -99,6 +113,20 @@ class ReflectorPodSource:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await transport.close()
+
+    def _wake(self, task: asyncio.Task[None]) -> None:
+        """The reflector ended: wake :meth:`events` if it waits on an empty queue. A full queue needs no
+        wake-up (it is drained first, then found empty with the task done)."""
+        with contextlib.suppress(asyncio.QueueFull):
+            self._deltas.put_nowait(None)
+
+
+def _reflector_ended(task: asyncio.Task[None]) -> NoReturn:
+    """Raise why the pod reflector's task ended: its error, or that it stopped (it never should)."""
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        raise error
+    raise RuntimeError("the pod reflector stopped")
 
 
 @dataclass
@@ -347,6 +375,7 @@ class Operator:
         self.last_sweep: float | None = None
         self.store_gc_removed = 0
         self.publisher, self.connection = publisher, connection
+        self.supervisor = Supervisor()
         self.registry = CollectorRegistry()
         self.registry.register(OperatorStateCollector(self.snapshot))
 
@@ -355,23 +384,25 @@ class Operator:
         return self.elector is None or self.elector.is_leader
 
     async def run(self) -> None:
+        """Run until cancelled; if a task dies, stop every other and raise its error (see the module)."""
         await self._start_backend()
-        tasks = [asyncio.create_task(self._events(), name="operator-events")]
-        tasks.append(asyncio.create_task(self._housekeeping(), name="operator-housekeeping"))
+        queue: asyncio.Queue[Change[Pod] | Tick] = asyncio.Queue()
+        spawn = self.supervisor.spawn
+        spawn(self._pump(queue), "reflector-pods")
+        spawn(every(self.settings.sweep_period, queue, Tick.SWEEP), "sweep-timer")
+        spawn(self._consume(queue), "operator-events")
+        spawn(self._housekeeping(), "housekeeping")
         if self.elector is not None:
-            tasks.append(asyncio.create_task(self.elector.run(), name="operator-election"))
+            spawn(self.elector.run(), "leader-election")
         if self.publisher is not None and self.connection is not None:
-            tasks.append(asyncio.create_task(self.publisher.watch(self.connection), name="operator-slices"))
+            spawn(self.publisher.watch(self.connection), "publisher")
+        keepalive = getattr(self.backend, "keepalive_task", None)  # the etcd backend's lease keepalive
+        if isinstance(keepalive, asyncio.Task):
+            self.supervisor.watch(keepalive)
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                task.result()
+            await self.supervisor.wait_failure()
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await self.supervisor.cancel_all()
             await self.backend.close()
 
     async def _start_backend(self) -> None:
@@ -387,28 +418,12 @@ class Operator:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    async def _events(self) -> None:
-        queue: asyncio.Queue[Change[Pod] | Tick] = asyncio.Queue()
-
-        async def pump() -> None:
-            try:
-                async for item in self.source.events():
-                    queue.put_nowait(Tick.SYNCED if item is None else item)
-            finally:
-                queue.put_nowait(Tick.END)
-
-        helpers = [asyncio.create_task(pump(), name="operator-pod-events"),
-                   asyncio.create_task(every(self.settings.sweep_period, queue, Tick.SWEEP),
-                                       name="operator-sweep-timer")]
-        try:
-            await self._consume(queue)
-            await helpers[0]  # the source ended: re-raise its failure, if any
-        finally:
-            for task in helpers:
-                task.cancel()
-            for task in helpers:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+    async def _pump(self, queue: asyncio.Queue[Change[Pod] | Tick]) -> None:
+        """The pod source's changes into the events queue. If the source ends or fails, so does this task:
+        its supervisor stops the operator (the consumer is cancelled, not told, so that one failure is
+        counted once)."""
+        async for item in self.source.events():
+            queue.put_nowait(Tick.SYNCED if item is None else item)
 
     async def _consume(self, queue: asyncio.Queue[Change[Pod] | Tick]) -> None:
         """Apply changes in order; flush when the queue is drained. Ready, and sweeps, only once a list was
@@ -505,6 +520,7 @@ class Operator:
             store_corrupt=dict(self.backend.store_corrupt()), errors=dict(stats.errors),
             drift_repaired=dict(stats.repaired), watch_events=events, relists=relists,
             decode_errors=decode_errors, store_objects={"pods": len(rec.refs)},
+            task_failures=dict(self.supervisor.failures),
             **self._publish_figures(),
         )
 
@@ -517,7 +533,7 @@ class Operator:
 
     def http_app(self) -> web.Application:
         return build_app(self.registry, self.ready.is_set, {"/debug/identities": self.debug_identities},
-                         self.settings.debug_anywhere)
+                         self.settings.debug_anywhere, healthy=lambda: self.supervisor.healthy)
 
     async def debug_identities(self) -> dict[str, Any]:
         body = self.reconciler.debug() | {"leader": self.is_leader, "last_sweep": self.last_sweep}

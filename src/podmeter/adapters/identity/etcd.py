@@ -169,6 +169,13 @@ class EtcdIdentityBackend:
         if self._keepalive is None:
             self._keepalive = asyncio.create_task(self._keep_lease(), name=f"etcd-lease-{self.owner}")
 
+    @property
+    def keepalive_task(self) -> asyncio.Task[None] | None:
+        """The lease keepalive, once started: the operator supervises it (it retries every error itself,
+        so it ends only if cancelled or hit by something no retry can help; then the references it keeps
+        alive would expire unseen, failure mode F15)."""
+        return self._keepalive
+
     async def close(self) -> None:
         if self._keepalive is not None:
             self._keepalive.cancel()

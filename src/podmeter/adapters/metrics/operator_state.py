@@ -43,6 +43,7 @@ class OperatorSnapshot:
     slice_conflicts: int = 0
     slice_errors: int = 0
     slice_writes_pending: int = 0
+    task_failures: Mapping[str, int] = field(default_factory=dict)  # task name
 
 
 class OperatorStateCollector(Collector):
@@ -70,6 +71,8 @@ class OperatorStateCollector(Collector):
         yield counter("podmeter_identity_errors", "Identity operations that failed.", ("op", "reason"), s.errors)
         yield counter("podmeter_drift_repaired", "Differences a periodic resync repaired.", ("kind",),
                       by_one(s.drift_repaired))
+        yield counter("podmeter_task_failures", "Long-running tasks that died of an unexpected error.", ("task",),
+                      by_one(s.task_failures))
         yield from watch_families(s.watch_events, s.relists, s.decode_errors, s.store_objects)
         yield gauge("podmeter_published_endpoints", "Endpoints in the desired PodSlices (the leader's).",
                     s.published_endpoints)
