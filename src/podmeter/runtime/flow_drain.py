@@ -1,9 +1,11 @@
 """Draining the datapath's flows: drain -> name both ends -> publish to readers -> add up per workload pair.
 
 Runs in the agent's writer task, so the view it names flows with is exactly the view the writer works
-from. The agent drains every ``--flow-interval`` seconds and, before it applies any change of who holds an
-address, once more: so a flow is always named by the pod that held the IP while its packets were counted
-(a pod deleted or an IP reused between two periodic drains never hands its flows to the next holder).
+from. The agent drains every ``--flow-interval`` seconds and once more whenever a change takes an address
+from the pod holding it (``NodeView.renames``): right after the filter write, named with the pods as they
+were before the change (a far end's change of holder in the PodSlices: before it is applied). So a flow is
+always named by the pod that held the IP while its packets were counted (invariant I8: a pod deleted or
+an IP reused between two periodic drains never hands its flows to the next holder).
 
 Next stage: the feed (``runtime.flow_feed``) for ``podmeter observe``, and the workload series
 (``model.flow_series``) for ``/metrics``.
