@@ -356,12 +356,14 @@ class ClusterRun(LabRun):
         self.result.marks.append(Mark(self._now(), runinfo.AGENT_KILL, f"agent SIGKILL ({lab_node.name})"))
 
     def _operator_argv(self) -> list[str]:
-        # A fixed holder identity: a restarted operator takes its own Lease back at once, as a crashed
-        # container restarted in the same pod does (a new holder would wait for the lease to expire).
+        # A fixed holder identity, as a crashed container restarted in the same pod keeps; the restarted
+        # operator did not write the Lease it finds under that name, so it waits it out like any other
+        # holder's: a short lease lets it lead again within the scenario's settle time.
         argv = [*PODMETER, "operator", "--kubeconfig", str(self.kubeconfig),
                 "--listen", f"127.0.0.1:{self.operator_port}",
                 "--sweep-period", str(self.scenario.operator.sweep_period),
-                "--holder-identity", f"podmeter-lab-{self.tag}"]
+                "--holder-identity", f"podmeter-lab-{self.tag}",
+                "--lease-duration", "2", "--renew-deadline", "1.5", "--retry-period", "0.3"]
         if self.external is not None:
             argv += ["--lease-namespace", self.external.lease_namespace, "--lease-name", "podmeter-lab-operator"]
         return argv
