@@ -231,6 +231,8 @@ class LabRun(Hooks):
         sampler = threading.Thread(target=self._sample_loop, name="lab-sampler", daemon=True)
         probe = threading.Thread(target=self._latency_probe, name="lab-latency", daemon=True)
         self.started, self.started_wall = time.monotonic(), time.time()
+        print(f"podmeter lab: the agent's flows at 127.0.0.1:{self.agent_port}; watch them live with: "
+              f"{self.observe_command()}", flush=True)
         sampler.start()
         if self.datapath == "ebpf":
             probe.start()
@@ -836,9 +838,17 @@ class LabRun(Hooks):
                 thread.join()
                 live.update(self._render())
 
+    def observe_command(self) -> str:
+        """The command that shows this run's flows live: the agent listens on the node's loopback, which is
+        in the node's network namespace in eBPF mode (``/debug/flows`` answers loopback readers only)."""
+        command = f"podmeter observe --server 127.0.0.1:{self.agent_port} -f"
+        return f"ip netns exec {self.tag} {command}" if self.datapath == "ebpf" else command
+
     def _render(self) -> Any:
         """A compact key/value panel: it fits an 80-column terminal (and a log, when not a terminal)."""
+        from rich.console import Group
         from rich.table import Table
+        from rich.text import Text
 
         s, stats = self._last, self.driver.stats if self.driver else None
         duration = self.options.duration or self.scenario.duration
@@ -851,6 +861,8 @@ class LabRun(Hooks):
             ("RSS agent / operator MiB", "-" if s is None else f"{_fmt(s.agent_rss)} / {_fmt(s.operator_rss)}"),
             ("identities", "-" if s is None else _fmt(s.identities)),
             ("violations open / failed", f"{len(self.checker.open)} / {len(self.checker.failures)}"),
+            ("agent flows at", f"127.0.0.1:{self.agent_port}" + (f" (netns {self.tag})" if self.datapath == "ebpf"
+                                                                     else "")),
         ]
         table = Table(title=f"podmeter lab: {self.scenario.name} ({self.datapath}, seed {self.scenario.seed})",
                       show_header=False)
@@ -858,7 +870,7 @@ class LabRun(Hooks):
         table.add_column()
         for key, value in rows:
             table.add_row(key, value)
-        return table
+        return Group(table, Text(self.observe_command(), no_wrap=True))  # under the panel: one line to copy
 
 
 def _fmt(value: float | None) -> str:
