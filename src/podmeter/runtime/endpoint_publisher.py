@@ -44,15 +44,21 @@ class SliceApi(Protocol):
 
 @dataclass
 class PublishStats:
-    """Counters exported as metrics; they only grow (``pending``: writes the last sync left to the next)."""
+    """Counters exported as metrics; they only grow."""
 
     syncs: int = 0
     writes: Counter[str] = field(default_factory=Counter)  # create | replace | delete
     conflicts: int = 0
     errors: int = 0
-    pending: int = 0
-    endpoints: int = 0  # endpoints in the last desired set
-    slices: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LastSync:
+    """What the last sync found, replaced whole by each sync (exported as gauges, read at scrape time)."""
+
+    endpoints: int = 0  # endpoints in the desired set
+    slices: int = 0  # slices in the desired set
+    pending: int = 0  # writes it left to the next sync (``max_writes``)
 
 
 class EndpointPublisher:
@@ -69,6 +75,7 @@ class EndpointPublisher:
         self.actual: Store[SliceDigest] = Store(SLICE_DIGESTS.collection)
         self.synced = asyncio.Event()  # the slices were listed once: actual is known
         self.stats = PublishStats()
+        self.last = LastSync()
         self.reflector: Reflector[SliceDigest] | None = None
 
     def apply(self, delta: Delta[SliceDigest]) -> None:
@@ -96,10 +103,9 @@ class EndpointPublisher:
             return 0
         self.stats.syncs += 1
         desired = desired_slices(pods, identity_of, len(self.actual))
-        self.stats.endpoints = sum(len(spec["endpoints"]) for spec in desired.values())
-        self.stats.slices = len(desired)
         todo = self._differences(desired)
-        self.stats.pending = max(0, len(todo) - self.max_writes)
+        self.last = LastSync(endpoints=sum(len(spec["endpoints"]) for spec in desired.values()),
+                             slices=len(desired), pending=max(0, len(todo) - self.max_writes))
         writes = 0
         for name, spec in todo[: self.max_writes]:
             writes += await self._write(name, spec)

@@ -527,9 +527,10 @@ class Operator:
     def _publish_figures(self) -> dict[str, Any]:
         if self.publisher is None:
             return {}
-        p = self.publisher.stats
-        return {"published_endpoints": p.endpoints, "published_slices": p.slices, "slice_writes": dict(p.writes),
-                "slice_conflicts": p.conflicts, "slice_errors": p.errors, "slice_writes_pending": p.pending}
+        p, last = self.publisher.stats, self.publisher.last
+        return {"published_endpoints": last.endpoints, "published_slices": last.slices,
+                "slice_writes": dict(p.writes), "slice_conflicts": p.conflicts, "slice_errors": p.errors,
+                "slice_writes_pending": last.pending}
 
     def http_app(self) -> web.Application:
         return build_app(self.registry, self.ready.is_set, {"/debug/identities": self.debug_identities},
