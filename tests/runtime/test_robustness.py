@@ -9,7 +9,9 @@
 * a missing CRD (a real API server answers a plain-text 404) left the agent unready forever and was
   reported as a 500: now it is an empty collection (a degraded mode) and reported as the 404 it is;
 * a forged Lease with a huge ``leaseDurationSeconds`` stopped leadership indefinitely: now the
-  candidate's own lease duration decides.
+  candidate's own lease duration decides;
+* the eBPF attach worker (a thread) dying after start-up left ``/healthz`` at 200 and attached nothing
+  more: now the agent supervises it like its tasks (counted as task ``attach``, unhealthy, exits non-zero).
 """
 
 from __future__ import annotations
@@ -19,16 +21,20 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
+import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_harness import AgentHarness, Cluster
 from core_harness import Core
 from factories import namespace_json, pod_json
 from lab_server import LabServer, lab_apiserver
+from podmeter.adapters.datapath.ebpf import AttachManager, EbpfDatapath
+from podmeter.adapters.datapath.ebpf import attach as attach_module
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.adapters.http import build_app, serve
 from podmeter.adapters.kube.lease import MemoryLeaseStore
@@ -41,6 +47,8 @@ from podmeter.model.lease import LeaseRecord
 from podmeter.model.records import decode_namespace, decode_pod
 from podmeter.runtime.leadership import LeaderElector
 from podmeter.runtime.supervision import Supervisor
+from test_bpf_support import Topology, needs_root
+from waiting import wait_for
 
 __all__ = ["lab_apiserver"]
 
@@ -139,6 +147,36 @@ def test_the_agent_process_exits_non_zero_when_its_writer_dies(lab_apiserver: La
             proc.send_signal(signal.SIGKILL)
     assert proc.returncode == 1
     assert b"task writer died: RuntimeError: planted" in out and b"Traceback" in out
+
+
+@needs_root
+def test_an_attach_worker_that_dies_after_start_up_makes_the_agent_unhealthy(
+        lab_apiserver: LabServer, topology: Topology, open_datapath: Callable[..., EbpfDatapath],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real attach manager and its thread: its first pass succeeds, a later one (the periodic dump)
+    meets an error nothing in the worker handles."""
+    datapath = open_datapath(64)
+    assert datapath.programs is not None
+    pod = topology.add_pod()
+    broken = [False]
+    read_links = attach_module.read_links
+
+    def read_links_or_fail() -> Any:
+        if broken[0]:
+            raise OSError("planted: the netlink dump failed")
+        return read_links()
+
+    monkeypatch.setattr(attach_module, "read_links", read_links_or_fail)
+    with AttachManager(datapath.programs, netns=topology.host_path, resync_interval=0.2) as manager:
+        assert set(manager.attached()) == {pod.host_veth}
+        harness = AgentHarness(lab_apiserver)
+        harness.agent.links = manager
+        with harness:
+            assert harness.agent.supervisor.healthy
+            broken[0] = True  # the next periodic pass fails on the worker thread; nobody calls sync()
+            wait_for(lambda: not harness.agent.supervisor.healthy, 5, "the agent unhealthy")
+            assert harness.on_loop(harness.agent.snapshot).task_failures == {"attach": 1}
+            assert harness.agent.supervisor.failed.is_set()  # the agent command exits 1 on this
 
 
 # --- a CRD that is not installed -------------------------------------------------------------------------

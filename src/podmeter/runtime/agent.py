@@ -123,6 +123,8 @@ class Agent:
         spawn(every(max(0.2, self.settings.series_grace / 4), self.queue, Tick.EXPIRE), "expire-timer")
         if self.flows is not None or self.drops is not None:
             spawn(every(self.settings.flow_interval, self.queue, Tick.DRAIN), "flow-drain-timer")
+        if self.links is not None:  # the attach worker (a thread): its death after start-up is a task's
+            spawn(self.links.watch(), "attach")
 
     @property
     def task_failures(self) -> dict[str, int]:

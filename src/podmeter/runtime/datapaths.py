@@ -21,6 +21,10 @@ class PodLinks(Protocol):
         """The IPs among ``ips`` that reach no counted link (cheap: called at every scrape)."""
         ...
 
+    async def watch(self) -> None:
+        """Return never while links are followed; raise once that has failed (the agent supervises it)."""
+        ...
+
 
 @dataclass
 class OpenDatapath:

@@ -32,6 +32,7 @@ Both run our programs, which return TC_ACT_UNSPEC, so the verdicts of other tool
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import enum
@@ -43,7 +44,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pyroute2 import IPRoute
@@ -239,6 +240,7 @@ class AttachManager:
         self._resolved_at = 0.0  # monotonic time of the last resolve
         self._stopping = False
         self._failure: BaseException | None = None
+        self._on_failure: list[Callable[[BaseException], None]] = []  # watch()ers, told from the worker
         self._wake_r, self._wake_w = os.pipe()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -259,6 +261,31 @@ class AttachManager:
             target = self._passes + 1
         os.write(self._wake_w, b"s")
         self._wait_for_pass(target, timeout)
+
+    async def watch(self) -> None:
+        """Wait while the worker runs; raise AttachError once it has died. The agent supervises this (a
+        worker that dies after start-up attaches nothing more, and only start() and sync() raised it)."""
+        loop = asyncio.get_running_loop()
+        died: asyncio.Future[BaseException] = loop.create_future()
+
+        def settle(error: BaseException) -> None:
+            if not died.done():
+                died.set_result(error)
+
+        def tell(error: BaseException) -> None:  # on the worker thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+                loop.call_soon_threadsafe(settle, error)
+
+        with self._lock:
+            failure = self._failure
+            if failure is None:
+                self._on_failure.append(tell)
+        try:
+            error = failure if failure is not None else await died
+        finally:
+            with self._lock, contextlib.suppress(ValueError):
+                self._on_failure.remove(tell)
+        raise AttachError(f"the attach worker died: {type(error).__name__}: {error}") from error
 
     def attached(self) -> dict[str, Attachment]:
         """Interfaces the programs are attached to now, by name."""
@@ -337,12 +364,15 @@ class AttachManager:
                 while not self._stopping:
                     self._wait(events)
                 self._detach_all()
-        except BaseException as error:  # reported to start()/sync() callers
+        except BaseException as error:  # reported to start()/sync() callers and to watch()ers
             log.exception("attach manager stopped")
             self._abandon()
             with self._lock:
                 self._failure = error
                 self._lock.notify_all()
+                told = list(self._on_failure)
+            for tell in told:
+                tell(error)
 
     def _abandon(self) -> None:
         """After a failure: close TCX links (a tc filter left behind is replaced by the next start)."""
