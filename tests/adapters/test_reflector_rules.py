@@ -17,9 +17,7 @@ from typing import Any, Literal
 import pytest
 
 from factories import pod_json
-from podmeter.adapters.kube import reflector as reflector_module
-from podmeter.adapters.kube.backoff import Backoff
-from podmeter.adapters.kube.mock import (
+from mock_transport import (
     MockAnswer,
     MockTransport,
     Reset,
@@ -29,6 +27,8 @@ from podmeter.adapters.kube.mock import (
     list_body,
     watch_line,
 )
+from podmeter.adapters.kube import reflector as reflector_module
+from podmeter.adapters.kube.backoff import Backoff
 from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
 from podmeter.adapters.kube.resources import PODS
 from podmeter.adapters.kube.transport import Params, TransportError

@@ -33,12 +33,12 @@ from agent_harness import AgentHarness, Cluster
 from core_harness import Core
 from factories import namespace_json, pod_json
 from lab_server import LabServer, lab_apiserver
+from mock_transport import MockAnswer, MockTransport
 from podmeter.adapters.datapath.ebpf import AttachManager, EbpfDatapath
 from podmeter.adapters.datapath.ebpf import attach as attach_module
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.adapters.http import build_app, serve
 from podmeter.adapters.kube.lease import MemoryLeaseStore
-from podmeter.adapters.kube.mock import MockAnswer, MockTransport
 from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
 from podmeter.adapters.kube.resources import METRICS_CONFIGURATIONS
 from podmeter.model.deltas import Delta, Replace

@@ -1,5 +1,8 @@
 """A fake :class:`~podmeter.adapters.kube.transport.Transport` for tests, in the style of httpx's MockTransport.
 
+It lives with the tests, not in the product: nothing in podmeter uses it, and podmeter is a program, not a
+library whose users would fake its transport (the reflector's rules are tested through it: tests/adapters).
+
 A handler decides every answer::
 
     def handler(method: str, path: str, params: Params) -> MockAnswer:
