@@ -12,7 +12,7 @@ from typing import Any
 
 from podmeter.adapters.kube.connection import ConnectionConfigError
 from podmeter.lab.kube import KubeClient
-from podmeter.lab.netns import is_root
+from podmeter.lab.netns import is_root, link_prefix_problem
 from podmeter.lab.node import IpPool, Node, NodeSettings
 from podmeter.runtime.logs import setup_logging
 
@@ -32,8 +32,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--node-ip", default="192.168.255.1", help="IP given to host-network pods")
     p.add_argument("--ip-reuse", choices=("lowest", "oldest"), default="lowest",
                    help="lowest: a freed IP goes to the next pod (reuse races); oldest: the longest-free IP")
+    p.add_argument("--link-prefix", type=_link_prefix, default="pm", metavar="PREFIX",
+                   help="the host side of each pod's link is PREFIX + 11 characters of its UID, as a CNI names "
+                        "it (eni: AWS VPC CNI, azv: Azure CNI); 1 to 4 lowercase letters or digits")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.set_defaults(func=run)
+
+
+def _link_prefix(text: str) -> str:
+    problem = link_prefix_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ConnectionConfigError) as exc:
         print(f"podmeter node: {exc}", file=sys.stderr)
         return 2
-    settings = NodeSettings(args.node_name, args.pod_cidr, args.datapath, args.node_ip, ip_reuse=args.ip_reuse)
+    settings = NodeSettings(args.node_name, args.pod_cidr, args.datapath, args.node_ip, ip_reuse=args.ip_reuse,
+                            link_prefix=args.link_prefix)
     node = Node(settings, client)
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -311,7 +311,7 @@ class ClusterRun(LabRun):
     def _start_node_process(self, node: LabNode) -> None:
         argv = [*PODMETER, "node", "--kubeconfig", str(self.kubeconfig), "--node-name", node.name,
                 "--pod-cidr", node.spec.pod_cidr, "--datapath", self.datapath, "--ip-reuse", node.spec.ip_reuse,
-                "--node-ip", node.address]
+                "--link-prefix", node.spec.link_prefix, "--node-ip", node.address]
         process = self.processes.add(f"node-{node.name}", argv, self.out / "logs")
         with self._in_node(node):
             process.start()

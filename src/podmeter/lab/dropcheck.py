@@ -284,4 +284,5 @@ class DropSteps:
         assert self.lab.client is not None
         namespace, name = endpoint.pod.split("/", 1)
         pod = self.lab.client.get(pod_path(namespace, name)) or {}
-        return Sandbox.for_pod(pod["metadata"]["uid"], endpoint.ip).host_device
+        prefix = sc.link_prefix_of(self.lab.scenario, (pod.get("spec") or {}).get("nodeName"))
+        return Sandbox.for_pod(pod["metadata"]["uid"], endpoint.ip, prefix).host_device

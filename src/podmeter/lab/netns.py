@@ -4,8 +4,10 @@ Layout, the one Calico uses (no bridge, so every pod has its own host-side devic
 
 * the pod's namespace ``/run/netns/pmpod-<id>`` has ``lo`` and ``eth0`` with the pod IP as a /32, a link
   route to the gateway 169.254.1.1 and a default route through it;
-* the host side ``pm<id>`` stays in the node's namespace (the caller's), carries 169.254.1.1/32 (so it
-  answers the pod's ARP for the gateway) and a /32 route to the pod IP; the node forwards between pods.
+* the host side ``<prefix><id>`` (``pm<id>`` unless the scenario names links like another CNI:
+  ``eni<id>`` as AWS VPC CNI does, ``azv<id>`` as Azure CNI does) stays in the node's namespace (the
+  caller's), carries 169.254.1.1/32 (so it answers the pod's ARP for the gateway) and a /32 route to the
+  pod IP; the node forwards between pods. The agent finds these links by what they are, not by name.
 
 Everything is netlink through pyroute2 and two syscalls (no shell, no fork); interface indexes come from
 ``if_nametoindex`` (one ioctl), not a lookup that dumps every link of a node with hundreds. A namespace is
@@ -21,9 +23,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,12 +44,33 @@ NETNS_DIR = Path("/run/netns")
 SCOPE_LINK = 253
 HOST_PREFIX = "pm"
 NETNS_PREFIX = "pmpod-"
+ID_LENGTH = 11
+IFNAMSIZ = 15  # the longest interface name Linux takes (IFNAMSIZ 16, with the terminating NUL)
+MAX_LINK_PREFIX = IFNAMSIZ - ID_LENGTH
+_LINK_PREFIX = re.compile(rf"^[a-z][a-z0-9]{{0,{MAX_LINK_PREFIX - 1}}}$")
 
 
 def short_id(uid: str) -> str:
-    """11 hex-ish characters of a pod UID: ``pm`` + this fits an interface name (15 characters)."""
+    """11 hex-ish characters of a pod UID: a link prefix of up to 4 characters + this fits an interface
+    name (15 characters)."""
     cleaned = "".join(c for c in uid.lower() if c.isalnum())
-    return cleaned[-11:].rjust(11, "0")
+    return cleaned[-ID_LENGTH:].rjust(ID_LENGTH, "0")
+
+
+def link_prefix_problem(prefix: str) -> str | None:
+    """Why ``prefix`` cannot start the host-side names of pod links, or None: 1 to 4 lowercase letters and
+    digits, a letter first, so that ``<prefix><11 characters>`` is a valid interface name of at most 15."""
+    if _LINK_PREFIX.match(prefix):
+        return None
+    return (f"{prefix!r} is not a link name prefix: 1 to {MAX_LINK_PREFIX} lowercase letters or digits, a letter "
+            f"first (the prefix and {ID_LENGTH} characters of the pod UID make the name, at most {IFNAMSIZ})")
+
+
+def host_device_of(netns_name: str, links: Iterable[str]) -> str | None:
+    """The host side of the sandbox ``netns_name`` among ``links`` (names), whatever its prefix, or None."""
+    sid = netns_name.removeprefix(NETNS_PREFIX)
+    return next((name for name in links if name.endswith(sid) and 0 < len(name) - len(sid) <= MAX_LINK_PREFIX
+                 and link_prefix_problem(name[:-len(sid)]) is None), None)
 
 
 @dataclass(frozen=True)
@@ -58,9 +82,14 @@ class Sandbox:
     ip: str
 
     @classmethod
-    def for_pod(cls, uid: str, ip: str) -> Sandbox:
+    def for_pod(cls, uid: str, ip: str, link_prefix: str = HOST_PREFIX) -> Sandbox:
+        """The pod's sandbox; its host-side link is ``<link_prefix><id>`` (ValueError if the prefix is
+        unusable: see :func:`link_prefix_problem`)."""
+        problem = link_prefix_problem(link_prefix)
+        if problem is not None:
+            raise ValueError(problem)
         sid = short_id(uid)
-        return cls(f"{NETNS_PREFIX}{sid}", f"{HOST_PREFIX}{sid}", ip)
+        return cls(f"{NETNS_PREFIX}{sid}", f"{link_prefix}{sid}", ip)
 
     @property
     def netns_path(self) -> str:

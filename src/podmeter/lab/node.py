@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from podmeter.lab.kube import KubeClient, KubeError, pod_path
-from podmeter.lab.netns import Sandbox, enable_forwarding
+from podmeter.lab.netns import HOST_PREFIX, Sandbox, enable_forwarding, link_prefix_problem
 from podmeter.model.records import TERMINAL_PHASES
 
 log = logging.getLogger("podmeter.node")
@@ -105,6 +105,7 @@ class NodeSettings:
     node_ip: str = "192.168.255.1"
     watch_timeout: int = 60
     ip_reuse: str = "lowest"  # see IpPool
+    link_prefix: str = HOST_PREFIX  # host-side link names: <prefix><id> (netns.link_prefix_problem)
 
 
 @dataclass
@@ -141,6 +142,9 @@ class Node:
         self.settings = settings
         self.client = client
         self.pool = IpPool(settings.pod_cidr, settings.ip_reuse)
+        problem = link_prefix_problem(settings.link_prefix)
+        if problem is not None:  # refused here, not by every pod's build on the watch thread
+            raise ValueError(f"--link-prefix {problem}")
         self.running: dict[str, _Running] = {}  # uid -> what the node runs for it
         self.stats = NodeStats()
         self._finished: dict[str, None] = {}
@@ -273,7 +277,7 @@ class Node:
             self.stats.errors["pool_exhausted"] += 1
             log.warning("pod %s/%s waits: %s", ns, name, exc)
             return
-        sandbox = Sandbox.for_pod(uid, ip) if self.settings.datapath == "ebpf" else None
+        sandbox = Sandbox.for_pod(uid, ip, self.settings.link_prefix) if self.settings.datapath == "ebpf" else None
         running = self.running[uid] = _Running(ns, name, ip, sandbox)
         self.stats.started += 1
         self._dispatch(uid, lambda: self._build(uid, meta, running, write=ip != known_ip))

@@ -56,7 +56,7 @@ from podmeter.lab.flowcheck import (
     series_values,
 )
 from podmeter.lab.kube import KubeClient, KubeError, pod_path
-from podmeter.lab.netns import Sandbox, in_namespace, is_root, node_namespace
+from podmeter.lab.netns import Sandbox, host_device_of, in_namespace, is_root, node_namespace
 from podmeter.lab.processes import (
     FAULTY_AGENT,
     PODMETER,
@@ -292,7 +292,7 @@ class LabRun(Hooks):
     def _start_node(self) -> None:
         argv = [*PODMETER, "node", "--kubeconfig", str(self.out / "kubeconfig"), "--node-name", NODE_NAME,
                 "--pod-cidr", self.scenario.node.pod_cidr, "--datapath", self.datapath,
-                "--ip-reuse", self.scenario.node.ip_reuse]
+                "--ip-reuse", self.scenario.node.ip_reuse, "--link-prefix", self.scenario.node.link_prefix]
         self.processes.add("node", argv, self.out / "logs").start()
 
     def _agent_argv(self) -> list[str]:
@@ -366,8 +366,8 @@ class LabRun(Hooks):
             return
         ours = {name for name, _ in dump_links().values()}  # the node namespace's (sysfs: the machine's)
         for path in list(Path("/run/netns").glob("pmpod-*")):
-            host_device = "pm" + path.name.removeprefix("pmpod-")
-            if host_device in ours:
+            host_device = host_device_of(path.name, ours)  # whatever the scenario's link_prefix
+            if host_device is not None:
                 with contextlib.suppress(OSError):
                     Sandbox(path.name, host_device, "").destroy(wait=True)
 

@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from podmeter.lab.netns import HOST_PREFIX, link_prefix_problem
+
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
@@ -88,7 +90,8 @@ class Annotate(_Step, tag="annotate"):
 
 
 class UnobserveThenDelete(_Step, tag="unobserve-delete"):
-    """Prior-art 1-4: remove the interest in ``count`` pods, then delete them ``gap`` seconds later."""
+    """Failure modes F1-F4 (docs/design.md): remove the interest in ``count`` pods, then delete them ``gap``
+    seconds later; the later delete must still take their IPs out of the kernel map."""
 
     namespace: Name
     count: Count = 1
@@ -220,6 +223,10 @@ class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pod_cidr: str = "10.244.0.0/25"
     filter_map_size: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1024
     ip_reuse: Literal["lowest", "oldest"] = "lowest"  # podmeter node --ip-reuse
+    # The host side of each pod's link is <link_prefix><11 characters of the pod UID>, as a CNI names it
+    # (podmeter node --link-prefix): "eni" as AWS VPC CNI, "azv" as Azure CNI, "cali" as Calico. The agent
+    # must find the links by what they are whatever this is (scenario other-cni).
+    link_prefix: str = HOST_PREFIX
 
 
 class ClusterNodeSpec(NodeSpec, kw_only=True):
@@ -305,6 +312,9 @@ def _step_kinds() -> list[str]:
 
 def _semantic_problems(scenario: Scenario) -> list[str]:
     problems: list[str] = []
+    problem = link_prefix_problem(scenario.node.link_prefix)
+    if problem is not None:
+        problems.append(f"$.node.link_prefix: {problem}")
     try:
         network = ipaddress.ip_network(scenario.node.pod_cidr)
         if network.version != 4 or network.num_addresses < 4:
@@ -346,6 +356,9 @@ def _node_problems(scenario: Scenario) -> list[str]:
             problems.append(f"$.nodes[{i}].name: {spec.name!r} is not a DNS-1123 label")
         if names.index(spec.name) != i:
             problems.append(f"$.nodes[{i}].name: {spec.name!r} is declared twice")
+        problem = link_prefix_problem(spec.link_prefix)
+        if problem is not None:
+            problems.append(f"$.nodes[{i}].link_prefix: {problem}")
         try:
             network = ipaddress.ip_network(spec.pod_cidr)
         except ValueError as exc:
@@ -370,6 +383,12 @@ def _node_problems(scenario: Scenario) -> list[str]:
         if isinstance(step, Traffic) and step.across_nodes and len(scenario.nodes) < 2:
             problems.append(f"$.steps[{i}].across_nodes: needs at least two nodes under nodes")
     return problems
+
+
+def link_prefix_of(scenario: Scenario, node: str | None) -> str:
+    """How the node ``node`` (a multi-node scenario's, by name; else the one node) names its pod links."""
+    spec = next((n for n in scenario.nodes if n.name == node), scenario.node)
+    return spec.link_prefix
 
 
 def load_scenario(name_or_path: str) -> Scenario:
