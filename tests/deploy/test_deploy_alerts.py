@@ -31,7 +31,7 @@ OVERLAY = "overlays/prometheus-operator"
 DOCUMENTED = set(re.findall(r"\b(podmeter_[a-z0-9_]+)", (ROOT / "docs" / "metrics.md").read_text()))
 REQUIRED_ALERTS = {
     "PodmeterFilterOverflow", "PodmeterDriftRepaired", "PodmeterIdentityExhausted", "PodmeterIdentityBackendErrors",
-    "PodmeterAgentNotReady", "PodmeterFlowsLost", "PodmeterFlowFollowersCutOff",
+    "PodmeterAgentNotReady", "PodmeterFlowsLost", "PodmeterFlowFollowersCutOff", "PodmeterTaskFailed",
 }
 
 
@@ -119,6 +119,13 @@ CASES: list[dict[str, Any]] = [
      "expect": [("PodmeterNoLeader", "10m", True)]},
     {"series": {f"podmeter_configuration_valid{{{OPERATOR}}}": "1 0x10"},
      "expect": [("PodmeterConfigurationInvalid", "8m", True)]},
+    # A task died: the process exited and was restarted (a new start time on the same target); the
+    # failure counter itself lived for milliseconds and was never scraped.
+    {"series": {f"process_start_time_seconds{{{OPERATOR}}}": "1000x5 1400x25"},
+     "expect": [("PodmeterTaskFailed", "4m", False), ("PodmeterTaskFailed", "7m", True),
+                ("PodmeterTaskFailed", "25m", False)]},  # 15 minutes without a restart: resolved
+    {"series": {f"process_start_time_seconds{{{AGENT}}}": "1000 1100 1200 1300x10"},
+     "expect": [("PodmeterTaskFailed", "3m", True)]},
 ]
 
 
@@ -189,6 +196,7 @@ def test_a_healthy_cluster_fires_no_alert(tmp_path: Path) -> None:
         f"podmeter_identity_exhausted{{{OPERATOR}}}": "0x30", f"podmeter_leader{{{OPERATOR}}}": "1x30",
         f'podmeter_identity_errors_total{{{OPERATOR},op="acquire",reason="backend"}}': "0x30",
         f"podmeter_configuration_valid{{{OPERATOR}}}": "1x30",
+        f"process_start_time_seconds{{{AGENT}}}": "1000x30", f"process_start_time_seconds{{{OPERATOR}}}": "2000x30",
     }
     groups = rule_groups()
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))

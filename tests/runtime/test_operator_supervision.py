@@ -68,6 +68,7 @@ async def test_a_dead_pod_source_is_logged_counted_turns_healthz_503_and_ends_ru
             await asyncio.wait_for(task, 5)
         assert await status(port, "/healthz") == 503
         assert op.registry.get_sample_value("podmeter_task_failures_total", {"task": "reflector-pods"}) == 1
+        assert op.registry.get_sample_value("process_start_time_seconds")  # what the restart alert reads
         died = [r for r in caplog.records if r.levelno == logging.ERROR and "task reflector-pods died" in r.message]
         assert died and died[0].exc_info is not None  # with its traceback
     finally:

@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from typing import Any, NoReturn, Protocol
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from podmeter.adapters.http import build_app
 from podmeter.adapters.identity.base import IdentityBackend, IdentityBackendError
@@ -377,6 +377,8 @@ class Operator:
         self.publisher, self.connection = publisher, connection
         self.supervisor = Supervisor()
         self.registry = CollectorRegistry()
+        # process_start_time_seconds among them: a restart is what the PodmeterTaskFailed alert sees.
+        ProcessCollector(registry=self.registry)
         self.registry.register(OperatorStateCollector(self.snapshot))
 
     @property
