@@ -6,6 +6,7 @@ kubeconfig."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -20,7 +21,7 @@ import pytest
 import yaml
 
 from podmeter.cli.main import build_parser
-from podmeter.cli.parsing import shows_default, walk
+from podmeter.cli.parsing import plain, shown, shows_default, walk
 from waiting import stop_process, wait_for
 
 
@@ -92,6 +93,12 @@ def test_a_commit_baked_into_the_package_wins(tmp_path: Path, monkeypatch: pytes
 # --- help texts ---------------------------------------------------------------------------------------------
 
 
+# What a Python repr leaves in a help text: True/False/None, a tuple or list of strings.
+REPR_WORDS = re.compile(r"\b(True|False|None)\b")
+REPR_SEQUENCE = re.compile(r"[(\[]\s*'[^']*'\s*[,)\]]|[(\[]\s*-?\d[\d.]*\s*,\s*-?\d[\d.]*\s*[,)\]]")
+REPR_CHARS = re.compile(r"['\"()\[\]{}]")
+
+
 def test_help_is_plain_text_and_shows_every_default() -> None:
     parser = build_parser()
     for each in walk(parser):
@@ -100,13 +107,40 @@ def test_help_is_plain_text_and_shows_every_default() -> None:
         assert not re.search(r":(mod|class|func|meth):`", text), each.prog
         formatter = each._get_formatter()
         for action in each._actions:
+            if action.help == argparse.SUPPRESS:
+                continue
+            where = f"{each.prog} {action.option_strings or action.dest}"
+            line = formatter._expand_help(action) if action.help else ""
+            assert not REPR_WORDS.search(line), f"{where}: {line!r}"
+            assert not REPR_SEQUENCE.search(line), f"{where}: {line!r}"
             if shows_default(action):
-                line = formatter._expand_help(action)
-                assert "default" in line, f"{each.prog} {action.option_strings}: {line!r}"
+                assert "default" in line, f"{where}: {line!r}"
+                if "default" not in plain(action.help or "").replace(" (default: %(default)s)", "").lower():
+                    _assert_default_as_typed(where, action, line)
     agent = next(p for p in walk(parser) if p.prog == "podmeter agent").format_help()
     assert "`podmeter agent`: watch this node's pods" in agent  # the docstring, markup made plain
     assert "(default: 60)" in agent  # --resync-interval: 60, not 60.0
     assert "the least severe messages logged (default: info)" in agent
+
+
+def _assert_default_as_typed(where: str, action: argparse.Action, line: str) -> None:
+    """The default the formatter wrote is what a person would type: no repr characters, a boolean as
+    on/off, and, read back through the option's own type, the default itself (so HOST:PORT, not a tuple's
+    parts joined by a comma)."""
+    value = shown(action.default)
+    assert line.endswith(f"(default: {value})"), f"{where}: {line!r}"
+    assert not REPR_CHARS.search(value), f"{where}: default shown as {value!r}"
+    if isinstance(action.default, bool):
+        assert value == ("on" if action.default else "off"), f"{where}: {value!r}"
+    elif callable(action.type) and not isinstance(action.default, (str, list)):
+        assert action.type(value) == action.default, f"{where}: {value!r} does not read back as the default"
+
+
+def test_help_shows_addresses_and_on_off_options_as_typed() -> None:
+    helps = {p.prog: p.format_help() for p in walk(build_parser())}
+    assert "(default: 127.0.0.1:6443)" in helps["podmeter apiserver"]
+    assert "(default: on)" in helps["podmeter operator"] and "True" not in helps["podmeter operator"]
+    assert (shown(("::1", 9978)), shown(True), shown(False), shown([1.0, "a"])) == ("[::1]:9978", "on", "off", "1,a")
 
 
 # --- bad values: usage errors, never tracebacks --------------------------------------------------------------

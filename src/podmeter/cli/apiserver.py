@@ -38,7 +38,8 @@ def register(subparsers: Any) -> None:
         description="In-memory Kubernetes API server for the lab (namespaces, pods, leases, "
         "metricsconfigurations). 'podmeter apiserver fault KNOB --url URL --token T' pokes a running one.",
     )
-    parser.add_argument("--listen", type=_listen, default=("127.0.0.1", 6443), help="HOST:PORT (port 0: any free)")
+    # A string default: argparse runs it through _listen like a given value, and --help shows it as typed.
+    parser.add_argument("--listen", type=_listen, default="127.0.0.1:6443", help="HOST:PORT (port 0: any free)")
     parser.add_argument("--kubeconfig-out", type=Path, help="write a kubeconfig for this server here")
     parser.add_argument("--token", help="bearer token clients must send (default: random)")
     parser.add_argument("--plain-http", action="store_true",

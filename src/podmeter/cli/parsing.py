@@ -26,13 +26,21 @@ def plain(text: str) -> str:
     return _ROLE.sub(r"\1", _LITERAL.sub(r"`\1`", text))
 
 
+_BOOLEAN_DEFAULT = " (default: %(default)s)"
 DEFAULT_ONLY = "\0default"  # the help of an option that had none: the formatter writes its default
 
 
 def shown(value: object) -> str:
-    """A default as a person writes it: 60 for 60.0, a list as a comma-separated one."""
+    """A default as a person writes it on the command line, never a Python repr: 60 for 60.0, on/off for a
+    boolean, HOST:PORT for an address (``[::1]:9978``), a list as a comma-separated one (as
+    ``PODMETER_<NAME>`` takes it)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int):
+        host, port = value
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if isinstance(value, (list, tuple)):
         return ",".join(shown(v) for v in value)
     return str(value)
@@ -55,7 +63,9 @@ class HelpFormatter(argparse.HelpFormatter):
         return super()._format_text(plain(text))
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = plain(action.help or "")
+        # BooleanOptionalAction (Python < 3.14) appends its own "(default: %(default)s)", which would print
+        # True or False: podmeter's own default text (on/off) replaces it.
+        text = plain(action.help or "").replace(_BOOLEAN_DEFAULT, "")
         if text == DEFAULT_ONLY:
             text = ""
         if shows_default(action) and "default" not in text.lower():
