@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -48,6 +49,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from bench.agent import free_port
 from bench.measure import json_line, table, traced_bytes
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP, load_connection
@@ -60,6 +62,7 @@ from podmeter.model.records import Pod
 from podmeter.model.store import Store
 from podmeter.runtime.agent import Agent, AgentSettings
 from podmeter.runtime.endpoint_publisher import EndpointPublisher
+from podmeter.runtime.operator import OperatorSettings
 
 TOKEN = "bench-token"
 
@@ -154,7 +157,10 @@ def start_operator(kubeconfig: Path, port: int, workdir: Path) -> subprocess.Pop
                              "--listen", f"127.0.0.1:{port}", "--lease-namespace", "default",
                              "--sweep-period", "30"], stdout=log, stderr=log,  # its default --publish-period
                             env={**os.environ, ALLOW_PLAIN_HTTP: "1"})  # the lab API server: plain HTTP
-    wait(lambda: http(f"http://127.0.0.1:{port}/readyz") == "ready\n", "operator ready")
+    # its own answer: a process left by an earlier run on the same port must not pass for it
+    wait(lambda: proc.poll() is None and http(f"http://127.0.0.1:{port}/readyz") == "ready\n", "operator ready")
+    if proc.poll() is not None:
+        raise RuntimeError(f"the operator exited with {proc.returncode}: see {workdir / 'operator.log'}")
     return proc
 
 
@@ -196,8 +202,8 @@ class StampedAgent:
         settings = AgentSettings(node_name=node, reflector=lambda _: ReflectorSettings(watch_timeout=(60.0, 90.0)))
         self.agent = Agent(settings, load_connection(str(kubeconfig), allow_plain_http=True), MemoryDatapath())
         self.arrived: dict[str, float] = {}
-        cache = self.agent.view.cluster
-        original = cache.changed
+        route = self.agent.view._routes[POD_SLICES]  # the bench's probe: stamps each slice change it passes on
+        original = route.changed
 
         def stamped(old: PodSlice | None, new: PodSlice | None) -> None:
             now = time.monotonic()
@@ -205,7 +211,7 @@ class StampedAgent:
                 self.arrived.setdefault(ip, now)
             original(old, new)
 
-        self.agent.view._routes[POD_SLICES] = (self.agent.view.slice_store, stamped)
+        self.agent.view._routes[POD_SLICES] = dataclasses.replace(route, changed=stamped)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -228,7 +234,7 @@ def propagation(seconds: float, rate: float) -> tuple[list[float], float, int]:
     workdir = Path(tempfile.mkdtemp(prefix="podmeter-bench-cluster-"))
     server, kubeconfig, url = start_apiserver(workdir)
     admin = Api(url)
-    port = 9979 + 100
+    port = free_port()
     operator = agents = None
     try:
         admin.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
@@ -412,7 +418,7 @@ def main_lab(args: argparse.Namespace) -> None:
     p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) >= 2 else float("nan")
     figures = {
         "mode": f"lab ({args.datapath})",
-        "publish_period_s": args.publish_period if args.publish_period is not None else 1.0,
+        "publish_period_s": OperatorSettings().publish_period if args.publish_period is None else args.publish_period,
         "endpoint_propagation_p99_ms": round(p99, 1),
         "endpoint_propagation_p50_ms": round(statistics.median(latencies), 1) if latencies else None,
         "endpoint_propagation_max_ms": round(max(latencies), 1) if latencies else None,
