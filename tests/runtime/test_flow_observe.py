@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from factories import make_pod
 from podmeter.adapters.flow_http import flows_handler
 from podmeter.adapters.http import build_app, serve
-from podmeter.model.endpoints import AddressBook
+from podmeter.model.endpoints import AddressBook, Endpoint
 from podmeter.model.flow_records import FlowRecord, name_flows
 from podmeter.model.flows import ICMP, TCP, UDP, FlowCounts, FlowKey, Observation
 from podmeter.runtime.flow_feed import FlowFeed
@@ -230,3 +230,33 @@ def test_since_takes_durations_and_times() -> None:
         parse_since("yesterday")
 
 
+
+
+async def test_labels_on_request_name_each_end_s_labels() -> None:
+    feed = FlowFeed(100)
+    seen: list[str] = []
+
+    def labels(endpoint: Endpoint) -> tuple[str, ...]:
+        seen.append(endpoint.pod)
+        return ("app", endpoint.pod.split("-")[0], "tier", "db") if endpoint.pod else ()
+
+    app = build_app(CollectorRegistry(), lambda: True, {},
+                    debug_streams={"/debug/flows": flows_handler(feed, labels)})
+    runner, port = await serve(app, "127.0.0.1:0")
+    try:
+        feed.publish(records(2))
+        code, plain, err = await observe(port, "--last", "2", "-o", "json")
+        assert code == 0, err
+        assert not seen  # labels are looked up only when asked
+        assert all("labels" not in json.loads(line)["source"] for line in plain)  # only when asked
+        code, lines, err = await observe(port, "--last", "2", "-o", "json", "--labels")
+        assert code == 0, err
+        got = [json.loads(line) for line in lines]
+        source = got[-1]["source"]
+        assert source["labels"] == {"app": source["pod"].split("-")[0], "tier": "db"}
+        world = next(r["destination"] for r in got if r["destination"]["world"])
+        assert world["labels"] == {}
+        code, compact_lines, err = await observe(port, "--last", "2", "--labels")
+        assert code == 0 and "{app=" in compact_lines[-1], err
+    finally:
+        await runner.cleanup()

@@ -3,7 +3,8 @@
 Query parameters: ``last=N`` (the last N matching records; default 20 without ``follow``, 0 with it),
 ``follow=1`` (then keep streaming new records until the client goes), and the filters of
 :class:`~podmeter.model.flow_records.FlowFilter`: ``namespace``, ``pod``, ``from_pod``, ``to_pod``,
-``workload``, ``protocol``, ``port``, ``since`` (wall-clock seconds), ``verdict`` (forwarded, dropped). A
+``workload``, ``protocol``, ``port``, ``since`` (wall-clock seconds), ``verdict`` (forwarded, dropped);
+``labels=1`` adds each end's labels (a pod of this node: its own; another node's: its identity's). A
 bad parameter is a 400 that says which. The path is under ``/debug/``, so the debug endpoints' access rule
 applies (loopback only unless the agent runs with ``--debug-remote``): records name pods and IPs.
 """
@@ -17,7 +18,11 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 from aiohttp import web
 
+from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_records import VERDICTS, FlowFilter, FlowRecord
+
+# An endpoint's labels, flat (k1, v1, k2, v2, ...); () when unknown.
+Labels = Callable[[Endpoint], tuple[str, ...]]
 
 DEFAULT_LAST = 20
 MAX_LAST = 1_000_000
@@ -59,14 +64,18 @@ def _int(params: Mapping[str, str], name: str, low: int, high: int) -> int | Non
     return int(raw)
 
 
+def _flag(params: Mapping[str, str], name: str) -> bool:
+    return params.get(name, "0") in ("1", "true", "yes")
+
+
 def parse_query(params: Mapping[str, str]) -> tuple[FlowFilter, int, bool]:
     """The filter, how many past records, and whether to follow; :class:`BadQuery` names a bad one."""
-    known = {"last", "follow", "namespace", "pod", "from_pod", "to_pod", "workload", "protocol", "port", "since",
-             "verdict"}
+    known = {"last", "follow", "labels", "namespace", "pod", "from_pod", "to_pod", "workload", "protocol", "port",
+             "since", "verdict"}
     unknown = sorted(set(params) - known)
     if unknown:
         raise BadQuery(f"unknown parameter {unknown[0]!r} (known: {', '.join(sorted(known))})")
-    follow = params.get("follow", "0") in ("1", "true", "yes")
+    follow = _flag(params, "follow")
     last = _int(params, "last", 0, MAX_LAST)
     since = None
     if "since" in params:
@@ -85,7 +94,22 @@ def parse_query(params: Mapping[str, str]) -> tuple[FlowFilter, int, bool]:
     return wanted, (0 if follow else DEFAULT_LAST) if last is None else last, follow
 
 
-def flows_handler(feed: Feed[Any]) -> Callable[[web.Request], Any]:
+def _line_encoder(labels: Labels | None) -> Callable[[FlowRecord], bytes]:
+    """A record as one NDJSON line, with both ends' labels when ``labels`` is given."""
+    if labels is None:
+        return lambda record: _encode(record.to_json()) + b"\n"
+
+    def labelled(record: FlowRecord) -> bytes:
+        out = record.to_json()
+        for side, end in (("source", record.source), ("destination", record.destination)):
+            flat = labels(end.endpoint) if end.endpoint is not None else ()
+            out[side]["labels"] = dict(zip(flat[::2], flat[1::2], strict=True))
+        return _encode(out) + b"\n"
+
+    return labelled
+
+
+def flows_handler(feed: Feed[Any], labels: Labels | None = None) -> Callable[[web.Request], Any]:
     """The handler. Invariant (as the feed's): a follower gets every matching record published after its
     past ones, in order, none twice. The slot is taken and the past read at once, before the first await:
     nothing can be published in between (no gap, no overlap), and a reader refused for want of a slot is
@@ -96,6 +120,7 @@ def flows_handler(feed: Feed[Any]) -> Callable[[web.Request], Any]:
             wanted, last, follow = parse_query(request.query)
         except BadQuery as exc:
             return web.Response(status=400, text=f"{exc}\n")
+        line = _line_encoder(labels if labels is not None and _flag(request.query, "labels") else None)
         if follow and not feed.can_follow():
             return web.Response(status=503, text="too many readers follow the flows; try again later\n")
         follower = feed.subscribe(wanted) if follow else None
@@ -104,8 +129,8 @@ def flows_handler(feed: Feed[Any]) -> Callable[[web.Request], Any]:
         try:
             await response.prepare(request)
             for record in past:
-                await response.write(_encode(record.to_json()) + b"\n")
-            if follower is not None and not await _follow(request, response, follower):
+                await response.write(line(record))
+            if follower is not None and not await _follow(request, response, follower, line):
                 return response  # the reader went away: nobody to end the stream for
             await response.write_eof()
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the reader went away
@@ -118,7 +143,8 @@ def flows_handler(feed: Feed[Any]) -> Callable[[web.Request], Any]:
     return handler
 
 
-async def _follow(request: web.Request, response: web.StreamResponse, follower: Follower) -> bool:
+async def _follow(request: web.Request, response: web.StreamResponse, follower: Follower,
+                  line: Callable[[FlowRecord], bytes]) -> bool:
     """Stream new records until the feed cuts the follower off (True) or its client goes (False; a quiet
     stream is checked every second, so a reader that left does not keep its slot)."""
     waiting: asyncio.Future[FlowRecord | None] | None = None
@@ -134,7 +160,7 @@ async def _follow(request: web.Request, response: web.StreamResponse, follower: 
             record, waiting = waiting.result(), None
             if record is None:
                 return True
-            await response.write(_encode(record.to_json()) + b"\n")
+            await response.write(line(record))
     finally:
         if waiting is not None:
             waiting.cancel()

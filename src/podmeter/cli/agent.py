@@ -19,6 +19,7 @@ from podmeter.adapters.metrics.pod_drops import PodDropExposition
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.adapters.metrics.retina import LOCAL, REMOTE, render_remote, retina_context
 from podmeter.model.endpoint_slices import endpoint_labels
+from podmeter.model.endpoints import Endpoint
 from podmeter.model.retina_flows import WorkloadFlowsAndRetina
 from podmeter.runtime.agent import Agent, AgentSettings
 from podmeter.runtime.datapaths import OpenDatapath, open_datapath
@@ -55,7 +56,8 @@ def register(subparsers: Any) -> None:
                    help="seconds between two renderings of /metrics at most: scrapers within it get the last "
                         "one, so many scrapers cannot slow the datapath writes (default 1)")
     p.add_argument("--debug-remote", action="store_true",
-                   help="let /debug/state answer non-loopback clients too (default: loopback only)")
+                   help="let /debug/state, /debug/endpoints and /debug/flows answer clients that are not on "
+                        "loopback too (default: loopback only)")
     p.add_argument("--resync-interval", type=_positive_float, default=60.0,
                    help="seconds between full resyncs against the kernel")
     p.add_argument("--series-grace", type=_positive_float, default=30.0,
@@ -166,9 +168,13 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
                                     drops.source.drops_lost if drops.source else None,
                                     agent.drops.stats if agent.drops else None)
     debug = {"/debug/state": agent.debug_state, "/debug/endpoints": agent.debug_endpoints}
+
+    def labels(endpoint: Endpoint) -> tuple[str, ...]:
+        return endpoint_labels(endpoint, agent.view.pods, agent.view.cluster)
+
     app = build_app(registry, agent.ready.is_set, debug, args.debug_remote,
                     [traffic.render, *renderers, drop_series.render],
-                    debug_streams={"/debug/flows": flows_handler(agent.flow_feed)},
+                    debug_streams={"/debug/flows": flows_handler(agent.flow_feed, labels)},
                     healthy=lambda: agent.supervisor.healthy, metrics_min_interval=args.metrics_min_interval)
     runner, port = await serve(app, args.listen)
     observer = None
@@ -176,7 +182,7 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
         from podmeter.adapters.hubble.server import HubbleServer
 
         observer = HubbleServer(agent.flow_feed, args.node_name, hubble.address, tls=hubble.tls,
-                                labels=lambda e: endpoint_labels(e, agent.view.pods, agent.view.cluster))
+                                labels=labels)
     try:
         if observer is not None:
             await observer.start()

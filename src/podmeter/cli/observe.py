@@ -48,6 +48,8 @@ def register(subparsers: Any) -> None:
                    help="forwarded flows only, or the packets the kernel dropped (with their reason)")
     p.add_argument("--since", type=parse_since,
                    help="flows seen since this long ago (30s, 5m, 2h) or this time (RFC 3339 or epoch seconds)")
+    p.add_argument("--labels", action="store_true",
+                   help="show each end's labels (a pod of the agent's node: its own; another node's: its identity's)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the agent to answer")
     p.set_defaults(func=run)
 
@@ -84,6 +86,8 @@ def query(args: argparse.Namespace) -> dict[str, str]:
         params["follow"] = "1"
     if args.last is not None:
         params["last"] = str(args.last)
+    if args.labels:
+        params["labels"] = "1"
     for name in ("namespace", "pod", "from_pod", "to_pod", "workload", "protocol", "port", "since", "verdict"):
         value = getattr(args, name)
         if value is not None:
@@ -148,7 +152,9 @@ def _end(end: dict[str, Any]) -> str:
     where = end["ip"] if end.get("port") is None else _host_port(end["ip"], end["port"])
     if end.get("world"):
         return f"world {where}"
-    return f"{end['namespace']}/{end['pod']} {where}"
+    labels = end.get("labels")
+    shown = "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "} " if labels else ""
+    return f"{end['namespace']}/{end['pod']} {shown}{where}"
 
 
 def _host_port(ip: str, port: int) -> str:
