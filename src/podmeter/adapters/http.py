@@ -1,8 +1,10 @@
 """The one HTTP app of the agent and the operator: ``/metrics``, ``/healthz``, ``/readyz``, ``/debug/...``.
 
 One rule for every ``/debug/*`` path of both processes: it answers only requests from loopback unless
-``debug_remote`` is set, because debug views list pod names and IPs, which a node's metrics port (often
-reachable cluster-wide for Prometheus) should not.
+``debug_remote`` is set (``--debug-remote`` of the agent and of the operator), because debug views list pod
+names and IPs, which a node's metrics port (often reachable cluster-wide for Prometheus) should not. An
+IPv4 loopback client of a dual-stack IPv6 socket arrives as an IPv4-mapped address (``::ffff:127.0.0.1``):
+that is loopback too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ DebugViews = Mapping[str, DebugView]
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# The answer to a client that is not on loopback: which flag opens the debug endpoints (the same one on the
+# agent and the operator).
+FORBIDDEN = "debug endpoints answer loopback clients only; start podmeter with --debug-remote to open them\n"
 
 
 def build_app(registry: CollectorRegistry, ready: Callable[[], bool], debug: DebugViews,
@@ -79,18 +85,23 @@ def _guarded(handler: Handler, debug_remote: bool) -> Handler:
     """The one access rule of ``/debug/*``: loopback clients only, unless ``debug_remote``."""
 
     async def guarded(request: web.Request) -> web.StreamResponse:
-        if not debug_remote and not _is_loopback(request.remote):
-            return web.Response(status=403, text="debug endpoints answer on loopback only (--debug-remote)\n")
+        if not debug_remote and not is_loopback(request.remote):
+            return web.Response(status=403, text=FORBIDDEN)
         return await handler(request)
 
     return guarded
 
 
-def _is_loopback(remote: str | None) -> bool:
+def is_loopback(remote: str | None) -> bool:
+    """Whether a client address is loopback: 127.0.0.0/8, ::1, or 127.0.0.0/8 mapped into IPv6 (which
+    Python before 3.13 does not call loopback). Anything else, no address or not an IP (a Unix socket's
+    peer), is not."""
     try:
-        return remote is not None and ipaddress.ip_address(remote).is_loopback
+        address = ipaddress.ip_address((remote or "").split("%", 1)[0])  # a scope id (fe80::1%eth0) aside
     except ValueError:
         return False
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return (mapped or address).is_loopback
 
 
 def parse_listen(value: str) -> tuple[str, int]:

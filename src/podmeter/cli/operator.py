@@ -55,7 +55,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--include-labels", default="",
                    help="comma-separated label keys to take out of the default exclusions")
     p.add_argument("--listen", default="127.0.0.1:9979", help="HOST:PORT for /metrics, /healthz, /debug")
-    p.add_argument("--debug-anywhere", action="store_true", help="answer /debug/* on every address")
+    p.add_argument("--debug-remote", action="store_true",
+                   help="let /debug/identities answer clients that are not on loopback too (default: loopback only)")
+    # The flag's old name, kept working (hidden, with a warning): the agent's name is the operator's too.
+    p.add_argument("--debug-anywhere", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lease-namespace", default="kube-system", help="namespace of the leader-election Lease")
     p.add_argument("--lease-name", default="podmeter-operator", help="name of the leader-election Lease")
     p.add_argument("--holder-identity", default="",
@@ -93,6 +96,14 @@ def parse_range(text: str) -> tuple[int, int]:
     if not sep or not 0 < lo <= hi:
         raise argparse.ArgumentTypeError(f"--identity-range {text!r}: expected FIRST-LAST, 0 < FIRST <= LAST")
     return lo, hi
+
+
+def debug_remote(args: argparse.Namespace) -> bool:
+    """``--debug-remote``, or its deprecated name ``--debug-anywhere`` (also ``PODMETER_DEBUG_ANYWHERE``)."""
+    if args.debug_anywhere:
+        log.warning("--debug-anywhere (PODMETER_DEBUG_ANYWHERE) is deprecated: use --debug-remote "
+                    "(PODMETER_DEBUG_REMOTE), the agent's flag")
+    return bool(args.debug_remote or args.debug_anywhere)
 
 
 def label_filter(args: argparse.Namespace) -> LabelFilter:
@@ -144,7 +155,7 @@ def build(args: argparse.Namespace) -> tuple[Operator, Any]:
         retry_period=args.retry_period,
     )
     settings = OperatorSettings(sweep_period=args.sweep_period, gc_period=args.gc_period,
-                                config_period=args.config_period, debug_anywhere=args.debug_anywhere,
+                                config_period=args.config_period, debug_remote=debug_remote(args),
                                 publish_period=args.publish_period)
     publisher = (EndpointPublisher(KubeSliceApi(client), interval=args.publish_period,
                                    max_writes=args.publish_max_writes) if args.publish_endpoints else None)

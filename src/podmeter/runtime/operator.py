@@ -341,7 +341,7 @@ class OperatorSettings:
     config_period: float = 5.0  # MetricsConfiguration status (leader only)
     retry_period: float = 2.0  # identity operations that failed are tried again
     publish_period: float = 0.5  # endpoint slices (leader only): at most one sync this often
-    debug_anywhere: bool = False  # answer /debug/* on non-loopback addresses too
+    debug_remote: bool = False  # answer /debug/* to clients that are not on loopback too (--debug-remote)
 
 
 class Operator:
@@ -536,7 +536,7 @@ class Operator:
 
     def http_app(self) -> web.Application:
         return build_app(self.registry, self.ready.is_set, {"/debug/identities": self.debug_identities},
-                         self.settings.debug_anywhere, healthy=lambda: self.supervisor.healthy)
+                         self.settings.debug_remote, healthy=lambda: self.supervisor.healthy)
 
     async def debug_identities(self) -> dict[str, Any]:
         body = self.reconciler.debug() | {"leader": self.is_leader, "last_sweep": self.last_sweep}
