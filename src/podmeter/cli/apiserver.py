@@ -2,7 +2,7 @@
 
 It serves HTTPS by default, with a self-signed certificate (made by ``openssl``) that the kubeconfig it
 writes names as the CA: kubectl sends no credentials over plain HTTP, so that kubeconfig works with it.
-Plain HTTP only with ``--plain-http`` (the lab's own processes and the tests use it).
+Plain HTTP only with ``--plain-http`` (most tests use it; ``podmeter lab`` runs it over HTTPS).
 """
 
 from __future__ import annotations

@@ -204,7 +204,7 @@ class ClusterRun(LabRun):
 
     def _server_url(self) -> str:
         if self.options.kubeconfig is None:
-            return "http://127.0.0.1:0"  # the embedded server, on the runner's loopback (its port comes later)
+            return "https://127.0.0.1:0"  # the embedded server, on the runner's loopback (its port comes later)
         return KubeClient.from_kubeconfig(str(self.options.kubeconfig)).server
 
     def _node(self, name: str | None) -> LabNode:
@@ -240,7 +240,8 @@ class ClusterRun(LabRun):
                 self.api_addresses = _server_addresses(self._client().server)
             else:
                 self.client = KubeClient.from_kubeconfig(str(self.options.kubeconfig))
-                self.admin = AdminClient(self.client.server, self.client.token or "")  # no fault knobs: unused
+                self.admin = AdminClient(self.client.server, self.client.token or "",  # no fault knobs: unused
+                                         self.client.ca_file)
                 self.external = ExternalCluster(self.client, self.tag)
                 self.external.prepare([ns.name for ns in self.scenario.namespaces],
                                       [(n.name, n.spec.pod_cidr, n.address) for n in self.nodes])

@@ -6,7 +6,8 @@ server more CPU than the requests themselves. The checks must not share code pat
 they judge, so this is not the agent's client. Configuration comes from a kubeconfig through the
 product's loader: a token (or token file), a CA (file or data), a client certificate and key (file or data)
 or the insecure flag; ``podmeter lab --kubeconfig`` points it at any API server (docs/lab.md). Exec plugins
-and auth providers are not supported.
+and auth providers are refused (a clear error, not a run of 401s). Over HTTPS the server's certificate is
+verified against the kubeconfig's CA.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 from lightkube.config.kubeconfig import SingleConfig
 from lightkube.config.models import FileStr
 
-from podmeter.adapters.kube.connection import load_connection
+from podmeter.adapters.kube.connection import ConnectionConfigError, load_connection
 
 MERGE_PATCH = "application/merge-patch+json"
 RETRIES = 8
@@ -48,9 +49,12 @@ class KubeClient:
                  client_cert: tuple[str, str] | None = None, insecure: bool = False) -> None:
         self.server = server.rstrip("/")
         self.token = token
+        self.ca_file = ca_file  # (a *-data CA's temporary file lives as long as this reference)
         self.timeout = timeout
         self._context: ssl.SSLContext | None = None
         if self.server.startswith("https"):
+            # Verifies the server's certificate and name against the kubeconfig's CA (else the system's);
+            # each thread's kept-alive connection makes the handshake once, not per request.
             self._context = ssl.create_default_context(cafile=ca_file)
             if insecure:
                 self._context.check_hostname = False
@@ -62,8 +66,15 @@ class KubeClient:
 
     @classmethod
     def from_kubeconfig(cls, path: str, timeout: float = 10.0) -> KubeClient:
-        config = load_connection(path, allow_plain_http=True).config  # the lab's own server, or --kubeconfig's
+        # The product's rules: no credentials over plain HTTP unless PODMETER_ALLOW_PLAIN_HTTP_CREDENTIALS
+        # says so (a test server); the lab's own server is HTTPS.
+        connection = load_connection(path)
+        config = connection.config
         cluster, user = config.cluster, config.user
+        if user is not None and (user.exec or user.auth_provider):  # else: a client without credentials, 401s
+            raise ConnectionConfigError(f"{connection.source}: the lab's client authenticates with a token, a token "
+                                        "file or a client certificate, not an exec plugin or an auth provider: give "
+                                        "it a kubeconfig whose user has a token")
         # *-data fields become temporary files (lightkube's FileStr), read at once by the SSL context.
         ca = _file(config, cluster.certificate_auth, cluster.certificate_auth_data)
         cert = key = None

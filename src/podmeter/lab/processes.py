@@ -2,7 +2,9 @@
 
 Each is started with an argv list (never a shell), logs to ``<out>/logs/<name>.log`` (appended across
 restarts) and is stopped with SIGTERM, then SIGKILL after a timeout. :meth:`ProcessSet.stop_all` is safe
-to call at any point of a failed start.
+to call at any point of a failed start. Each inherits the runner's environment except the names its set
+withholds (the embedded API server's runs withhold the plain-HTTP credentials allowance: see
+:class:`~podmeter.lab.run.LabRun`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP
 
 PODMETER = [sys.executable, "-m", "podmeter"]
 # The test-only faulty agent is started through the cli layer (which may patch the runtime); the lab
@@ -56,13 +56,14 @@ class LabProcess:
     log_path: Path
     popen: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    withheld: frozenset[str] = frozenset()  # names of the runner's environment this process does not get
 
     def start(self, env: dict[str, str] | None = None) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        inherited = {name: value for name, value in os.environ.items() if name not in self.withheld}
         with self.log_path.open("ab") as log:
             self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, ALLOW_PLAIN_HTTP: "1", **(env or {})},
-                                          start_new_session=True)
+                                          env={**inherited, **(env or {})}, start_new_session=True)
         self.starts += 1
 
     @property
@@ -103,9 +104,10 @@ class LabProcess:
 @dataclass
 class ProcessSet:
     processes: dict[str, LabProcess] = field(default_factory=dict)
+    withheld: frozenset[str] = frozenset()  # for every process of the set (LabProcess.withheld)
 
     def add(self, name: str, argv: list[str], log_dir: Path) -> LabProcess:
-        process = LabProcess(name, argv, log_dir / f"{name}.log")
+        process = LabProcess(name, argv, log_dir / f"{name}.log", withheld=self.withheld)
         self.processes[name] = process
         return process
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf.links import dump_links
+from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP
 from podmeter.lab import runinfo
 from podmeter.lab import scenario as sc
 from podmeter.lab.apiserver.client import AdminClient
@@ -157,7 +158,12 @@ class LabRun(Hooks):
         self.out = options.out_dir
         self.tag = f"pmlab{os.getpid()}"
         self.bpffs = BPFFS / self.tag
-        self.processes = ProcessSet()
+        # The embedded API server speaks HTTPS (its kubeconfig names its CA): no process of such a run may
+        # need the plain-HTTP credentials allowance, so none inherits it (the test suite sets it for its own
+        # plain servers), and a regression to plain HTTP fails the run. Against --kubeconfig the runner's
+        # environment passes through: the allowance there is the user's explicit choice for a test server.
+        self.processes = ProcessSet(withheld=frozenset({ALLOW_PLAIN_HTTP}) if options.kubeconfig is None
+                                    else frozenset())
         # I5's allowance: the agent's series grace plus one sample (the scrape that sees the final value).
         self.checker = Checker(settle=scenario.settle,
                                metrics_grace=scenario.agent.series_grace + scenario.sample_interval)
@@ -279,15 +285,17 @@ class LabRun(Hooks):
     # --- processes ---------------------------------------------------------------------------------
 
     def _start_apiserver(self) -> None:
+        """HTTPS, with a self-signed certificate in ``<out>/tls`` that the kubeconfig names as the CA: every
+        process (node, agent, operator) and the lab's own clients verify the server by it."""
         kubeconfig = self.out / "kubeconfig"
         kubeconfig.unlink(missing_ok=True)
         argv = [*PODMETER, "apiserver", "--listen", "127.0.0.1:0", "--kubeconfig-out", str(kubeconfig),
-                "--history", str(self.scenario.apiserver.history), "--plain-http"]
+                "--tls-dir", str(self.out / "tls"), "--history", str(self.scenario.apiserver.history)]
         process = self.processes.add("apiserver", argv, self.out / "logs")
         process.start()
         wait_for_file(kubeconfig, process)
         self.client = KubeClient.from_kubeconfig(str(kubeconfig))
-        self.admin = AdminClient(self.client.server, self.client.token or "")
+        self.admin = AdminClient(self.client.server, self.client.token or "", self.client.ca_file)
 
     def _start_node(self) -> None:
         argv = [*PODMETER, "node", "--kubeconfig", str(self.out / "kubeconfig"), "--node-name", NODE_NAME,
