@@ -8,7 +8,8 @@ What the lab touches there (docs/lab.md, "Against an existing API server"), all 
 * a Node per simulated node (refused if one exists), with its pod CIDR and address, made Ready; and, if the
   server has the ``kube-node-lease`` namespace (a real cluster), each node's heartbeat Lease there, renewed
   every 10 s like a kubelet's, so a node lifecycle controller does not evict the lab's pods;
-* the CRDs of ``deploy/base/crd-*.yaml``, only if missing (then removed at the end with what they hold);
+* podmeter's CRDs (the copies of ``deploy/base/crd-*.yaml`` shipped in ``podmeter.lab/crds``), only if
+  missing (then removed at the end with what they hold);
 * the PodSlices its operator publishes (cluster-scoped; the lab refuses to start if some already exist:
   another podmeter operator publishes there, and the two would undo each other's writes);
 * the ``default`` MetricsConfiguration, only if a ``configure`` step creates it while none existed; when
@@ -28,7 +29,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
-from pathlib import Path
+from importlib import resources
+from importlib.resources.abc import Traversable
 from typing import Any
 
 import yaml
@@ -49,13 +51,12 @@ class ExternalError(RuntimeError):
     """The existing API server cannot host this run (the message says why and what to do)."""
 
 
-def crd_files() -> list[Path]:
-    """The CRDs of ``deploy/base`` (a source checkout or an editable install: the package has no copy)."""
-    for parent in Path(__file__).resolve().parents:
-        folder = parent / "deploy" / "base"
-        if folder.is_dir():
-            return sorted(folder.glob("crd-*.yaml"))
-    return []
+def crd_files() -> list[Traversable]:
+    """The CRDs the lab installs: package data, so an installed wheel has them as a source checkout does.
+    They are byte-for-byte copies of ``deploy/base/crd-*.yaml`` (tests/lab/test_lab_crds.py holds them
+    equal), the manifests a cluster install applies."""
+    folder = resources.files("podmeter.lab") / "crds"
+    return sorted((p for p in folder.iterdir() if p.name.endswith(".yaml")), key=lambda p: p.name)
 
 
 def _now() -> str:
