@@ -150,7 +150,9 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
                  drops: DropTracing) -> int:
     settings = AgentSettings(node_name=args.node_name, resync_interval=args.resync_interval,
                              series_grace=args.series_grace, flow_interval=args.flow_interval,
-                             flow_buffer=args.flow_buffer, flow_series_limit=args.flow_series_limit)
+                             flow_buffer=args.flow_buffer, flow_series_limit=args.flow_series_limit,
+                             # the peers the Hubble API announces to Relay; on a local address only this node
+                             watch_nodes=hubble is not None and not hubble.address.local)
     datapath = opened.datapath
     agent = Agent(settings, connection, datapath, opened.flows, drops.source)
     agent.links = opened.links
@@ -182,7 +184,7 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
         from podmeter.adapters.hubble.server import HubbleServer
 
         observer = HubbleServer(agent.flow_feed, args.node_name, hubble.address, tls=hubble.tls,
-                                labels=labels)
+                                labels=labels, nodes=agent)
     try:
         if observer is not None:
             await observer.start()

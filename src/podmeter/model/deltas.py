@@ -22,7 +22,7 @@ import msgspec
 
 from podmeter.model.configuration import MetricsConfiguration
 from podmeter.model.endpoint_slices import PodSlice, SliceDigest
-from podmeter.model.records import Namespace, Pod
+from podmeter.model.records import Namespace, Node, Pod
 
 R = TypeVar("R")
 
@@ -45,6 +45,7 @@ NAMESPACES: Collection[Namespace] = Collection("namespaces", attrgetter("name"))
 CONFIGURATIONS: Collection[MetricsConfiguration] = Collection("metricsconfigurations", attrgetter("name"))
 POD_SLICES: Collection[PodSlice] = Collection("podslices", attrgetter("name"))  # the agent's view of them
 SLICE_DIGESTS: Collection[SliceDigest] = Collection("podslices", attrgetter("name"))  # the operator's
+NODES: Collection[Node] = Collection("nodes", attrgetter("name"))  # the agent's, with the Hubble API only
 
 
 # Deltas are msgspec structs, not dataclasses: one is built per watch event, and a frozen struct is

@@ -116,6 +116,25 @@ class _NamespaceWire(msgspec.Struct):
     status: _NamespaceStatus | None = None
 
 
+class _NodeMeta(msgspec.Struct):
+    name: _Name = ""
+    resourceVersion: _RV = ""
+
+
+class _NodeAddress(msgspec.Struct):
+    type: _ShortText
+    address: _ShortText
+
+
+class _NodeStatus(msgspec.Struct):
+    addresses: list[_NodeAddress] | None = None
+
+
+class _NodeWire(msgspec.Struct):
+    metadata: _NodeMeta
+    status: _NodeStatus | None = None
+
+
 class _NameOnlyMeta(msgspec.Struct):
     name: Any = ""
     namespace: Any = ""
@@ -169,11 +188,32 @@ class Namespace(msgspec.Struct, frozen=True, gc=False):
     resource_version: str
 
 
+class Node(msgspec.Struct, frozen=True, gc=False):
+    """A node as podmeter needs it: its name and the addresses other nodes reach it at (canonical IPs in the
+    order ``status.addresses`` lists them; a hostname entry is not an address and is left out)."""
+
+    name: str
+    internal_ips: tuple[str, ...]
+    external_ips: tuple[str, ...]
+    resource_version: str
+
+    @property
+    def address(self) -> str | None:
+        """Where the node's own services are reached from the cluster: its first InternalIP (the kubelet
+        lists the primary one first), else its first ExternalIP (a node with no private address); None
+        while the kubelet has reported neither."""
+        for ips in (self.internal_ips, self.external_ips):
+            if ips:
+                return ips[0]
+        return None
+
+
 # --- decoding ----------------------------------------------------------------------------------------
 
 _pod_decoder: Final = msgspec.json.Decoder(_PodWire)
 _pod_event_decoder: Final = msgspec.json.Decoder(_PodEventWire)
 _ns_decoder: Final = msgspec.json.Decoder(_NamespaceWire)
+_node_decoder: Final = msgspec.json.Decoder(_NodeWire)
 _name_decoder: Final = msgspec.json.Decoder(_NameOnly)
 
 
@@ -241,6 +281,29 @@ def decode_namespace(data: bytes | dict[str, Any]) -> Namespace:
         labels=_flat_labels(meta.labels),
         resource_version=meta.resourceVersion,
     )
+
+
+def decode_node(data: bytes | dict[str, Any]) -> Node:
+    """Decode a Node from JSON bytes (or a parsed dict): its InternalIP and ExternalIP addresses."""
+    wire = _decode_wire("Node", data, _node_decoder, _NodeWire)
+    meta = wire.metadata
+    if not meta.name:
+        raise DecodeError("Node", "", "$.metadata.name", "missing")
+    internal: list[str] = []
+    external: list[str] = []
+    for entry in (wire.status or _NodeStatus()).addresses or ():
+        found = {"InternalIP": internal, "ExternalIP": external}.get(entry.type)
+        if found is None:  # Hostname, InternalDNS, ExternalDNS: names, not addresses
+            continue
+        try:
+            ip = canonical_ip(entry.address)
+        except ValueError:
+            raise DecodeError("Node", meta.name, "$.status.addresses",
+                              f"invalid {entry.type} {entry.address[:64]!r}") from None
+        if "%" not in ip and ip not in found:  # a zone-scoped IPv6 address is not reachable from other nodes
+            found.append(ip)
+    return Node(name=meta.name, internal_ips=tuple(internal), external_ips=tuple(external),
+                resource_version=meta.resourceVersion)
 
 
 def _decode_wire(

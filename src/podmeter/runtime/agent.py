@@ -7,7 +7,9 @@ what the flush released (the final counters of IPs that left the filter) closes 
 traffic ledger, which then gives every IP whose holder changed to its new owner. Only the writer task
 touches the view, the writer and the ledger, so there is no lock to forget. Timers queue ticks
 (``runtime.ticks``): a periodic resync compares the filter with what the kernel really holds and repairs
-drift, an expiry drops traffic series whose grace is over.
+drift, an expiry drops traffic series whose grace is over. With ``watch_nodes`` (the Hubble API on), one more
+reflector keeps the cluster's nodes in ``nodes`` for the Hubble API's peer list, outside the queue: nodes
+move nothing in the filter, and readiness never waits for them.
 
 Nothing is flushed before every collection has been listed once: a pod listed before its namespace would
 otherwise be judged without the namespace's annotation, and entries pinned by a predecessor would be
@@ -26,16 +28,24 @@ from typing import Any
 
 from podmeter.adapters.kube.connection import Connection
 from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
-from podmeter.adapters.kube.resources import METRICS_CONFIGURATIONS, NAMESPACES, POD_SLICES, PODS, ResourceKind
+from podmeter.adapters.kube.resources import (
+    METRICS_CONFIGURATIONS,
+    NAMESPACES,
+    NODES,
+    POD_SLICES,
+    PODS,
+    ResourceKind,
+)
 from podmeter.adapters.kube.transport import Transport
 from podmeter.adapters.metrics.agent_state import AgentSnapshot, FlowSnapshot
 from podmeter.model.configuration import MetricsConfiguration
 from podmeter.model.datapath import Datapath
-from podmeter.model.deltas import Collection, Replace
+from podmeter.model.deltas import Collection, Delta, Replace
 from podmeter.model.drops import DropLedger, DropSource
 from podmeter.model.flow_series import WorkloadFlows
 from podmeter.model.flows import FlowSource
-from podmeter.model.records import Pod
+from podmeter.model.records import Node, Pod
+from podmeter.model.store import Store
 from podmeter.model.traffic import TrafficLedger
 from podmeter.model.view import NodeView, ViewDelta
 from podmeter.runtime.datapaths import PodLinks
@@ -53,6 +63,10 @@ KINDS: tuple[ResourceKind[Any], ...] = (PODS, NAMESPACES, METRICS_CONFIGURATIONS
 # no operator yet) far ends of flows are `world`, a degraded mode, not a reason to stay unready.
 OPTIONAL_KINDS: tuple[ResourceKind[Any], ...] = (POD_SLICES,)
 REQUIRED = frozenset(kind.collection for kind in KINDS)
+# The cluster's nodes, watched only with ``AgentSettings.watch_nodes`` (the Hubble API's peers): never
+# waited for, and a 403 (RBAC without nodes) or 404 is an empty list, the peers then this node alone.
+NODES_HINT = ("the Hubble API announces this node only; grant the agent get/list/watch on nodes "
+              "(deploy/base/agent-rbac.yaml) for Hubble Relay to find the others")
 MAX_BATCH = 512  # deltas applied between two flushes at most (bounds the latency of a flush)
 
 
@@ -66,6 +80,7 @@ class AgentSettings:
     flow_buffer: int = 8192  # recent flow records kept for `podmeter observe`
     flow_series_limit: int = 2000  # workload pairs with a series of their own (then: the overflow series)
     flow_series_idle: float = 300.0  # a workload pair's series goes after this long without traffic
+    watch_nodes: bool = False  # the cluster's nodes, for the Hubble API's peer list (on with --hubble-listen)
     reflector: Callable[[ResourceKind[Any]], ReflectorSettings] = field(
         default=lambda kind: ReflectorSettings()
     )
@@ -104,6 +119,10 @@ class Agent:
         self._reflectors: list[Reflector[Any]] = []
         self.supervisor = Supervisor()
         self._retry_scheduled = False
+        # The cluster's nodes (settings.watch_nodes), applied on the event loop as their deltas come: they
+        # move nothing in the view or the datapath, so they skip the writer's queue.
+        self.nodes: Store[Node] = Store(NODES.collection)
+        self._nodes_changed: list[Callable[[Node | None, Node | None], None]] = []
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -115,6 +134,8 @@ class Agent:
             if kind is PODS:
                 settings.field_selector = f"spec.nodeName={self.settings.node_name}"
             self._reflectors.append(Reflector(kind, self._transport, self.queue.put, settings))
+        if self.settings.watch_nodes:
+            self._reflectors.append(self._nodes_reflector(self._transport))
         spawn = self.supervisor.spawn
         for reflector in self._reflectors:
             spawn(reflector.run(), f"reflector-{reflector.kind.name}")
@@ -125,6 +146,27 @@ class Agent:
             spawn(every(self.settings.flow_interval, self.queue, Tick.DRAIN), "flow-drain-timer")
         if self.links is not None:  # the attach worker (a thread): its death after start-up is a task's
             spawn(self.links.watch(), "attach")
+
+    def _nodes_reflector(self, transport: Transport) -> Reflector[Node]:
+        settings = self.settings.reflector(NODES)
+        settings.optional, settings.missing_statuses, settings.missing_hint = True, frozenset({403, 404}), NODES_HINT
+        return Reflector(NODES, transport, self._apply_nodes, settings)
+
+    async def _apply_nodes(self, delta: Delta[Node]) -> None:
+        self.nodes.apply(delta, self._node_changed)
+
+    def _node_changed(self, old: Node | None, new: Node | None) -> None:
+        for changed in self._nodes_changed:
+            changed(old, new)
+
+    def cluster_nodes(self) -> Store[Node]:
+        """The cluster's nodes as last listed and watched (empty unless ``settings.watch_nodes``)."""
+        return self.nodes
+
+    def on_nodes_changed(self, changed: Callable[[Node | None, Node | None], None]) -> None:
+        """Call ``changed(old, new)`` on the event loop for each change a delta makes to :meth:`cluster_nodes`
+        (a relist: one call per node it changed; the store, not the events, is the level)."""
+        self._nodes_changed.append(changed)
 
     @property
     def task_failures(self) -> dict[str, int]:

@@ -14,8 +14,14 @@ event loop), so that `hubble observe`, `hubble status`, Hubble Relay and Hubble 
 - ``ServerStatus``: flows held (the ring), the ring's capacity, flows seen, uptime, one connected node.
 - ``GetNamespaces``: the namespaces of the pods at either end of the flows the ring holds, sorted, each in
   podmeter's one cluster (``default``).
-- ``GetNodes``: this node. ``peer.Peer/Notify`` (what Hubble Relay asks to find nodes): this node, at the
-  address it listens on, then nothing more until the client cancels.
+- ``GetNodes``: this node.
+- ``peer.Peer/Notify`` (what Hubble Relay asks to find nodes): every node of the cluster with an address
+  (``PEER_ADDED``: the node's InternalIP and the port this server listens on, as every agent of the
+  DaemonSet does), then ``PEER_ADDED``/``PEER_DELETED``/``PEER_UPDATED`` as nodes come, go or change
+  address, until the client cancels. The nodes come from the agent's node store (:class:`NodeSource`).
+  Listening on a Unix socket or loopback, the other agents are not reachable either: only this node is
+  announced. One bounded queue per client: one that falls ``peer_queue`` changes behind is dropped
+  (``RESOURCE_EXHAUSTED``, counted in ``peer_clients_dropped``) and reconnects to a fresh list.
 - ``Health/Check``: SERVING for ``hubble.server.Observer`` (what `hubble status` asks first), for
   ``observer.Observer`` and for the server as a whole (``""``).
 
@@ -36,6 +42,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -50,6 +57,7 @@ from podmeter.adapters.hubble.filters import BadFilter, HubbleSelection, Unsuppo
 from podmeter.adapters.hubble.flows import CLUSTER, FlowMessages, LabelSource, no_labels
 from podmeter.adapters.hubble.proto import health_pb2, observer_pb2, peer_pb2, relay_pb2
 from podmeter.model.flow_records import FlowFilter, FlowRecord, FlowRing
+from podmeter.model.records import Node
 
 log = logging.getLogger("podmeter.hubble")
 
@@ -57,6 +65,8 @@ SUGGESTED_PORT = 4246  # Hubble's own gRPC is 4244 on nodes, Relay 4245: the nex
 HEALTHY_SERVICES = frozenset({"", "hubble.server.Observer", "observer.Observer"})
 UNBOUNDED = sys.maxsize
 CUT_OFF_CHECK = 1.0  # seconds between two checks that a follower stuck in a write has been cut off
+PEER_QUEUE = 1024  # changes a Notify client may fall behind by before it is dropped
+MAX_PEER_CLIENTS = 64  # Notify streams at once (Relays: one each)
 
 
 class Follower(Protocol):
@@ -83,6 +93,15 @@ class Feed(Protocol[F]):
     def subscribe(self, wanted: FlowFilter) -> F: ...
 
     def unsubscribe(self, follower: F) -> None: ...
+
+
+class NodeSource(Protocol):
+    """The cluster's nodes as the server reads them (``runtime.agent.Agent`` is one). Both are called on the
+    event loop the server runs in; ``changed(old, new)`` follows every change of ``cluster_nodes()``."""
+
+    def cluster_nodes(self) -> Iterable[Node]: ...
+
+    def on_nodes_changed(self, changed: Callable[[Node | None, Node | None], None]) -> None: ...
 
 
 # --- where it listens, and who may connect ------------------------------------------------------------
@@ -244,13 +263,51 @@ class _Stream:
     ending: bool = False
 
 
+@dataclass(eq=False)
+class _PeerClient:
+    """One Notify stream: its bounded queue of changes (None: the stream ends), and whether the server
+    dropped it for falling behind (then its ``context`` is aborted once: ``ending``)."""
+
+    queue: asyncio.Queue[peer_pb2.ChangeNotification | None]
+    context: aio.ServicerContext[Any, Any]
+    dropped: bool = False
+    ending: bool = False
+    reaper: asyncio.Task[None] | None = None
+
+
+def tls_server_name(node: str) -> str:
+    """The name Relay checks a node's server certificate against: Hubble's naming for a node's server
+    (``NODE.CLUSTER.hubble-grpc.cilium.io``, dots of the node name as dashes; the cluster is ``default``)."""
+    return f"{node.replace('.', '-')}.{CLUSTER}.hubble-grpc.cilium.io"
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class HubbleServer(Generic[F]):
-    """The gRPC server of one agent. Start it inside the agent's event loop; stop it before the loop ends."""
+    """The gRPC server of one agent. Start it inside the agent's event loop; stop it before the loop ends.
+
+    Invariant (peers): after :meth:`start`, ``peers`` maps each announced node to its address, and every
+    Notify client has been sent exactly the changes that turned its first list into ``peers`` (or has been
+    dropped); this node is always in it, at the address it listens on (or its InternalIP on a wildcard).
+    ``announce_peers``: None announces the other nodes only where this server is reachable from them (not
+    on a Unix socket or loopback); True announces them anyway (tests of several agents on one machine).
+    """
 
     def __init__(self, feed: Feed[F], node_name: str, address: ListenAddress, *, tls: TlsFiles | None = None,
-                 labels: LabelSource = no_labels, version: str | None = None) -> None:
+                 labels: LabelSource = no_labels, version: str | None = None, nodes: NodeSource | None = None,
+                 announce_peers: bool | None = None, peer_queue: int = PEER_QUEUE) -> None:
         check_access(address, tls)
         self.feed, self.node_name, self.address, self.tls, self.labels = feed, node_name, address, tls, labels
+        self.nodes, self.peer_queue = nodes, peer_queue
+        wanted = not address.local if announce_peers is None else announce_peers
+        self.announcing = nodes is not None and wanted
+        self.peers: dict[str, str] = {}
+        self.peer_clients_dropped = 0  # Notify clients dropped for falling behind
+        self._peer_clients: set[_PeerClient] = set()
+        if nodes is not None:
+            nodes.on_nodes_changed(self._node_changed)
         self.version = version or _version()
         self.started = time.monotonic()
         self.port: int | None = None  # the bound TCP port, once started
@@ -308,9 +365,25 @@ class HubbleServer(Generic[F]):
         self._server = server
         log.info("Hubble API (observer.Observer) on %s%s, %s", self.address.text,
                  f" (port {port})" if path is None else "", "TLS with client certificates" if self.tls else "no TLS")
+        self._start_peers()
+
+    def _start_peers(self) -> None:
+        self.peers = {self.node_name: self._own_address(None)}
+        if self.announcing and self.nodes is not None:
+            for node in self.nodes.cluster_nodes():
+                self._node_changed(None, node)
+            log.info("Hubble API: peer.Peer/Notify announces every node with an address, at its InternalIP "
+                     "and port %d (the nodes' agents must listen there too)", self.port or self.address.port)
+        elif self.address.local:
+            log.info("Hubble API: peer.Peer/Notify announces this node only: %s is not reachable from other "
+                     "nodes, nor would their agents be; for Hubble Relay to find every node, listen on the "
+                     "node's address with TLS (docs/hubble.md)", self.address.text)
 
     async def stop(self, grace: float = 1.0) -> None:
         self._stopping.set()
+        for client in self._peer_clients:  # the queue always has room for the end (one above the cap)
+            client.queue.put_nowait(None)
+        self._peer_clients.clear()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
@@ -433,15 +506,92 @@ class HubbleServer(Generic[F]):
 
     @property
     def tls_server_name(self) -> str:
-        """The name Relay checks this server's certificate against: Hubble's naming for a node's server
-        (``NODE.CLUSTER.hubble-grpc.cilium.io``, dots of the node name as dashes; the cluster is ``default``)."""
-        return f"{self.node_name.replace('.', '-')}.{CLUSTER}.hubble-grpc.cilium.io"
+        """The name Relay checks this server's certificate against (:func:`tls_server_name`)."""
+        return tls_server_name(self.node_name)
+
+    def _own_address(self, node: Node | None) -> str:
+        """This node's peer address: where it listens; on a wildcard host its InternalIP once the node store
+        has it (the name otherwise, which Relay must resolve)."""
+        if self.address.host or self.address.unix_path is not None or node is None or node.address is None:
+            return self.peer_address
+        return _host_port(node.address, self.port or self.address.port)
+
+    def _node_changed(self, old: Node | None, new: Node | None) -> None:
+        """A change of the node store: what it changes in ``peers`` goes to every Notify client. Never
+        raises (it runs in the agent's node reflector)."""
+        if not self.announcing or not self.peers:  # not started: start() lists the store itself
+            return
+        name = new.name if new is not None else old.name if old is not None else ""
+        if name == self.node_name:
+            address: str | None = self._own_address(new)
+        elif new is None or new.address is None:
+            address = None
+        else:
+            address = _host_port(new.address, self.port or self.address.port)
+        before = self.peers.get(name)
+        if address == before:
+            return  # a status update that moved no address (most node updates): nothing for Relay
+        if address is None:
+            assert before is not None
+            del self.peers[name]
+            self._publish(self._change(name, before, peer_pb2.PEER_DELETED))
+            return
+        self.peers[name] = address
+        self._publish(self._change(name, address, peer_pb2.PEER_ADDED if before is None else peer_pb2.PEER_UPDATED))
+
+    def _change(self, name: str, address: str, kind: peer_pb2.ChangeNotificationType.ValueType
+                ) -> peer_pb2.ChangeNotification:
+        tls = peer_pb2.TLS(server_name=tls_server_name(name)) if self.tls is not None else None
+        return peer_pb2.ChangeNotification(name=name, address=address, type=kind, tls=tls)
+
+    def _publish(self, change: peer_pb2.ChangeNotification) -> None:
+        for client in list(self._peer_clients):
+            if client.queue.qsize() < self.peer_queue:
+                client.queue.put_nowait(change)
+                continue
+            self._peer_clients.discard(client)  # its queue is freed with it: nothing more is held for it
+            client.dropped = True
+            self.peer_clients_dropped += 1
+            client.queue.put_nowait(None)  # the slot above the cap: the handler ends the stream when it reads
+            client.reaper = asyncio.get_running_loop().create_task(self._reap(client), name="hubble-peer-reaper")
+            log.warning("Hubble API: a peer.Peer/Notify client fell %d changes behind and was dropped "
+                        "(%d dropped so far); it reconnects to the current peers", self.peer_queue,
+                        self.peer_clients_dropped)
+
+    async def _reap(self, client: _PeerClient) -> None:
+        """End a dropped client's stream whose handler is stuck in a write to a client that does not read."""
+        await asyncio.sleep(CUT_OFF_CHECK)
+        with contextlib.suppress(Exception):
+            await self._end_dropped(client)
+
+    async def _end_dropped(self, client: _PeerClient) -> None:
+        if client.ending:
+            return
+        client.ending = True
+        await client.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"this peer client fell {self.peer_queue} changes behind and was dropped; "
+                                   "call Notify again for the current peers")
 
     async def notify(self, request: peer_pb2.NotifyRequest, context: aio.ServicerContext[Any, Any]) -> None:
-        tls = peer_pb2.TLS(server_name=self.tls_server_name) if self.tls is not None else None
-        await context.write(peer_pb2.ChangeNotification(name=self.node_name, address=self.peer_address,
-                                                        type=peer_pb2.PEER_ADDED, tls=tls))
-        await self._stopping.wait()  # no other peer ever comes or goes: wait for the client or the end
+        if self._stopping.is_set():
+            return
+        if len(self._peer_clients) >= MAX_PEER_CLIENTS:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{MAX_PEER_CLIENTS} clients already ask this agent for its peers; try again later")
+        client = _PeerClient(asyncio.Queue(self.peer_queue + 1), context)
+        current = list(self.peers.items())  # taken as the client subscribes, in one step: no change is lost
+        self._peer_clients.add(client)
+        try:
+            for name, address in current:
+                await context.write(self._change(name, address, peer_pb2.PEER_ADDED))
+            while (change := await client.queue.get()) is not None:
+                await context.write(change)
+            if client.dropped:
+                await self._end_dropped(client)
+        finally:
+            self._peer_clients.discard(client)
+            if client.reaper is not None and not client.ending:
+                client.reaper.cancel()
 
     # --- grpc.health.v1.Health
 

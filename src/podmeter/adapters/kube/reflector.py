@@ -116,6 +116,10 @@ class ReflectorSettings:
     field_selector: str | None = None
     label_selector: str | None = None
     optional: bool = False  # a 404 (the CRD not installed) is an empty collection, listed again later
+    # With optional: the statuses that mean the collection is not there for us (a kind may add 403, RBAC
+    # not granting it), and what the one warning tells the operator to do.
+    missing_statuses: frozenset[int] = frozenset({404})
+    missing_hint: str = "install the CRD from deploy/base to use it"
     backoff: Backoff = field(default_factory=Backoff)
 
 
@@ -289,7 +293,7 @@ class Reflector(Generic[R]):
         if exc.code == 429 or exc.code >= 500:
             await self._after_failure(f"http_{exc.code}", str(exc), exc.retry_after)
             return
-        if exc.code == 404 and self.settings.optional:
+        if exc.code in self.settings.missing_statuses and self.settings.optional:
             await self._missing(exc)
         # Anything else (400, 401, 403, 404 ...) cannot be fixed by re-watching: relist after a pause.
         self.resource_version = None
@@ -304,12 +308,14 @@ class Reflector(Generic[R]):
         await asyncio.sleep(delay)
 
     async def _missing(self, exc: ApiError) -> None:
-        """An optional collection is not served (its CRD is not installed): it is empty until it appears.
+        """An optional collection is not served (its CRD is not installed) or not allowed (a status in
+        ``missing_statuses``): it is empty until it appears.
         Said once; the relists after the usual pauses pick the CRD up when it is installed."""
         if self.synced.is_set():
             return
-        log.warning("%s: not served by the API server (%s): treated as empty (a degraded mode) until it "
-                    "appears; install the CRD from deploy/base to use it", self.kind.name, exc)
+        what = "not served by the API server" if exc.code == 404 else "not allowed"
+        log.warning("%s: %s (%s): treated as empty (a degraded mode) until it appears; %s", self.kind.name,
+                    what, exc, self.settings.missing_hint)
         await self.sink(Replace(self.kind.collection, []))
         self.synced.set()
 

@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 from podmeter.model import deltas
 from podmeter.model.configuration import MetricsConfiguration, decode_configuration
 from podmeter.model.endpoint_slices import PodSlice, SliceDigest, decode_slice, decode_slice_digest
-from podmeter.model.records import Namespace, Pod, decode_namespace, decode_pod, decode_pod_event
+from podmeter.model.records import Namespace, Node, Pod, decode_namespace, decode_node, decode_pod, decode_pod_event
 
 R = TypeVar("R")
 
@@ -57,3 +57,5 @@ POD_SLICES: ResourceKind[PodSlice] = ResourceKind(deltas.POD_SLICES, _SLICES_PAT
 SLICE_DIGESTS: ResourceKind[SliceDigest] = ResourceKind(
     deltas.SLICE_DIGESTS, _SLICES_PATH, decode_slice_digest, "name", _rv
 )
+# The cluster's nodes and their addresses: the peers the agent's Hubble API announces to Hubble Relay.
+NODES: ResourceKind[Node] = ResourceKind(deltas.NODES, "/api/v1/nodes", decode_node, "name", _rv)
