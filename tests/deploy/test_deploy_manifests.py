@@ -102,7 +102,7 @@ AGENT_GRANTS: set[Grant] = {
     for group, resource in (("", "pods"), ("", "namespaces"), ("podmeter.io", "metricsconfigurations"),
                             ("podmeter.io", "podslices"))
     for verb in ("get", "list", "watch")
-}
+} | {("cluster", "", "nodes", verb, "*") for verb in ("list", "watch")}  # the Hubble API's peers
 OPERATOR_GRANTS: set[Grant] = {
     *(("cluster", "", "pods", verb, "*") for verb in ("get", "list", "watch")),
     *(("cluster", "podmeter.io", "metricsconfigurations", verb, "*") for verb in ("get", "list", "watch")),

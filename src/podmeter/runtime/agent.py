@@ -65,7 +65,7 @@ OPTIONAL_KINDS: tuple[ResourceKind[Any], ...] = (POD_SLICES,)
 REQUIRED = frozenset(kind.collection for kind in KINDS)
 # The cluster's nodes, watched only with ``AgentSettings.watch_nodes`` (the Hubble API's peers): never
 # waited for, and a 403 (RBAC without nodes) or 404 is an empty list, the peers then this node alone.
-NODES_HINT = ("the Hubble API announces this node only; grant the agent get/list/watch on nodes "
+NODES_HINT = ("the Hubble API announces this node only; grant the agent list and watch on nodes "
               "(deploy/base/agent-rbac.yaml) for Hubble Relay to find the others")
 MAX_BATCH = 512  # deltas applied between two flushes at most (bounds the latency of a flush)
 
