@@ -24,12 +24,14 @@ import pytest
 import yaml
 from aiohttp import web
 from grpc import aio
+from prometheus_client import CollectorRegistry
 
 from agent_harness import AgentHarness
 from hubble_support import Certificates, make_certificates
 from lab_server import LabServer
 from podmeter.adapters.hubble.proto import peer_pb2, peer_pb2_grpc
 from podmeter.adapters.hubble.server import HubbleServer, hubble_config, parse_listen
+from podmeter.adapters.metrics.hubble_state import HubbleStateCollector
 from podmeter.model.deltas import NODES, Delete, Upsert
 from podmeter.model.records import DecodeError, Node, decode_node
 from podmeter.model.store import Store
@@ -154,9 +156,13 @@ async def test_a_client_that_falls_behind_is_dropped_counted_and_reconnects_to_t
             await asyncio.wait_for(call.read(), 10)
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "dropped" in error.value.details()
         assert server.peer_clients_dropped == 1
+        registry = CollectorRegistry()
+        registry.register(HubbleStateCollector(server.peer_figures))
+        assert registry.get_sample_value("podmeter_hubble_peer_clients_dropped_total") == 1
         again = peer.Notify(peer_pb2.NotifyRequest())
         assert {name for name, _, kind in await read(again, 11) if kind == ADDED} == {
             "node-a", *(f"node-{i}" for i in range(10))}
+        assert registry.get_sample_value("podmeter_hubble_peer_clients") == 1
         again.cancel()
 
 

@@ -182,9 +182,11 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
     observer = None
     if hubble is not None:
         from podmeter.adapters.hubble.server import HubbleServer
+        from podmeter.adapters.metrics.hubble_state import HubbleStateCollector
 
         observer = HubbleServer(agent.flow_feed, args.node_name, hubble.address, tls=hubble.tls,
                                 labels=labels, nodes=agent)
+        registry.register(HubbleStateCollector(observer.peer_figures))
     try:
         if observer is not None:
             await observer.start()

@@ -493,6 +493,10 @@ class HubbleServer(Generic[F]):
 
     # --- peer.Peer
 
+    def peer_figures(self) -> tuple[int, int]:
+        """(Notify clients now, Notify clients dropped for falling behind so far), for ``/metrics``."""
+        return len(self._peer_clients), self.peer_clients_dropped
+
     @property
     def peer_address(self) -> str:
         """Where a peer (Hubble Relay) reaches this server: the listen address, the node's name for a
