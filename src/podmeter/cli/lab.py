@@ -112,6 +112,31 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _pair(value: Any) -> str:
+    """(packets, bytes) as people read it."""
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return f"{value[0]:,} pkts {value[1]:,} B"
+    return str(value)
+
+
+def failed_check_text(check: dict[str, Any], most: int = 3) -> str:
+    """One failed traffic check as a line: what was sent where, and why it failed (the counters, the first
+    problems of its flow check); the report has it all."""
+    kind = check.get("kind") or check.get("protocol", "?")
+    head = f"{kind} {check.get('src', '-')} -> {check.get('dst', '-')}"
+    why: list[str] = []
+    if check.get("problem"):
+        why.append(str(check["problem"]))
+    if "expected" in check and not isinstance(check["expected"], dict):
+        counted = ", ".join(f"{name} {_pair(check[name])}" for name in ("src_egress", "dst_ingress") if name in check)
+        why.append(f"expected {_pair(check['expected'])}" + (f", counted {counted}" if counted else ""))
+    if "delivered" in check:
+        why.append(f"delivered {check['delivered']:,}")
+    problems = list((check.get("flow") or {}).get("problems") or [])
+    why += problems[:most] + ([f"{len(problems) - most} more problems in the report"] if len(problems) > most else [])
+    return f"{head}: {'; '.join(why) if why else 'failed (see the report)'}"
+
+
 def print_summary(result: Any, files: list[Path]) -> None:
     """The verdict, every failure, and where the report is (also bench.lab's output)."""
     print()
@@ -128,7 +153,7 @@ def print_summary(result: Any, files: list[Path]) -> None:
         print(f"  {failure['invariant']}{where} {failure['subject']}: {failure['detail']}")
     for check in result.traffic:
         if not check.get("ok", True):
-            print(f"  traffic {check['protocol']} {check['src']} -> {check['dst']}: {check}")
+            print(f"  traffic {failed_check_text(check)}")
     for name, memory in result.memory.items():
         if isinstance(memory, dict) and not memory["returned"]:
             print(f"  memory: {name} grew {memory['growth_mib']} MiB (tolerance {result.memory['tolerance_mib']})")

@@ -1,0 +1,25 @@
+"""The lab's terminal summary names a failed traffic check in words people read, never a Python repr."""
+
+from __future__ import annotations
+
+from podmeter.cli.lab import failed_check_text
+
+
+def test_a_failed_exchange_reads_as_what_was_expected_and_what_was_counted() -> None:
+    check = {"protocol": "udp", "src": "shop/web-1", "dst": "shop/db-0", "src_ip": "10.0.0.1", "dst_ip": "10.0.0.2",
+             "ports": [40000, 9000], "delivered": 100, "src_egress": [100, 12800], "dst_ingress": [99, 12672],
+             "expected": [100, 12800], "ok": False,
+             "flow": {"ok": False, "problems": [f"problem {i}" for i in range(5)], "records": 2}}
+    text = failed_check_text(check)
+    assert text.startswith("udp shop/web-1 -> shop/db-0: expected 100 pkts 12,800 B, counted src_egress 100 pkts")
+    assert "dst_ingress 99 pkts 12,672 B" in text and "delivered 100" in text
+    assert "problem 0; problem 1; problem 2; 2 more problems in the report" in text
+    assert "{" not in text and "[" not in text
+
+
+def test_a_check_that_could_not_run_says_why() -> None:
+    check = {"protocol": "udp", "kind": "reuse-during-flow", "src": "-", "dst": "shop/db-0", "ok": False,
+             "expected": [20, 2560], "problem": "pod A never ran with an IP the agent knew within 30 s"}
+    assert failed_check_text(check) == ("reuse-during-flow - -> shop/db-0: pod A never ran with an IP the agent "
+                                        "knew within 30 s; expected 20 pkts 2,560 B")
+    assert failed_check_text({"protocol": "tcp", "ok": False}) == "tcp - -> -: failed (see the report)"
