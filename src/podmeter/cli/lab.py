@@ -30,6 +30,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--lifecycles", type=_positive_int,
                    help="end the steps once this many pods were created and deleted (or at the duration)")
     p.add_argument("--no-progress", action="store_true", help="no live display")
+    p.add_argument("--hubble", action=argparse.BooleanOptionalAction, default=None,
+                   help="each agent also serves Hubble's Observer API on a loopback port of its own, and the lab "
+                        "prints the hubble observe command (default: the scenario's agent.hubble, off)")
     p.add_argument("--kubeconfig", type=Path, metavar="FILE",
                    help="run the scenario's nodes, agents and operator against this existing API server instead of "
                         "the embedded one; what it creates there is removed at the end (docs/lab.md)")
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         options = LabOptions(args.out, args.datapath, not args.no_progress, args.duration, args.lifecycles,
-                             kubeconfig=args.kubeconfig)
+                             kubeconfig=args.kubeconfig, hubble=args.hubble)
         lab = lab_run(scenario, options)  # several nodes, or an existing API server: lab.cluster
     except RuntimeError as exc:
         print(f"podmeter lab: {exc}", file=sys.stderr)

@@ -75,7 +75,7 @@ from podmeter.lab.kube import KubeClient, pod_path
 from podmeter.lab.netns import Sandbox, in_namespace
 from podmeter.lab.processes import FAULTY_AGENT, PODMETER, free_port, http_text, rss_mib, wait_ready
 from podmeter.lab.relay import Relays
-from podmeter.lab.run import NODE_NAME, LabOptions, LabRun, Sample, _fmt, _percentiles
+from podmeter.lab.run import NODE_NAME, LabOptions, LabRun, Sample, WatchPoint, _fmt, _percentiles
 from podmeter.lab.runinfo import Mark
 from podmeter.lab.traffic import UDP_OVERHEAD, Endpoint, send_tcp, send_udp
 from podmeter.model.configuration import DEFAULT_NAME, decode_configuration
@@ -140,6 +140,7 @@ class LabNode:
     bpffs: Path
     port: int  # the agent's HTTP port: on its loopback, and relayed to the runner's (eBPF)
     checker: NodeChecker
+    hubble_port: int | None = None  # the agent's Hubble API (--hubble): its loopback, relayed as ``port``
     netns: str | None = None  # /run/netns/<tag>-n<i> (eBPF)
     address: str = "192.168.255.1"  # the node's IP (the fabric's), given to its host-network pods
     restarting: bool = False
@@ -159,6 +160,10 @@ class LabNode:
     @property
     def agent(self) -> str:
         return f"agent-{self.name}"
+
+    @property
+    def hubble(self) -> str | None:
+        return None if self.hubble_port is None else f"127.0.0.1:{self.hubble_port}"
 
 
 @dataclass(frozen=True)
@@ -188,7 +193,9 @@ class ClusterRun(LabRun):
             checker.traffic_pods = self.checker.traffic_pods  # one set: LabRun's helpers add to self.checker's
             bpffs = self.bpffs / spec.name if scenario.nodes else self.bpffs
             self.nodes.append(LabNode(spec.name, spec, spec.agent_fault or scenario.agent.fault, bpffs,
-                                      free_port(), checker))
+                                      free_port(), checker,
+                                      hubble_port=None if self.hubble_port is None else free_port()))
+        self.result.hubble = {n.name: n.hubble for n in self.nodes if n.hubble is not None}
         self.fabric = Fabric(self.tag, [(n.name, n.spec.pod_cidr) for n in self.nodes]) \
             if self.datapath == "ebpf" else None
         if self.fabric is not None:
@@ -323,7 +330,8 @@ class ClusterRun(LabRun):
         args = base[base.index("agent"):]  # before it: the interpreter, and the faulty agent's prefix
         for flag, value in (("--kubeconfig", str(self.kubeconfig)), ("--node-name", node.name),
                             ("--bpffs", str(node.bpffs)), ("--filter-map-size", str(node.spec.filter_map_size)),
-                            ("--listen", f"127.0.0.1:{node.port}")):
+                            ("--listen", f"127.0.0.1:{node.port}"),
+                            *((("--hubble-listen", node.hubble),) if node.hubble is not None else ())):
             if flag in args:
                 args[args.index(flag) + 1] = value
             else:
@@ -335,9 +343,10 @@ class ClusterRun(LabRun):
         process = self.processes.processes.get(lab_node.agent)
         if process is None:
             process = self.processes.add(lab_node.agent, self._node_agent_argv(lab_node), self.out / "logs")
-            if lab_node.netns is not None:  # the agent's loopback port, on the runner's loopback too
-                self.relays.add(("127.0.0.1", lab_node.port), ("127.0.0.1", lab_node.port),
-                                target_netns=lab_node.netns)
+            if lab_node.netns is not None:  # the agent's loopback ports, on the runner's loopback too
+                for port in (lab_node.port, lab_node.hubble_port):
+                    if port is not None:
+                        self.relays.add(("127.0.0.1", port), ("127.0.0.1", port), target_netns=lab_node.netns)
         with self._in_node(lab_node):
             process.start()
         wait_ready(f"{lab_node.url}/readyz", process)
@@ -801,7 +810,7 @@ class ClusterRun(LabRun):
         mine = [f for f in failures if f.get("node") == node.name]
         return {
             "name": node.name, "pod_cidr": node.spec.pod_cidr, "address": node.address, "netns": node.netns,
-            "bpffs": str(node.bpffs), "agent_port": node.port, "agent_fault": node.fault,
+            "bpffs": str(node.bpffs), "agent_port": node.port, "agent_fault": node.fault, "hubble": node.hubble,
             "agent_starts": process.starts if process is not None else 0,
             "peaks": dict(node.peaks), "last": dict(node.last),
             "memory": self.result.memory.get(node.agent),
@@ -830,14 +839,21 @@ class ClusterRun(LabRun):
 
     # --- the live display ----------------------------------------------------------------------------
 
-    def _render(self) -> Any:
-        table = super()._render()
+    def watch_points(self) -> list[WatchPoint]:
+        """Per node: each agent's loopback ports are relayed to the same ports of the runner's loopback in
+        eBPF mode (in memory mode the agents are there), so the commands need no namespace."""
+        return [WatchPoint(node.name, f"127.0.0.1:{node.port}", f"podmeter observe --server 127.0.0.1:{node.port} -f",
+                           node.hubble, None if node.hubble is None else f"hubble observe --server {node.hubble} -f")
+                for node in self.nodes]
+
+    def _panel_rows(self) -> list[tuple[str, str]]:
+        rows = super()._panel_rows()
         for node in self.nodes:
             last = node.last
             text = "-" if not last else (f"{last['pods']} pods, {last['desired']} desired, kernel "
                                          f"{_fmt(last['kernel'])}, {_fmt(last['endpoints'])} endpoints")
-            table.add_row(node.name, text)
-        return table
+            rows.append((node.name, text))
+        return rows
 
 
 def _pod_bytes(samples: Samples, pod: str, direction: str) -> float:

@@ -380,6 +380,8 @@ def _run_rows(result: LabResult, out: Path) -> list[list[Any]]:
             ["duration", f"{_duration(info.duration_s)} in all: start-up, {steps}, teardown and settling"],
             ["settle", f"{_duration(info.settle_s)} (a violation lasting longer fails the run), a sample every "
                        f"{_duration(info.sample_interval_s)}"],
+            *([["Hubble API", ", ".join(f"{node} {address}" for node, address in result.hubble.items())]]
+              if result.hubble else []),
             ["logs", _log_links(Path(info.log_dir), out)]]
 
 

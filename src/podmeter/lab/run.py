@@ -89,6 +89,20 @@ class LabOptions:
     duration: float | None = None  # override the scenario's duration (benchmarks)
     lifecycles: int | None = None  # override the scenario's lifecycles (end after this many)
     kubeconfig: Path | None = None  # an existing API server instead of the embedded one (lab.cluster)
+    hubble: bool | None = None  # override the scenario's agent.hubble (podmeter lab --hubble/--no-hubble)
+
+
+@dataclass(frozen=True)
+class WatchPoint:
+    """Where one node's agent serves its flows, and the commands that follow them live from a shell of the
+    machine (the start banner, the live panel)."""
+
+    node: str
+    flows: str  # HOST:PORT of the agent's HTTP endpoints (/debug/flows)
+    observe: str  # podmeter observe --server HOST:PORT -f, with its netns prefix where one is needed
+    hubble: str | None = None  # HOST:PORT of the agent's Hubble API (--hubble), else None
+    hubble_observe: str | None = None  # hubble observe --server HOST:PORT -f, the same prefix
+    netns: str | None = None  # the network namespace both commands enter (eBPF single-node runs)
 
 
 @dataclass
@@ -131,6 +145,7 @@ class LabResult:
     marks: list[Mark] = field(default_factory=list)  # faults, agent kills, holds: lines on the time plots
     transients: dict[str, dict[str, Any]] = field(default_factory=dict)  # invariant -> count, the longest
     checked: list[str] = field(default_factory=list)  # invariants the samples could check (I1-I5, ...)
+    hubble: dict[str, str] = field(default_factory=dict)  # node -> its agent's Hubble API (--hubble), else empty
 
 
 def choose_datapath(requested: str) -> tuple[str, str | None]:
@@ -169,6 +184,10 @@ class LabRun(Hooks):
                                metrics_grace=scenario.agent.series_grace + scenario.sample_interval)
         self.agent_port = free_port()
         self.operator_port = free_port()
+        # Loopback, like the HTTP port: the Hubble API's default access rule lets local clients in without TLS.
+        self.hubble_port = free_port() if hubble_wanted(scenario, options) else None
+        if self.hubble_port is not None:
+            self.result.hubble[NODE_NAME] = f"127.0.0.1:{self.hubble_port}"
         self.flow_client = FlowClient(f"http://127.0.0.1:{self.agent_port}")
         self.flow_records: list[Record] = []  # every record a flow check read (the report's matrix, top flows)
         self.held: dict[str, set[str]] = {}  # ip -> "ns/name" of every pod the lab saw hold it (I8)
@@ -237,8 +256,7 @@ class LabRun(Hooks):
         sampler = threading.Thread(target=self._sample_loop, name="lab-sampler", daemon=True)
         probe = threading.Thread(target=self._latency_probe, name="lab-latency", daemon=True)
         self.started, self.started_wall = time.monotonic(), time.time()
-        print(f"podmeter lab: the agent's flows at 127.0.0.1:{self.agent_port}; watch them live with: "
-              f"{self.observe_command()}", flush=True)
+        self._announce()
         sampler.start()
         if self.datapath == "ebpf":
             probe.start()
@@ -315,6 +333,8 @@ class LabRun(Hooks):
                 # Every scrape rendered afresh: the checks compare /metrics with the kernel read a moment
                 # before, and wait on podmeter_flow_drains_total for a drain after each exchange.
                 "--metrics-min-interval", "0"]
+        if self.hubble_port is not None:
+            args += ["--hubble-listen", f"127.0.0.1:{self.hubble_port}"]
         if self.scenario.agent.fault is not None:
             return [*FAULTY_AGENT, self.scenario.agent.fault, *args]
         return [*PODMETER, *args]
@@ -846,22 +866,42 @@ class LabRun(Hooks):
                 thread.join()
                 live.update(self._render())
 
+    def _netns_prefix(self) -> str:
+        """The agent listens on the node's loopback, which is in the node's network namespace in eBPF mode
+        (``/debug/flows`` and the Hubble API without TLS answer loopback clients only)."""
+        return f"ip netns exec {self.tag} " if self.datapath == "ebpf" else ""
+
     def observe_command(self) -> str:
-        """The command that shows this run's flows live: the agent listens on the node's loopback, which is
-        in the node's network namespace in eBPF mode (``/debug/flows`` answers loopback readers only)."""
-        command = f"podmeter observe --server 127.0.0.1:{self.agent_port} -f"
-        return f"ip netns exec {self.tag} {command}" if self.datapath == "ebpf" else command
+        """The command that shows this run's flows live."""
+        return f"{self._netns_prefix()}podmeter observe --server 127.0.0.1:{self.agent_port} -f"
 
-    def _render(self) -> Any:
-        """A compact key/value panel: it fits an 80-column terminal (and a log, when not a terminal)."""
-        from rich.console import Group
-        from rich.table import Table
-        from rich.text import Text
+    def hubble_command(self) -> str | None:
+        """``hubble observe`` following this run's flows over Hubble's protocol (None: the API is off)."""
+        if self.hubble_port is None:
+            return None
+        return f"{self._netns_prefix()}hubble observe --server 127.0.0.1:{self.hubble_port} -f"
 
+    def watch_points(self) -> list[WatchPoint]:
+        """Per node (one here): where its agent's flows are and how to follow them."""
+        hubble = None if self.hubble_port is None else f"127.0.0.1:{self.hubble_port}"
+        return [WatchPoint(NODE_NAME, f"127.0.0.1:{self.agent_port}", self.observe_command(), hubble,
+                           self.hubble_command(), self.tag if self.datapath == "ebpf" else None)]
+
+    def _announce(self) -> None:
+        """Once at the start: each agent's addresses and the commands to copy (also under the live panel)."""
+        points = self.watch_points()
+        for point in points:
+            who = "the agent" if len(points) == 1 else f"the agent of {point.node}"
+            print(f"podmeter lab: {who}'s flows at {point.flows}; watch them live with: {point.observe}", flush=True)
+            if point.hubble_observe is not None:
+                print(f"podmeter lab: {who}'s Hubble API at {point.hubble}; with Hubble's CLI: "
+                      f"{point.hubble_observe}", flush=True)
+
+    def _panel_rows(self) -> list[tuple[str, str]]:
         s, stats = self._last, self.driver.stats if self.driver else None
         duration = self.options.duration or self.scenario.duration
         target = self.options.lifecycles or self.scenario.lifecycles
-        rows = [
+        return [
             ("time", f"{time.monotonic() - self.started:.1f} of {duration:g} s"),
             ("step", stats.step if stats else "-"),
             ("lifecycles", f"{stats.lifecycles if stats else 0:,}" + (f" of {target:,}" if target else "")),
@@ -869,16 +909,36 @@ class LabRun(Hooks):
             ("RSS agent / operator MiB", "-" if s is None else f"{_fmt(s.agent_rss)} / {_fmt(s.operator_rss)}"),
             ("identities", "-" if s is None else _fmt(s.identities)),
             ("violations open / failed", f"{len(self.checker.open)} / {len(self.checker.failures)}"),
-            ("agent flows at", f"127.0.0.1:{self.agent_port}" + (f" (netns {self.tag})" if self.datapath == "ebpf"
-                                                                     else "")),
         ]
+
+    def _render(self) -> Any:
+        """A compact key/value panel: it fits an 80-column terminal (and a log, when not a terminal). Under
+        it, each agent's commands, one line each to copy."""
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
         table = Table(title=f"podmeter lab: {self.scenario.name} ({self.datapath}, seed {self.scenario.seed})",
                       show_header=False)
         table.add_column(style="bold")
         table.add_column()
+        points = self.watch_points()
+        rows = self._panel_rows()
+        for point in points:
+            who = "agent" if len(points) == 1 else f"{point.node} agent"
+            where = f" (netns {point.netns})" if point.netns else ""
+            rows.append((f"{who} flows at", point.flows + where))
+            if point.hubble is not None:
+                rows.append((f"{who} Hubble API at", point.hubble + where))
         for key, value in rows:
             table.add_row(key, value)
-        return Group(table, Text(self.observe_command(), no_wrap=True))  # under the panel: one line to copy
+        commands = [c for p in points for c in (p.observe, p.hubble_observe) if c is not None]
+        return Group(table, *(Text(c, no_wrap=True) for c in commands))
+
+
+def hubble_wanted(scenario: sc.Scenario, options: LabOptions) -> bool:
+    """The agents serve the Hubble API: the command line's choice, else the scenario's ``agent.hubble``."""
+    return scenario.agent.hubble if options.hubble is None else options.hubble
 
 
 def _fmt(value: float | None) -> str:

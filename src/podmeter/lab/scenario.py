@@ -246,6 +246,9 @@ class AgentSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # exchange, and read every record of it from the ring.
     flow_interval: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.5
     flow_buffer: Annotated[int, msgspec.Meta(ge=16, le=10_000_000)] = 65536
+    # The agent also serves Hubble's Observer API (--hubble-listen) on a loopback port of its own, so a
+    # client speaking Hubble's protocol reads the run's flows live; ``podmeter lab --hubble`` overrides.
+    hubble: bool = False
 
 
 class OperatorSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
