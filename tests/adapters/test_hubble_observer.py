@@ -357,6 +357,10 @@ async def test_a_flow_carries_what_podmeter_knows_in_hubbles_fields(hubble: Any)
     assert (icmp.traffic_direction, icmp.trace_observation_point) == (flow_pb2.INGRESS, flow_pb2.TO_ENDPOINT)
     assert (tcp.event_type.type, tcp.event_type.sub_type, icmp.event_type.sub_type) == (4, 5, 0)
     assert not tcp.HasField("is_reply")  # unknown, printed as <> by hubble observe
+    # The compact printer's last column: TCP flags as Hubble's agent lists them (SYN, ACK, RST, FIN, PSH...),
+    # podmeter's own short text for the other protocols.
+    assert [f.Summary for f in (tcp, udp, icmp, back, v6)] == [
+        "TCP Flags: SYN, ACK", "UDP", "ICMPv4 type 8 code 0", "TCP Flags: ACK, FIN, PSH", "ICMPv6 type 128 code 0"]
 
 
 def with_drops(batch: list[FlowRecord]) -> list[FlowRecord]:
@@ -383,6 +387,9 @@ async def test_a_dropped_record_is_a_drop_event_with_the_cilium_code_only_where_
     assert (forwarded.event_type.type, forwarded.drop_reason_desc) == (4, flow_pb2.DROP_REASON_UNKNOWN)
     assert netfilter.trace_observation_point == flow_pb2.FROM_ENDPOINT  # the observed end, as for forwarded flows
     assert flows[8].traffic_direction == flow_pb2.INGRESS
+    # The kernel's reason, which no other Hubble field carries, is the summary hubble observe prints.
+    assert [flows[i].Summary for i in DROPPED] == ["NETFILTER_DROP", "IPV6_BAD_EXTHDR", "TCP_CSUM", "NETFILTER_DROP"]
+    assert forwarded.Summary == "ICMPv4 type 8 code 0"
 
 
 def event(kind: int, sub_type: int | None = None) -> flow_pb2.EventTypeFilter:

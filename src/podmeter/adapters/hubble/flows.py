@@ -22,9 +22,14 @@ What a record carries maps onto Hubble's message like this (the compatibility ta
   Cilium code's; any other leaves ``drop_reason_desc`` unknown and has the sub-type
   :data:`DROP_SUB_TYPE_UNKNOWN` (255, which Cilium does not use: Hubble's printers, naming the sub-type from
   Cilium's table, would show 0 as "Success").
+- ``Summary`` (deprecated in Hubble's API, still the last column of ``hubble observe``'s compact output):
+  for TCP ``TCP Flags: SYN, ACK`` as Hubble's agent writes it (names in its order: SYN, ACK, RST, FIN, PSH,
+  URG, ECE, CWR), here every flag seen in the entry, ``TCP`` if none; podmeter's own short text otherwise:
+  ``UDP``, ``ICMPv4 type 8 code 0``, the protocol's number for others, and for a dropped record the kernel's
+  reason name (``NETFILTER_DROP``), which no other Hubble field can carry.
 
-Hubble's flow has no packet or byte counts, no retransmit count and no field for the kernel's drop reason:
-they are absent from the message (``podmeter observe -o json`` and the metrics have them).
+Hubble's flow has no packet or byte counts, no retransmit count and no field for the kernel's drop reason
+but ``Summary``: the counts are absent from the message (``podmeter observe -o json`` and the metrics have them).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from podmeter.adapters.hubble.proto import flow_pb2, observer_pb2
 from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
-from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, Observation
+from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, Observation, protocol_name
 from podmeter.model.records import Pod
 
 # A pod's labels as the agent stores them, a flat tuple (k1, v1, k2, v2, ...); () when it does not know them.
@@ -64,6 +69,8 @@ DIRECTIONS = {Observation.TO_POD: flow_pb2.INGRESS, Observation.FROM_POD: flow_p
 SUB_TYPES = {Observation.TO_POD: TRACE_TO_ENDPOINT, Observation.FROM_POD: TRACE_FROM_ENDPOINT}
 VERDICTS = {"forwarded": flow_pb2.FORWARDED, "dropped": flow_pb2.DROPPED}
 TCP_FLAG_FIELDS = ("FIN", "SYN", "RST", "PSH", "ACK", "URG", "ECE", "CWR")  # bit 0 first, as the kernel's byte
+# The order in which Hubble's agent lists the flags in a flow's summary (not the bits' order).
+SUMMARY_FLAGS = tuple(TCP_FLAG_FIELDS.index(name) for name in ("SYN", "ACK", "RST", "FIN", "PSH", "URG", "ECE", "CWR"))
 
 
 def no_labels(endpoint: Endpoint) -> tuple[str, ...]:
@@ -141,6 +148,18 @@ def layer4(record: FlowRecord) -> flow_pb2.Layer4 | None:
     return None
 
 
+def summary(record: FlowRecord) -> str:
+    """The flow's one line for Hubble's compact printer (the module docstring says what each shape gets)."""
+    if record.verdict == VERDICT_DROPPED:
+        return record.drop_reason or "dropped"
+    if record.protocol == TCP:
+        flags = [TCP_FLAG_FIELDS[bit] for bit in SUMMARY_FLAGS if record.tcp_flags & (1 << bit)]
+        return "TCP Flags: " + ", ".join(flags) if flags else "TCP"
+    if record.protocol in (ICMP, ICMPV6):
+        return f"{protocol_name(record.protocol)} type {record.source.port} code {record.destination.port}"
+    return protocol_name(record.protocol)  # UDP, or the number of a protocol podmeter has no name for
+
+
 class FlowMessages:
     """Turns records into ``GetFlowsResponse`` messages, and into their bytes once for every stream that sends
     them (a record followed by ten clients is encoded once). Both caches are bounded: the endpoint messages
@@ -188,6 +207,7 @@ class FlowMessages:
             event_type=flow_pb2.CiliumEventType(type=kind, sub_type=sub_type),
             traffic_direction=DIRECTIONS[observation],
             trace_observation_point=POINTS[observation],
+            Summary=summary(record),
         )
         if kind == MESSAGE_TYPE_DROP:
             flow.drop_reason_desc = drop_reason(record)

@@ -24,6 +24,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class _FlowType:
@@ -184,12 +189,27 @@ class Flow(_message.Message):
     TRACE_OBSERVATION_POINT_FIELD_NUMBER: _builtins.int
     DROP_REASON_DESC_FIELD_NUMBER: _builtins.int
     IS_REPLY_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
     verdict: Global___Verdict.ValueType
     Type: Global___FlowType.ValueType
     node_name: _builtins.str
     traffic_direction: Global___TrafficDirection.ValueType
     trace_observation_point: Global___TraceObservationPoint.ValueType
     drop_reason_desc: Global___DropReason.ValueType
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def Summary(self) -> _builtins.str:
+        """A line of text Hubble's compact printer shows last: for TCP the flags seen, else podmeter's own short
+        text (docs/hubble.md, "Flow fields"). Deprecated in Hubble's API, which still prints it.
+        """
+
+    @Summary.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def Summary(self, value: _builtins.str) -> None:
+        """A line of text Hubble's compact printer shows last: for TCP the flags seen, else podmeter's own short
+        text (docs/hubble.md, "Flow fields"). Deprecated in Hubble's API, which still prints it.
+        """
+
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """the last packet of the entry"""
@@ -224,10 +244,11 @@ class Flow(_message.Message):
         trace_observation_point: Global___TraceObservationPoint.ValueType = ...,
         drop_reason_desc: Global___DropReason.ValueType = ...,
         is_reply: _wrappers_pb2.BoolValue | None = ...,
+        Summary: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["IP", b"IP", "destination", b"destination", "event_type", b"event_type", "is_reply", b"is_reply", "l4", b"l4", "source", b"source", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["IP", b"IP", "Type", b"Type", "destination", b"destination", "drop_reason_desc", b"drop_reason_desc", "event_type", b"event_type", "is_reply", b"is_reply", "l4", b"l4", "node_name", b"node_name", "source", b"source", "time", b"time", "trace_observation_point", b"trace_observation_point", "traffic_direction", b"traffic_direction", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["IP", b"IP", "Summary", b"Summary", "Type", b"Type", "destination", b"destination", "drop_reason_desc", b"drop_reason_desc", "event_type", b"event_type", "is_reply", b"is_reply", "l4", b"l4", "node_name", b"node_name", "source", b"source", "time", b"time", "trace_observation_point", b"trace_observation_point", "traffic_direction", b"traffic_direction", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -3,7 +3,7 @@
 isort:skip_file
 podmeter's copy of Hubble's peer service (package `peer`), written for podmeter from the field numbers and
 types of Hubble's published API: Hubble Relay asks it which nodes serve the Observer API and where.
-podmeter's agent answers for its own node only (docs/hubble.md).
+podmeter's agent answers with every node of the cluster, or its own node only on a local address (docs/hubble.md).
 """
 
 from collections import abc as _abc
