@@ -2,10 +2,12 @@
 
 The agent runs in-process through the command line's own serving code (``podmeter.cli.agent._serve``: the
 same HTTP app, renderers and flow drain as ``podmeter agent``) on the in-memory datapath, whose counters
-and flows are filled on the agent's loop exactly as the kernel program fills them. ``_serve`` installs
-its SIGTERM handler, which needs the main thread: the agent runs there and the test's steps in a thread.
+and flows are filled on the agent's loop exactly as the kernel program fills them; drops come from a drop
+source in memory (:class:`MemoryDrops`) filled the way the kernel's drop program fills its maps. ``_serve``
+installs its SIGTERM handler, which needs the main thread: the agent runs there and the test's steps in a
+thread.
 
-promtool's findings are exact: none without ``--retina-compat``, and with it only the three that Retina's
+promtool's findings are exact: none without ``--retina-compat``, and with it only the four that Retina's
 own names cause (docs/metrics.md, "Retina names").
 """
 
@@ -19,7 +21,7 @@ import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -32,9 +34,10 @@ from podmeter.adapters.kube.connection import load_connection
 from podmeter.cli.agent import _serve
 from podmeter.cli.main import build_parser
 from podmeter.model.datapath import Direction
-from podmeter.model.flows import UDP, FlowKey, Observation
+from podmeter.model.drops import HOOKS, DropDrain, DropFlowKey, DropKey
+from podmeter.model.flows import TCP, UDP, FlowCounts, FlowKey, Observation
 from podmeter.runtime.datapaths import OpenDatapath
-from podmeter.runtime.drop_drain import open_drops
+from podmeter.runtime.drop_drain import DropTracing
 from waiting import free_port, wait_for
 from waiting import http_get as get
 
@@ -46,11 +49,42 @@ RETINA_FINDINGS = {  # what promtool says of Retina's own names, word for word (
     'networkobservability_adv_forward_bytes counter metrics should have "_total" suffix',
     'networkobservability_adv_forward_count counter metrics should have "_total" suffix',
     'networkobservability_adv_forward_count non-histogram and non-summary metrics should not have "_count" suffix',
+    'networkobservability_adv_drop_count non-histogram and non-summary metrics should not have "_count" suffix',
 }
 WEB, DB, WORLD = "10.4.0.1", "10.4.0.2", "203.0.113.9"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 SAMPLE = re.compile(r"(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)")
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+class MemoryDrops:
+    """A drop source in memory, filled as the kernel's drop program fills its maps: per observed address,
+    direction and reason (packets and bytes), and per dropped flow; a drain takes everything."""
+
+    def __init__(self) -> None:
+        self.pending = DropDrain()
+
+    @property
+    def hooks(self) -> Mapping[str, bool]:
+        return dict.fromkeys(HOOKS, True)
+
+    def drop(self, source: str, destination: str, observed: tuple[bool, bool], reason: str, packets: int,
+             size: int) -> None:
+        """``packets`` TCP packets of ``size`` bytes in all from ``source`` to ``destination`` dropped."""
+        for ip, direction, seen in ((source, Direction.EGRESS, observed[0]),
+                                    (destination, Direction.INGRESS, observed[1])):
+            if seen:
+                self.pending.drops.append((DropKey(ip, direction, reason), packets))
+                self.pending.drop_bytes.append((DropKey(ip, direction, reason), size))
+        key = DropFlowKey(source, destination, 40000, 5432, TCP, *observed, reason)
+        self.pending.flows.append((key, FlowCounts(packets, size, 1_000_000_000, 1_000_000_000, 0b10)))
+
+    def drain_drops(self) -> DropDrain:
+        taken, self.pending = self.pending, DropDrain()
+        return taken
+
+    def drops_lost(self) -> Mapping[str, int]:
+        return {}
 
 
 def promtool(exposition: str) -> tuple[int, set[str]]:
@@ -89,6 +123,7 @@ class RunningAgent:
              "--kubeconfig", str(server.kubeconfig), "--flow-interval", "0.1", "--metrics-min-interval", "0",
              "--drop-map-size", "0", *flags])
         self.memory = MemoryDatapath(1024, flow_capacity=1024)
+        self.drops = MemoryDrops()
         self.loop = asyncio.new_event_loop()
         self.cluster = Cluster(server)
 
@@ -122,7 +157,7 @@ class RunningAgent:
             finally:
                 os.kill(os.getpid(), signal.SIGTERM)  # the agent's own handler: stop, as for the process
 
-        drops = open_drops(self.memory, 0)
+        drops = DropTracing(self.drops)
         opened = OpenDatapath(self.memory, self.memory)
         main = self.loop.create_task(_serve(self.args, load_connection(str(self.args.kubeconfig)), opened, None,
                                             drops))
@@ -150,7 +185,7 @@ def _ready(url: str) -> bool:
 
 def two_pods_and_traffic(agent: RunningAgent) -> None:
     """Pods web and db of node-a; web sends db 3 datagrams (seen leaving web and entering db) and the
-    world 2; the per-pod counters as the kernel counts the same packets."""
+    world 2; the per-pod counters as the kernel counts the same packets; and drops (below)."""
     agent.cluster.namespace("shop", observe=True)
     agent.cluster.pod("shop", "web", WEB)
     agent.cluster.pod("shop", "db", DB)
@@ -166,6 +201,10 @@ def two_pods_and_traffic(agent: RunningAgent) -> None:
             assert agent.memory.record_flow(key, packets, packets * 100, now)
         agent.memory.count(WEB, Direction.EGRESS, 5, 500)
         agent.memory.count(DB, Direction.INGRESS, 3, 300)
+        # netfilter drops 2 of web's segments to db (both ends observed: one dropped flow), and the world's
+        # one segment to web finds no socket
+        agent.drops.drop(WEB, DB, (True, True), "NETFILTER_DROP", 2, 120)
+        agent.drops.drop(WORLD, WEB, (False, True), "NO_SOCKET", 1, 60)
 
     agent.on_loop(inject)
 
@@ -199,6 +238,21 @@ def test_local_mode_has_retina_counters_with_unknown_and_only_the_documented_fin
         assert found[("networkobservability_adv_forward_count", web)] == 5
         assert found[("networkobservability_adv_forward_bytes", web)] == 500
         assert not any("source_podname" in dict(labels) for _, labels in found)  # never both contexts
+        wait_for(lambda: "networkobservability_adv_drop_count{" in agent.metrics(), what="drop series")
+        text = agent.metrics()
+        assert types(text)["networkobservability_adv_drop_count"] == "gauge"  # as Retina's exporter has them
+        assert types(text)["networkobservability_adv_drop_bytes"] == "gauge"
+
+        def pod(direction: str, ip: str, name: str, reason: str) -> frozenset[tuple[str, str]]:
+            return frozenset({"direction": direction, "ip": ip, "namespace": "shop", "podname": name,
+                              "reason": reason, "workload_kind": "unknown", "workload_name": "unknown"}.items())
+
+        found = samples(text)
+        dropped = {labels: (value, found[("networkobservability_adv_drop_bytes", labels)])
+                   for (name, labels), value in found.items() if name == "networkobservability_adv_drop_count"}
+        assert dropped == {pod("egress", WEB, "web", "IPTABLE_RULE_DROP"): (2, 120),  # Retina's name: exact
+                           pod("ingress", DB, "db", "IPTABLE_RULE_DROP"): (2, 120),
+                           pod("ingress", WEB, "web", "NO_SOCKET"): (1, 60)}  # the kernel's: Retina has none
         code, findings = promtool(text)
         assert (code, findings) == (3, RETINA_FINDINGS)
         agent.cluster.delete_pod("shop", "web")
@@ -206,6 +260,8 @@ def test_local_mode_has_retina_counters_with_unknown_and_only_the_documented_fin
                  what="web's IP out of the filter")
         # Within the grace period the pod holds no IP, yet its series keeps its labels (no new series).
         assert samples(agent.metrics())[("networkobservability_adv_forward_count", web)] == 5
+        assert samples(agent.metrics())[("networkobservability_adv_drop_count", pod("egress", WEB, "web",
+                                                                                    "IPTABLE_RULE_DROP"))] == 2
 
     RunningAgent(lab, ["--retina-compat"]).run(steps)
 
@@ -238,9 +294,25 @@ def test_remote_mode_has_the_series_retinas_pod_level_dashboards_query(lab: LabS
         assert not any("podname" in dict(labels) for _, labels in found)  # no local-context series
         assert samples(text, "podmeter_retina_")[("podmeter_retina_flow_series", frozenset())] == 3
         # The dashboards' panels: pod-to-pod traffic, and traffic to addresses no pod holds.
-        to_pods = [labels for (name, labels), _ in found.items() if name.endswith("_count")
+        to_pods = [labels for (name, labels), _ in found.items() if name == "networkobservability_adv_forward_count"
                    and dict(labels)["source_podname"] != "unknown" and dict(labels)["destination_podname"] != "unknown"]
         assert len(to_pods) == 2
+        wait_for(lambda: "networkobservability_adv_drop_count{" in agent.metrics(), what="remote drop series")
+        text = agent.metrics()
+        assert types(text)["networkobservability_adv_drop_count"] == "gauge"
+        found = samples(text)
+        dropped = {labels: (value, found[("networkobservability_adv_drop_bytes", labels)])
+                   for (name, labels), value in found.items() if name == "networkobservability_adv_drop_count"}
+        # One dropped flow record, one series, seen where it was dropped: leaving web, and entering web.
+        assert dropped == {
+            frozenset({"direction": "EGRESS", "reason": "IPTABLE_RULE_DROP", **web_db}.items()): (2, 120),
+            frozenset({"direction": "INGRESS", "reason": "NO_SOCKET", **end("source", WORLD, None),
+                       **end("destination", WEB, "web")}.items()): (1, 60)}
+        # The dashboard's drop panel: drops between pods by source pod.
+        assert [dict(labels)["source_podname"] for labels in dropped
+                if dict(labels)["source_podname"] != "unknown" and dict(labels)["destination_podname"] != "unknown"
+                ] == ["web"]
+        assert samples(text, "podmeter_retina_")[("podmeter_retina_drop_series", frozenset())] == 2
         code, findings = promtool(text)
         assert (code, findings) == (3, RETINA_FINDINGS)
 

@@ -76,8 +76,8 @@ def register(subparsers: Any) -> None:
                    help="max_entries of each kernel drop and TCP map: drops by pod, direction and reason, and "
                         "dropped flows, between two drains; 0 turns drops and TCP health off (default 16384)")
     p.add_argument("--retina-compat", nargs="?", const=LOCAL, type=retina_context, metavar="local|remote",
-                   help="also export Retina's networkobservability_adv_forward_count/_bytes: per pod (local, the "
-                        "flag alone) or per flow (remote, as Retina's pod-level dashboards query them)")
+                   help="also export Retina's networkobservability_adv_forward_* and _drop_* series: per pod "
+                        "(local, the flag alone) or per flow (remote, as Retina's pod-level dashboards query them)")
     p.add_argument("--hubble-listen", metavar="ADDR",
                    help="serve Hubble's Observer gRPC API (hubble observe, Relay, UI) on unix:///PATH or HOST:PORT "
                         "(default: off; 4246 suggested: docs/hubble.md); a non-loopback address needs the TLS options")
@@ -164,11 +164,13 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
     if args.retina_compat == REMOTE and agent.flows is not None:  # the drain feeds both (model.retina_flows)
         flows = WorkloadFlowsAndRetina(args.node_name, settings.flow_series_limit, settings.flow_series_idle)
         agent.workload_flows = agent.flows.series = flows
-        renderers.append(lambda: render_remote(flows.retina))
+        if agent.drops is not None:  # Retina's drop series count the dropped flow records
+            agent.drops.series = flows.retina_drops.add
+        renderers.append(lambda: render_remote(flows.retina, flows.retina_drops))
     traffic = PodTrafficExposition(agent.ledger, datapath.read_counters, args.retina_compat == LOCAL)
     drop_series = PodDropExposition(agent.drop_ledger, lambda: drops.hooks,
                                     drops.source.drops_lost if drops.source else None,
-                                    agent.drops.stats if agent.drops else None)
+                                    agent.drops.stats if agent.drops else None, args.retina_compat == LOCAL)
     debug = {"/debug/state": agent.debug_state, "/debug/endpoints": agent.debug_endpoints}
 
     def labels(endpoint: Endpoint) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from podmeter.model.flow_records import VERDICT_DROPPED, EndpointCache, FlowEnd,
 from podmeter.model.flows import TCP, FlowCounts, Observation
 from podmeter.model.pod_series import SeriesBook
 from podmeter.model.records import Pod
+from podmeter.model.workloads import workload_of
 
 # The datapath's hooks, by tracepoint name (what `podmeter_drop_tracing_enabled{hook}` names).
 HOOK_DROPS = "kfree_skb"
@@ -88,6 +89,7 @@ class DropDrain:
     flows: list[tuple[DropFlowKey, FlowCounts]] = field(default_factory=list)
     tcp: list[tuple[tuple[str, TcpEvent], int]] = field(default_factory=list)  # (local IP, event): count
     retransmits: list[tuple[ConnectionKey, int]] = field(default_factory=list)
+    drop_bytes: list[tuple[DropKey, int]] = field(default_factory=list)  # bytes of the same keys as ``drops``
 
     def __bool__(self) -> bool:
         return bool(self.drops or self.flows or self.tcp or self.retransmits)
@@ -121,7 +123,10 @@ class DropSeries:
     uid: str
     namespace: str
     name: str
+    workload_kind: str = ""
+    workload_name: str = ""
     drops: dict[tuple[Direction, str], int] = field(default_factory=dict)
+    drop_bytes: dict[tuple[Direction, str], int] = field(default_factory=dict)  # for Retina's adv_drop_bytes
     tcp: dict[TcpEvent, int] = field(default_factory=dict)
     ips: set[str] = field(default_factory=set)
     ended_at: float | None = None
@@ -189,6 +194,11 @@ class DropLedger:
                 self.unattributed += packets
             else:
                 series.drops[key] = series.drops.get(key, 0) + packets
+        # Bytes go to the owner their packets went to (only packets are counted as unattributed).
+        for (ip, direction, reason), size in drain.drop_bytes:
+            series = self._owner_series(ip) if credit else None
+            if series is not None:
+                series.drop_bytes[(direction, reason)] = series.drop_bytes.get((direction, reason), 0) + size
         for (ip, event), count in drain.tcp:
             self.node_tcp[event] = self.node_tcp.get(event, 0) + count
             series = self._owner_series(ip) if credit else None
@@ -216,7 +226,7 @@ class DropLedger:
 
 
 def _new_series(pod: Pod) -> DropSeries:
-    return DropSeries(pod.uid, pod.namespace, pod.name)
+    return DropSeries(pod.uid, pod.namespace, pod.name, *workload_of(pod))
 
 
 @dataclass

@@ -12,6 +12,14 @@ count (Retina's forward series count forwarded packets only). An end no pod hold
 namespace, pod and workload, a pod without a controller for its workload, as Retina writes them; ``ip``
 is always the address.
 
+Retina's drop series (``networkobservability_adv_drop_count``/``_bytes``) are the same keys plus
+``reason``, from the records with verdict dropped (:class:`RetinaFlows` with ``verdict`` dropped): one
+record, one count, whichever end was observed (``EGRESS`` when the source was: the packet was leaving a
+pod). ``reason`` is Retina's name where one means exactly the kernel's reason (:data:`RETINA_REASONS`),
+else the kernel's own name (``NO_SOCKET``): Retina's other reasons count events at other points than a
+dropped packet (a failed ``connect()`` or ``accept()``), or a part of what the kernel names
+``NETFILTER_DROP`` (a NAT or conntrack verdict) that the kernel's reason does not tell apart.
+
 Bounds, the same as the workload-pair series: at most ``limit`` keys of their own (then one overflow key
 per direction, every end label ``_other_``, and ``folded`` counts the records that went there), and a key
 idle for ``idle`` seconds is dropped (if it carries traffic again it starts from zero: a counter reset).
@@ -25,7 +33,7 @@ from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 from podmeter.model.compaction import PeakTracker
-from podmeter.model.flow_records import VERDICT_FORWARDED, FlowEnd, FlowRecord
+from podmeter.model.flow_records import VERDICT_DROPPED, VERDICT_FORWARDED, FlowEnd, FlowRecord
 from podmeter.model.flow_series import OTHER, PairTraffic, WorkloadFlows
 from podmeter.model.flows import Observation
 
@@ -33,21 +41,36 @@ UNKNOWN = "unknown"  # the value Retina writes for a label it has nothing for
 INGRESS, EGRESS = "INGRESS", "EGRESS"  # Retina's remote-context direction values (the flow's own enum names)
 END_LABELS = ("ip", "namespace", "podname", "workload_kind", "workload_name")
 End = tuple[str, str, str, str, str]  # one end's values of END_LABELS
+# Kernel drop reasons (skb_drop_reason names) whose drop is exactly what Retina counts under its own name:
+# a netfilter hook's drop verdict, which Retina counts as IPTABLE_RULE_DROP where the hook returns.
+RETINA_REASONS = {"NETFILTER_DROP": "IPTABLE_RULE_DROP"}
 
 
 class RetinaKey(NamedTuple):
-    """One remote-context series: the direction, then :data:`END_LABELS` of the source and destination."""
+    """One remote-context series: the direction, :data:`END_LABELS` of the source and destination, and for
+    a drop series its reason (empty for forwarded traffic)."""
 
     direction: str
     source: End
     destination: End
+    reason: str = ""
 
 
 _OTHER_END: End = (OTHER, OTHER, OTHER, OTHER, OTHER)
 
 
-def overflow_key(direction: str) -> RetinaKey:
-    return RetinaKey(direction, _OTHER_END, _OTHER_END)
+def overflow_key(direction: str, dropped: bool = False) -> RetinaKey:
+    """The overflow key of a direction; a drop's has reason ``_other_`` too, so the bound holds whatever
+    reasons the kernel has."""
+    return RetinaKey(direction, _OTHER_END, _OTHER_END, OTHER if dropped else "")
+
+
+def retina_reason(kernel: str | None) -> str:
+    """A dropped record's ``reason`` label: Retina's name where it means the kernel's reason exactly, else
+    the kernel's name (``UNKNOWN_DROP``, Retina's name for a reason it has not, if the record has none)."""
+    if kernel is None:
+        return "UNKNOWN_DROP"
+    return RETINA_REASONS.get(kernel, kernel)
 
 
 def retina_workload(kind: str, name: str) -> tuple[str, str]:
@@ -68,22 +91,24 @@ def end_values(end: FlowEnd) -> End:
 
 def key_of(record: FlowRecord) -> RetinaKey:
     direction = EGRESS if record.observation is Observation.FROM_POD else INGRESS
-    return RetinaKey(direction, end_values(record.source), end_values(record.destination))
+    reason = retina_reason(record.drop_reason) if record.verdict == VERDICT_DROPPED else ""
+    return RetinaKey(direction, end_values(record.source), end_values(record.destination), reason)
 
 
 class RetinaFlows:
-    """Forwarded traffic per :class:`RetinaKey`, bounded by ``limit`` keys plus one overflow key per
-    direction.
+    """Traffic of one verdict (forwarded, or dropped for the drop series) per :class:`RetinaKey`, bounded by
+    ``limit`` keys plus one overflow key per direction.
 
     Invariants: a key's value only grows while it exists; ``len(keys) <= limit + 2``; a key with no
     traffic for ``idle`` seconds is gone after the next :meth:`expire`.
     """
 
-    def __init__(self, limit: int, idle: float) -> None:
+    def __init__(self, limit: int, idle: float, verdict: str = VERDICT_FORWARDED) -> None:
         if limit < 1:
             raise ValueError("the flow series limit is at least 1")
         self.limit = limit
         self.idle = idle
+        self.verdict = verdict
         self.keys: dict[RetinaKey, PairTraffic] = {}
         self.folded = 0  # records counted in an overflow key because the limit was reached
         self._own = 0  # keys that are not overflow keys
@@ -91,7 +116,7 @@ class RetinaFlows:
 
     def add(self, records: Iterable[FlowRecord], now: float) -> None:
         for record in records:
-            if record.verdict != VERDICT_FORWARDED:
+            if record.verdict != self.verdict:
                 continue
             traffic = self._traffic(key_of(record))
             traffic.packets += record.packets
@@ -104,7 +129,7 @@ class RetinaFlows:
             return traffic
         if self._own >= self.limit:
             self.folded += 1
-            key = overflow_key(key.direction)
+            key = overflow_key(key.direction, self.verdict == VERDICT_DROPPED)
             traffic = self.keys.get(key)
             if traffic is not None:
                 return traffic
@@ -131,11 +156,14 @@ class RetinaFlows:
 
 class WorkloadFlowsAndRetina(WorkloadFlows):
     """The workload-pair series, with Retina's remote-context series fed the same records and expired at
-    the same ticks: the agent's flow drain and expiry see one :class:`WorkloadFlows` as ever."""
+    the same ticks: the agent's flow drain and expiry see one :class:`WorkloadFlows` as ever. The drop
+    series (:attr:`retina_drops`) are fed by the drop drain, whose records never reach the workload pairs,
+    and expire at the same ticks."""
 
     def __init__(self, node: str, limit: int, idle: float) -> None:
         super().__init__(node, limit, idle)
         self.retina = RetinaFlows(limit, idle)
+        self.retina_drops = RetinaFlows(limit, idle, VERDICT_DROPPED)
 
     def add(self, records: Iterable[FlowRecord], now: float) -> None:
         records = records if isinstance(records, list) else list(records)  # read twice
@@ -144,4 +172,5 @@ class WorkloadFlowsAndRetina(WorkloadFlows):
 
     def expire(self, now: float) -> int:
         self.retina.expire(now)
+        self.retina_drops.expire(now)
         return super().expire(now)

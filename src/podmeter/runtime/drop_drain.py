@@ -100,6 +100,8 @@ class DropDrainer:
         self.others = list(others)
         self.stats = DropStats()
         self.retransmits = Retransmits() if annotate_flows else None
+        # Series fed the dropped flow records too (Retina's remote drop series: model.retina_flows), or None.
+        self.series: Callable[[list[FlowRecord], float], None] | None = None
         self._failed = False  # the last drain failed: what the next one takes may span a change of hands
 
     def drain(self, pods: Iterable[Pod]) -> None:
@@ -122,7 +124,10 @@ class DropDrainer:
             published = self.others[0] if self.others else None
             names = ChainedNames(AddressBook(pods, published), *self.others)
             wall_offset = time.time() - time.monotonic()
-            self.feed.publish(name_drops(drained.flows, names, self.node, wall_offset))
+            records = name_drops(drained.flows, names, self.node, wall_offset)
+            self.feed.publish(records)
+            if self.series is not None:
+                self.series(records, time.monotonic())
 
     def annotate(self, records: list[FlowRecord]) -> list[FlowRecord]:
         """The flow drain's records with the retransmits of their connections (see ``model.drops``)."""

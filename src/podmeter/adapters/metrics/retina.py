@@ -10,6 +10,11 @@
   built from the agent's flow records (:mod:`podmeter.model.retina_flows`) and rendered here. They are
   what Retina's pod-level dashboards query.
 
+Both modes also export Retina's drop series, ``networkobservability_adv_drop_count`` (packets) and
+``_bytes``, gauges as Retina's exporter types them, with ``reason`` after the context's labels: ``local``
+from the per-pod drop ledger (:mod:`podmeter.adapters.metrics.pod_drops`, the per-pod series' lifecycle),
+``remote`` from the dropped flow records (rendered here, bounded and expired as the forward series).
+
 The two are never exported together: both are ``networkobservability_adv_forward_count``, and a dashboard
 query such as ``{source_podname!="unknown"}`` would match every local series too (they have no
 ``source_podname``), so it would show the node's whole traffic as one pod with an empty name.
@@ -21,6 +26,12 @@ import argparse
 
 from podmeter.adapters.metrics.pod_traffic import RETINA_HELP, escape
 from podmeter.model.retina_flows import END_LABELS, RetinaFlows, RetinaKey
+
+# Retina writes its drop series as gauges (it adds to them; they never go down while they exist).
+RETINA_DROP_HELP = {
+    "networkobservability_adv_drop_bytes": "Dropped bytes, under Retina's advanced pod-level name.",
+    "networkobservability_adv_drop_count": "Dropped packets, under Retina's advanced pod-level name.",
+}
 
 LOCAL, REMOTE = "local", "remote"
 _ON = ("1", "true", "yes", "on")  # an environment variable may still say the flag's old boolean way
@@ -41,30 +52,49 @@ def retina_context(value: str) -> str | None:
 
 
 def _labels(key: RetinaKey) -> str:
-    """Label names in the order Retina's exporter writes them (sorted: destination_, direction, source_)."""
+    """Label names in the order Retina's exporter writes them (sorted: destination_, direction, reason for a
+    drop, source_)."""
+    reason = [f'reason="{escape(key.reason)}"'] if key.reason else []
     ends = [*(f'destination_{name}="{escape(value)}"' for name, value in zip(END_LABELS, key.destination, strict=True)),
-            f'direction="{key.direction}"',
+            f'direction="{key.direction}"', *reason,
             *(f'source_{name}="{escape(value)}"' for name, value in zip(END_LABELS, key.source, strict=True))]
     return "{" + ",".join(ends) + "}"
 
 
-def render_remote(flows: RetinaFlows) -> bytes:
-    """Retina's remote-context forward series, then how many keys exist and how many records were folded
-    into the overflow keys (``--flow-series-limit``)."""
+def _families(flows: RetinaFlows, kind: str, helps: dict[str, str]) -> list[str]:
+    """The ``_bytes`` and ``_count`` families of ``helps``' names (in that order) from ``flows``' keys."""
+    sizes_name, counts_name = sorted(helps)
     counts: list[str] = []
     sizes: list[str] = []
     for key, traffic in sorted(flows.values()):
         labels = _labels(key)
-        counts.append(f"networkobservability_adv_forward_count{labels} {traffic.packets}")
-        sizes.append(f"networkobservability_adv_forward_bytes{labels} {traffic.bytes}")
+        counts.append(f"{counts_name}{labels} {traffic.packets}")
+        sizes.append(f"{sizes_name}{labels} {traffic.bytes}")
     out: list[str] = []
-    for name, lines in (("networkobservability_adv_forward_bytes", sizes),
-                        ("networkobservability_adv_forward_count", counts)):
-        out += [f"# HELP {name} {RETINA_HELP[name]}", f"# TYPE {name} counter", *lines]
+    for name, lines in ((sizes_name, sizes), (counts_name, counts)):
+        out += [f"# HELP {name} {helps[name]}", f"# TYPE {name} {kind}", *lines]
+    return out
+
+
+def render_remote(flows: RetinaFlows, drops: RetinaFlows | None = None) -> bytes:
+    """Retina's remote-context forward series, then how many keys exist and how many records were folded
+    into the overflow keys (``--flow-series-limit``); with ``drops``, Retina's drop series and their two
+    figures likewise."""
+    out = _families(flows, "counter", RETINA_HELP)
+    if drops is not None:
+        out += _families(drops, "gauge", RETINA_DROP_HELP)
     out += ["# HELP podmeter_retina_flow_series Retina remote-context keys with a series (forward count and bytes).",
             "# TYPE podmeter_retina_flow_series gauge",
             f"podmeter_retina_flow_series {len(flows.keys)}",
             "# HELP podmeter_retina_flow_series_folded_total Flow records counted in a Retina overflow series.",
             "# TYPE podmeter_retina_flow_series_folded_total counter",
             f"podmeter_retina_flow_series_folded_total {flows.folded}"]
+    if drops is not None:
+        out += ["# HELP podmeter_retina_drop_series Retina remote-context drop keys with a series (count and bytes).",
+                "# TYPE podmeter_retina_drop_series gauge",
+                f"podmeter_retina_drop_series {len(drops.keys)}",
+                "# HELP podmeter_retina_drop_series_folded_total Dropped flow records counted in a Retina overflow "
+                "drop series.",
+                "# TYPE podmeter_retina_drop_series_folded_total counter",
+                f"podmeter_retina_drop_series_folded_total {drops.folded}"]
     return ("\n".join(out) + "\n").encode()

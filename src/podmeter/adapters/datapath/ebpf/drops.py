@@ -298,9 +298,9 @@ class DropTracer:
         key). An error on one map leaves its rest for the next drain (logged); the others are drained."""
         reasons = self.reasons.name
         texts = layout.AddressTexts()
-        drops = [
-            (DropKey(texts[addr], _DIRECTIONS[direction], reasons(reason)), packets)
-            for (addr, reason, direction), (packets, _bytes) in self._take(DROPS_MAP, DROP_KEY, DROP_VALUE)
+        taken = [
+            (DropKey(texts[addr], _DIRECTIONS[direction], reasons(reason)), packets, size)
+            for (addr, reason, direction), (packets, size) in self._take(DROPS_MAP, DROP_KEY, DROP_VALUE)
             if direction in _DIRECTIONS
         ]
         flows = [
@@ -313,7 +313,8 @@ class DropTracer:
                for (addr, event), (count,) in self._take(TCP_MAP, TCP_KEY, COUNT) if event in _TCP_EVENTS]
         retransmits = [(ConnectionKey(texts[src], texts[dst], sport, dport), count)
                        for (src, dst, sport, dport), (count,) in self._take(TCP_FLOWS_MAP, TCP_FLOW_KEY, COUNT)]
-        return DropDrain(drops, flows, tcp, retransmits)
+        return DropDrain([(key, packets) for key, packets, _ in taken], flows, tcp, retransmits,
+                         [(key, size) for key, _, size in taken])
 
     def drops_lost(self) -> dict[str, int]:
         """Events that found each drained map full, since the maps were created (summed over CPUs)."""
