@@ -265,16 +265,30 @@ class LabRun(Hooks):
             steps = threading.Thread(target=self.driver.run_steps, args=(self.started,), daemon=True)
             steps.start()
             self._wait_for_end(self.started + duration, self.options.lifecycles or self.scenario.lifecycles)
-            self.result.steps_s = round(time.monotonic() - self.started, 1)
-            self.result.marks.append(Mark(self.result.steps_s, runinfo.TEARDOWN, "teardown"))
-            self.driver.stop.set()
-            self.driver.join()
+            self._end_steps(steps, duration)
             self.driver.stats.step = "teardown: deleting every pod"
             self.driver.delete_everything()
             self._settle_at_end()
         self._stop_sampling.set()
         sampler.join(timeout=10)
         self._collect()
+
+    def _end_steps(self, steps: threading.Thread, duration: float) -> None:
+        """No step starts after the duration; the one in flight runs to its end before the teardown deletes
+        a pod. A traffic or drops step measures its pods' kernel counters before and after its exchange: a
+        pod deleted in between takes its IP out of the filter, its counters reset, and the exact check
+        would compare against another pod's (or no) traffic. Churn threads stop at once (their pods are
+        theirs, never a step's traffic ends)."""
+        assert self.driver is not None
+        self.driver.stop.set()
+        steps.join()
+        self.driver.join()
+        self.result.steps_s = round(time.monotonic() - self.started, 1)
+        self.result.marks.append(Mark(self.result.steps_s, runinfo.TEARDOWN, "teardown"))
+        if self.result.steps_s > duration + 0.5:  # stats.step: the last step started, "<at>s <kind>"
+            self.result.notes.append(f"the step {self.driver.stats.step} ran until "
+                                     f"{self.result.steps_s:g} s, past the {duration:g} s of steps: the "
+                                     "teardown waited for it, so no check measured a pod it deleted")
 
     def _wait_for_end(self, deadline: float, lifecycles: int | None) -> None:
         """Until the duration is over, or the wanted number of lifecycles is done."""
