@@ -1,6 +1,6 @@
 """The lab's timeline: a step still running when the duration ends runs to its end before the teardown
 deletes a pod (a traffic check's before/after counter reads never straddle a delete), and the report's
-notes say the steps overran. Memory mode: no root."""
+notes say the steps overran; each check's record says when it ran. Memory mode: no root."""
 
 from __future__ import annotations
 
@@ -40,9 +40,12 @@ class SlowTraffic(LabRun):
         def existing() -> list[str]:
             return [f"{ns}/{name}" for ns, name in pods if client.get(pod_path(ns, name)) is not None]
 
-        before = existing()
-        time.sleep(2.5)
-        self.result.traffic.append({"kind": "probe", "before": before, "after": existing()})
+        def probe() -> dict[str, object]:
+            before = existing()
+            time.sleep(2.5)
+            return {"kind": "probe", "before": before, "after": existing()}
+
+        self._timed(probe)
 
 
 def test_a_step_in_flight_at_the_duration_ends_before_the_teardown_deletes_its_pods(tmp_path: Path) -> None:
@@ -50,6 +53,8 @@ def test_a_step_in_flight_at_the_duration_ends_before_the_teardown_deletes_its_p
     assert result.error is None, result.error
     [probe] = result.traffic
     assert len(probe["before"]) == 2 and probe["after"] == probe["before"], probe
+    start, end = probe["at_s"]  # when it ran, on the samples' clock
+    assert 1 <= start < 1.5 and end - start >= 2.5, probe
     assert result.counts["pods_deleted"] == 2  # the teardown's: no step started after the duration
     assert result.steps_s is not None and result.steps_s >= 3.4
     assert any("the step 1s traffic ran until" in note and "past the 2 s of steps" in note

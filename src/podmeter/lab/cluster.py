@@ -22,6 +22,7 @@ both ends by both agents, identities agreeing); the report gains per-node lines 
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import json
 import logging
@@ -589,7 +590,7 @@ class ClusterRun(LabRun):
             self.result.traffic.append({"protocol": step.protocol, "skipped": "memory mode has no packets"})
             return
         for src, dst in _pairs(self._placed(pods), [n.name for n in self.nodes], step.pairs, step.across_nodes, rng):
-            self.result.traffic.append(self._exchange(step, src, dst))
+            self._timed(functools.partial(self._exchange, step, src, dst))
 
     def _placed(self, pods: list[tuple[str, str]]) -> list[Placed]:
         found = []

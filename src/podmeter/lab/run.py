@@ -18,6 +18,7 @@ the agent's and operator's RSS came back within ``memory_tolerance_mib`` of thei
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ import random
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -522,7 +523,15 @@ class LabRun(Hooks):
         rng.shuffle(endpoints)
         for i in range(min(step.pairs, len(endpoints) // 2)):
             src, dst = endpoints[2 * i], endpoints[2 * i + 1]
-            self.result.traffic.append(self._one_exchange(step, src, dst))
+            self._timed(functools.partial(self._one_exchange, step, src, dst))
+
+    def _timed(self, check: Callable[[], dict[str, Any]]) -> None:
+        """A check's record, with when it ran (``at_s``: seconds since the steps started, the samples' and
+        marks' time): a failed check is read against the pods' events and the samples around it."""
+        start = self._now()
+        record = check()
+        record["at_s"] = [start, self._now()]
+        self.result.traffic.append(record)
 
     def _endpoints(self, pods: list[tuple[str, str]]) -> list[Endpoint]:
         assert self.client is not None
@@ -625,10 +634,10 @@ class LabRun(Hooks):
     # --- drops and loss induced in chosen pods (podmeter.lab.dropcheck) ---------------------------------
 
     def induce_drops(self, step: sc.InduceDrops, pods: list[tuple[str, str]], rng: random.Random) -> None:
-        self.result.traffic.append(DropSteps(self).drops(step, pods, rng))
+        self._timed(lambda: DropSteps(self).drops(step, pods, rng))
 
     def induce_loss(self, step: sc.InduceLoss, pods: list[tuple[str, str]], rng: random.Random) -> None:
-        self.result.traffic.append(DropSteps(self).loss(step, pods, rng))
+        self._timed(lambda: DropSteps(self).loss(step, pods, rng))
 
     # --- a pod deleted and its IP reused during a flow --------------------------------------------------
 
@@ -647,7 +656,7 @@ class LabRun(Hooks):
             self.result.traffic.append({"protocol": "udp", "kind": "reuse-during-flow",
                                         "skipped": "no running observed pod to send to"})
             return
-        self.result.traffic.append(self._reuse(step, rng.choice(targets)))
+        self._timed(lambda: self._reuse(step, rng.choice(targets)))
 
     def _reuse(self, step: sc.ReuseDuringFlow, dst: Endpoint) -> dict[str, Any]:
         """A sends, A is deleted, A' gets A's IP and sends from the same port to the same socket."""
