@@ -241,6 +241,17 @@ def test_the_run_metadata_is_on_the_page(tmp_path: Path) -> None:
     assert "ebpf, seed 7" in page  # and in the verdict line
 
 
+@pytest.mark.parametrize(("steps_s", "said"), [(30.0, "steps 30 s, teardown"), (21.0, "the lifecycles were done"),
+                                              (32.5, "the step running then finished first")])
+def test_the_run_table_says_why_the_steps_took_other_than_planned(tmp_path: Path, steps_s: float, said: str
+                                                                  ) -> None:
+    result = _result(tmp_path)
+    result.steps_s = steps_s
+    _, cells = _page(tmp_path, result)
+    duration = {row[0]: row[1] for row in cells.rows if len(row) == 2}["duration"]
+    assert said in duration
+
+
 def test_faults_and_agent_kills_are_marked_on_the_time_plots(tmp_path: Path) -> None:
     result = _result(tmp_path)
     fig = time_figure(result.samples, "pods", [("pods", "live pods")], result.marks)

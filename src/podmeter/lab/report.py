@@ -373,6 +373,8 @@ def _run_rows(result: LabResult, out: Path) -> list[list[Any]]:
     steps = f"steps {_duration(result.steps_s)}"
     if result.steps_s is not None and result.steps_s < info.planned_s - 0.5:
         steps += f" (of {_duration(info.planned_s)}: the lifecycles were done)"
+    elif result.steps_s is not None and result.steps_s > info.planned_s + 0.5:
+        steps += f" (of {_duration(info.planned_s)}: the step running then finished first)"
     return [*rows,
             ["podmeter", f"{info.podmeter_version}, commit {info.commit or 'unknown'}"],
             ["kernel", info.kernel], ["host", f"{info.host}, Python {info.python}"],
