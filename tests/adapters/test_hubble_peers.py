@@ -13,20 +13,18 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import grpc
 import pytest
-import yaml
 from aiohttp import web
 from grpc import aio
 from prometheus_client import CollectorRegistry
 
 from agent_harness import AgentHarness
+from api_proxy import ApiProxy
 from hubble_support import Certificates, make_certificates
 from lab_server import LabServer
 from podmeter.adapters.hubble.proto import peer_pb2, peer_pb2_grpc
@@ -289,67 +287,20 @@ def test_notify_announces_every_node_and_follows_them_as_they_come_go_and_move(l
         agent.run(scenario)
 
 
-class RefusingProxy:
-    """An HTTP front of the lab API server that answers nodes with ``code`` (403: RBAC does not grant the
-    agent nodes; 404: not served), as a real API server does, and passes everything else through."""
+def refusing_nodes(code: int) -> Callable[[web.Request], web.Response | None]:
+    """Answers for nodes with ``code`` (403: RBAC does not grant the agent nodes; 404: not served) as a real
+    API server does; everything else passes through (``api_proxy.ApiProxy``)."""
 
-    def __init__(self, upstream: LabServer, code: int, directory: Path) -> None:
-        self.upstream, self.code = upstream, code
-        self.kubeconfig = directory / "kubeconfig"
-        self.refused = 0
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+    def answer(request: web.Request) -> web.Response | None:
+        if not request.path.startswith("/api/v1/nodes"):
+            return None
+        reason = "Forbidden" if code == 403 else "NotFound"
+        message = ('nodes is forbidden: User "system:serviceaccount:podmeter:podmeter-agent" cannot list '
+                   'resource "nodes" in API group "" at the cluster scope') if code == 403 else "not found"
+        return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+                                  "reason": reason, "details": {"kind": "nodes"}, "code": code}, status=code)
 
-    def __enter__(self) -> RefusingProxy:
-        self.thread.start()
-        port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-        config = yaml.safe_load(self.upstream.kubeconfig.read_text())
-        config["clusters"][0]["cluster"]["server"] = f"http://127.0.0.1:{port}"
-        self.kubeconfig.write_text(yaml.safe_dump(config))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-    async def _start(self) -> int:
-        self.session = aiohttp.ClientSession(auto_decompress=False)
-        app = web.Application()
-        app.router.add_route("*", "/{path:.*}", self._handle)
-        self.runner = web.AppRunner(app, shutdown_timeout=1.0)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port: int = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return port
-
-    async def _stop(self) -> None:
-        await self.session.close()  # ends the watches passed through first: nothing for cleanup to wait on
-        await self.runner.cleanup()
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        if request.path.startswith("/api/v1/nodes"):
-            self.refused += 1
-            reason = "Forbidden" if self.code == 403 else "NotFound"
-            message = ('nodes is forbidden: User "system:serviceaccount:podmeter:podmeter-agent" cannot list '
-                       'resource "nodes" in API group "" at the cluster scope') if self.code == 403 else "not found"
-            return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
-                                      "reason": reason, "details": {"kind": "nodes"}, "code": self.code},
-                                     status=self.code)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-        async with self.session.request(request.method, self.upstream.url + request.path_qs, headers=headers,
-                                        data=await request.read(), timeout=aiohttp.ClientTimeout(total=None)
-                                        ) as upstream:
-            response = web.StreamResponse(status=upstream.status, headers={
-                k: v for k, v in upstream.headers.items()
-                if k.lower() not in ("content-length", "transfer-encoding", "connection")})
-            await response.prepare(request)
-            with contextlib.suppress(aiohttp.ClientError, ConnectionResetError):  # a watch cut at the end
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-            return response
+    return answer
 
 
 @pytest.mark.parametrize("code", [403, 404])
@@ -359,7 +310,8 @@ def test_without_nodes_the_agent_is_ready_and_announces_itself_only(lab_apiserve
     cluster = Cluster(lab_apiserver)
     cluster.node("node-a", "10.0.0.1")
     cluster.node("node-b", "10.0.0.2")
-    with (caplog.at_level(logging.WARNING, "podmeter.reflector"), RefusingProxy(lab_apiserver, code, tmp_path) as proxy,
+    with (caplog.at_level(logging.WARNING, "podmeter.reflector"),
+          ApiProxy(lab_apiserver, refusing_nodes(code), tmp_path) as proxy,
           AgentWithHubble(proxy) as agent):  # entering waits for the agent's readiness
         wait_for(lambda: agent.harness.state()["reflectors"]["nodes"]["failures"].get(f"http_{code}", 0) >= 1,
                  what=f"the nodes reflector refused with {code}")

@@ -16,17 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
-import yaml
 from aiohttp import web
 
 from agent_harness import OBSERVE, AgentHarness, Cluster
+from api_proxy import ApiProxy
 from lab_server import LabServer, lab_apiserver
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
 from podmeter.adapters.kube.backoff import Backoff
@@ -128,85 +126,37 @@ async def test_a_pod_with_300_labels_and_65_owners_gets_an_identity_of_its_kept_
 
 
 class WithoutCrds:
-    """The lab API server behind a proxy that answers for podmeter's custom resources in ``missing`` as a
-    real kube-apiserver does when their CRD is not installed (404, ``text/plain``, ``404 page not found``);
-    everything else, watches included, is passed through. ``install(plural)`` makes one served again. The
-    lab API server itself always serves them, CRD or not, hence the proxy."""
+    """What a real kube-apiserver answers for podmeter's custom resources in ``missing`` when their CRD is
+    not installed (404, ``text/plain``, ``404 page not found``), as an ``api_proxy.ApiProxy`` answer;
+    ``install(plural)`` makes one served again. The lab API server itself always serves them."""
 
-    def __init__(self, upstream: LabServer, missing: set[str], directory: Path) -> None:
-        self.upstream, self.missing = upstream, set(missing)
-        self.kubeconfig = directory / "kubeconfig-without-crds"
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.not_found = 0
+    def __init__(self, missing: set[str]) -> None:
+        self.missing = set(missing)
 
     def install(self, plural: str) -> None:
         self.missing.discard(plural)
 
-    def _unserved(self, path: str) -> bool:
-        return any(path.startswith(f"/apis/podmeter.io/v1alpha1/{plural}") for plural in self.missing)
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        if self._unserved(request.path):
-            self.not_found += 1
-            return web.Response(status=404, body=b"404 page not found\n",
-                                headers={"Content-Type": "text/plain; charset=utf-8",
-                                         "X-Content-Type-Options": "nosniff"})
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-        async with self.session.request(request.method, self.upstream.url + request.path_qs, headers=headers,
-                                   data=await request.read()) as answer:
-            response = web.StreamResponse(status=answer.status)
-            response.content_type = answer.content_type
-            await response.prepare(request)
-            async for chunk in answer.content.iter_any():  # watch lines as they come
-                await response.write(chunk)
-            await response.write_eof()
-            return response
-
-    async def _start(self) -> int:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        # Watches passed through stay open after their client went: cancelled at the end, not waited for.
-        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port: int = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return port
-
-    async def _stop(self) -> None:
-        await self.session.close()
-        await self.runner.cleanup()
-
-    def __enter__(self) -> WithoutCrds:
-        self.thread.start()
-        port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-        config = yaml.safe_load(self.upstream.kubeconfig.read_text())
-        config["clusters"][0]["cluster"]["server"] = f"http://127.0.0.1:{port}"
-        self.kubeconfig.write_text(yaml.safe_dump(config))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+    def __call__(self, request: web.Request) -> web.Response | None:
+        if not any(request.path.startswith(f"/apis/podmeter.io/v1alpha1/{plural}") for plural in self.missing):
+            return None
+        return web.Response(status=404, body=b"404 page not found\n",
+                            headers={"Content-Type": "text/plain; charset=utf-8", "X-Content-Type-Options": "nosniff"})
 
 
 @pytest.fixture
-def without_metrics_configurations(lab_apiserver: LabServer, tmp_path: Path) -> Iterator[WithoutCrds]:
-    with WithoutCrds(lab_apiserver, {"metricsconfigurations"}, tmp_path) as proxy:
+def without_metrics_configurations(lab_apiserver: LabServer, tmp_path: Path) -> Iterator[ApiProxy]:
+    with ApiProxy(lab_apiserver, WithoutCrds({"metricsconfigurations"}), tmp_path, "kubeconfig-without-crds") as proxy:
         yield proxy
 
 
-def agent_through(proxy: WithoutCrds, harness: AgentHarness) -> AgentHarness:
+def agent_through(proxy: ApiProxy, harness: AgentHarness) -> AgentHarness:
     """The harness's agent, talking to the API server through ``proxy``."""
     harness.agent = Agent(harness.agent.settings, load_connection(str(proxy.kubeconfig)), harness.datapath)
     return harness
 
 
 def test_without_the_metrics_configuration_crd_the_agent_is_ready_observes_and_picks_the_crd_up_later(
-        lab_apiserver: LabServer, without_metrics_configurations: WithoutCrds,
+        lab_apiserver: LabServer, without_metrics_configurations: ApiProxy,
         caplog: pytest.LogCaptureFixture) -> None:
     proxy = without_metrics_configurations
     cluster = Cluster(lab_apiserver)
@@ -219,13 +169,15 @@ def test_without_the_metrics_configuration_crd_the_agent_is_ready_observes_and_p
         cluster.pod("shop", "web", "10.6.0.1", observe=True)
         cluster.pod("prod", "api", "10.6.0.2")
         harness.wait_filter({"10.6.0.1"})
-        assert proxy.not_found >= 1
+        assert proxy.answered >= 1
         assert harness.state()["reflectors"]["metricsconfigurations"]["failures"].get("http_404", 0) >= 1
         said = [r.getMessage() for r in caplog.records if "not served by the API server" in r.getMessage()]
         assert len(said) == 1 and said[0].startswith("metricsconfigurations:"), said
         assert harness.state()["configuration"] is None
         assert harness.agent.supervisor.healthy
-        proxy.install("metricsconfigurations")  # the CRD is installed, then its object created
+        crds = proxy.answer
+        assert isinstance(crds, WithoutCrds)
+        crds.install("metricsconfigurations")  # the CRD is installed, then its object created
         assert cluster.configuration({"namespaces": {"include": ["prod"]}}) == 201
         harness.wait_filter({"10.6.0.1", "10.6.0.2"})  # with an include list the annotation still counts
         assert harness.state()["configuration"]["include"] == ["prod"]
