@@ -8,8 +8,13 @@ granularity only, never IPs or ports; the number of series is capped (``model.fl
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
 from podmeter.adapters.metrics.pod_traffic import escape
-from podmeter.model.flow_series import WorkloadFlows, WorkloadPair
+from podmeter.model.flow_series import PairTraffic, WorkloadFlows, WorkloadPair
+
+K = TypeVar("K", bound=tuple[object, ...])  # a NamedTuple of label values: sorted as tuples
 
 _SERIES = (
     ("podmeter_workload_flow_bytes_total", "Bytes between two workloads, by protocol (each packet once per node)."),
@@ -23,14 +28,21 @@ def _labels(pair: WorkloadPair) -> str:
     return "{" + ",".join(f'{name}="{escape(value)}"' for name, value in zip(_LABELS, pair, strict=True)) + "}"
 
 
-def render_workload_flows(flows: WorkloadFlows) -> bytes:
+def traffic_families(rows: Iterable[tuple[K, PairTraffic]], labels: Callable[[K], str],
+                     families: tuple[tuple[str, str], tuple[str, str]], kind: str) -> list[str]:
+    """A bytes family then a packets family (``families``: (name, help) of each) over the same keyed
+    traffic, sorted by key, in one pass: the exposition lines, without the final newline."""
     byte_lines: list[str] = []
     packet_lines: list[str] = []
-    for pair, traffic in sorted(flows.values()):
-        labels = _labels(pair)
-        byte_lines.append(f"podmeter_workload_flow_bytes_total{labels} {traffic.bytes}")
-        packet_lines.append(f"podmeter_workload_flow_packets_total{labels} {traffic.packets}")
+    for key, traffic in sorted(rows):
+        text = labels(key)
+        byte_lines.append(f"{families[0][0]}{text} {traffic.bytes}")
+        packet_lines.append(f"{families[1][0]}{text} {traffic.packets}")
     out: list[str] = []
-    for (name, help_text), lines in zip(_SERIES, (byte_lines, packet_lines), strict=True):
-        out += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", *lines]
-    return ("\n".join(out) + "\n").encode()
+    for (name, help_text), lines in zip(families, (byte_lines, packet_lines), strict=True):
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *lines]
+    return out
+
+
+def render_workload_flows(flows: WorkloadFlows) -> bytes:
+    return ("\n".join(traffic_families(flows.values(), _labels, _SERIES, "counter")) + "\n").encode()

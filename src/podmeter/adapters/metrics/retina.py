@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 
+from podmeter.adapters.metrics.flow_traffic import traffic_families
 from podmeter.adapters.metrics.pod_traffic import RETINA_HELP, escape
 from podmeter.model.retina_flows import END_LABELS, RetinaFlows, RetinaKey
 
@@ -64,16 +65,8 @@ def _labels(key: RetinaKey) -> str:
 def _families(flows: RetinaFlows, kind: str, helps: dict[str, str]) -> list[str]:
     """The ``_bytes`` and ``_count`` families of ``helps``' names (in that order) from ``flows``' keys."""
     sizes_name, counts_name = sorted(helps)
-    counts: list[str] = []
-    sizes: list[str] = []
-    for key, traffic in sorted(flows.values()):
-        labels = _labels(key)
-        counts.append(f"{counts_name}{labels} {traffic.packets}")
-        sizes.append(f"{sizes_name}{labels} {traffic.bytes}")
-    out: list[str] = []
-    for name, lines in ((sizes_name, sizes), (counts_name, counts)):
-        out += [f"# HELP {name} {helps[name]}", f"# TYPE {name} {kind}", *lines]
-    return out
+    return traffic_families(flows.values(), _labels, ((sizes_name, helps[sizes_name]),
+                                                      (counts_name, helps[counts_name])), kind)
 
 
 def render_remote(flows: RetinaFlows, drops: RetinaFlows | None = None) -> bytes:
