@@ -19,9 +19,9 @@ Pure and synchronous; the metrics adapter reads :meth:`WorkloadFlows.values` at 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 from podmeter.model.compaction import PeakTracker
 from podmeter.model.endpoints import Endpoint
@@ -52,6 +52,58 @@ class PairTraffic:
     last_active: float = 0.0
 
 
+K = TypeVar("K", bound=Hashable)
+
+
+class CappedTraffic(Generic[K]):
+    """Traffic per key, bounded: at most ``limit`` keys of their own; past it, a new key's traffic goes to
+    the overflow key its caller names (``folded`` counts the records that went there). The one table behind
+    the workload pairs and Retina's remote-context series.
+
+    Invariants: a key's value only grows while it exists; ``len(table) <= limit + overflow keys``; a key
+    that carried nothing for ``idle`` seconds is gone after the next :meth:`expire`, and the table is
+    rebuilt when it shrinks far below its peak (``model.compaction``).
+    """
+
+    def __init__(self, limit: int, idle: float) -> None:
+        if limit < 1:
+            raise ValueError("the flow series limit is at least 1")
+        self.limit = limit
+        self.idle = idle
+        self.table: dict[K, PairTraffic] = {}
+        self.folded = 0
+        self._overflows: set[K] = set()  # overflow keys in the table (not counted against the limit)
+        self._peak = PeakTracker()
+
+    def add(self, key: K, packets: int, size: int, now: float, overflow: Callable[[K], K]) -> None:
+        traffic = self.table.get(key)
+        if traffic is None:
+            if len(self.table) - len(self._overflows) >= self.limit:
+                self.folded += 1
+                key = overflow(key)
+                self._overflows.add(key)
+                traffic = self.table.get(key)
+            if traffic is None:
+                traffic = self.table[key] = PairTraffic()
+                self._peak.grew_to(len(self.table))
+        traffic.packets += packets
+        traffic.bytes += size
+        traffic.last_active = now
+
+    def expire(self, now: float) -> int:
+        """Drop the keys idle for ``idle`` seconds or more; returns how many."""
+        idle = [key for key, traffic in self.table.items() if now - traffic.last_active >= self.idle]
+        for key in idle:
+            del self.table[key]
+            self._overflows.discard(key)
+        if idle and self._peak.should_rebuild(len(self.table)):
+            self.table = dict(self.table)  # give the table's memory back after a peak (F14)
+        return len(idle)
+
+    def values(self) -> Iterator[tuple[K, PairTraffic]]:
+        return iter(self.table.items())
+
+
 def _workload(endpoint: Endpoint | None) -> tuple[str, str, str]:
     if endpoint is None:
         return WORLD
@@ -66,32 +118,22 @@ class WorkloadFlows:
     """
 
     def __init__(self, node: str, limit: int, idle: float) -> None:
-        if limit < 1:
-            raise ValueError("the flow series limit is at least 1")
         self.node = node
-        self.limit = limit
-        self.idle = idle
-        self.pairs: dict[WorkloadPair, PairTraffic] = {}
-        self.folded = 0  # records counted in the overflow series because the limit was reached
-        self._peak = PeakTracker()
+        self.series: CappedTraffic[WorkloadPair] = CappedTraffic(limit, idle)
+
+    @property
+    def pairs(self) -> dict[WorkloadPair, PairTraffic]:
+        return self.series.table
+
+    @property
+    def folded(self) -> int:
+        return self.series.folded
 
     def add(self, records: Iterable[FlowRecord], now: float) -> None:
+        series = self.series
         for record in records:
-            if not self.counts_here(record):
-                continue
-            pair = self.pair_of(record)
-            traffic = self.pairs.get(pair)
-            if traffic is None:
-                if len(self.pairs) - (OVERFLOW in self.pairs) >= self.limit:
-                    self.folded += 1
-                    pair = OVERFLOW
-                    traffic = self.pairs.get(pair)
-                if traffic is None:
-                    traffic = self.pairs[pair] = PairTraffic()
-                    self._peak.grew_to(len(self.pairs))
-            traffic.packets += record.packets
-            traffic.bytes += record.bytes
-            traffic.last_active = now
+            if self.counts_here(record):
+                series.add(self.pair_of(record), record.packets, record.bytes, now, _to_overflow)
 
     def counts_here(self, record: FlowRecord) -> bool:
         """Count at the from-pod point; at the to-pod point only what no pod of this node sent."""
@@ -106,13 +148,12 @@ class WorkloadFlows:
                             protocol_name(record.protocol))
 
     def expire(self, now: float) -> int:
-        """Drop the pairs idle for longer than ``idle``; returns how many."""
-        idle = [pair for pair, traffic in self.pairs.items() if now - traffic.last_active >= self.idle]
-        for pair in idle:
-            del self.pairs[pair]
-        if idle and self._peak.should_rebuild(len(self.pairs)):
-            self.pairs = dict(self.pairs)
-        return len(idle)
+        """Drop the pairs idle for ``idle`` seconds or more; returns how many."""
+        return self.series.expire(now)
 
     def values(self) -> Iterator[tuple[WorkloadPair, PairTraffic]]:
-        return iter(self.pairs.items())
+        return self.series.values()
+
+
+def _to_overflow(pair: WorkloadPair) -> WorkloadPair:
+    return OVERFLOW

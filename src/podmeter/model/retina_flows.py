@@ -29,12 +29,11 @@ Pure and synchronous; the metrics adapter reads :meth:`RetinaFlows.values` at sc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
-from podmeter.model.compaction import PeakTracker
 from podmeter.model.flow_records import VERDICT_DROPPED, VERDICT_FORWARDED, FlowEnd, FlowRecord
-from podmeter.model.flow_series import OTHER, PairTraffic, WorkloadFlows
+from podmeter.model.flow_series import OTHER, CappedTraffic, PairTraffic, WorkloadFlows
 from podmeter.model.flows import Observation
 
 UNKNOWN = "unknown"  # the value Retina writes for a label it has nothing for
@@ -104,54 +103,31 @@ class RetinaFlows:
     """
 
     def __init__(self, limit: int, idle: float, verdict: str = VERDICT_FORWARDED) -> None:
-        if limit < 1:
-            raise ValueError("the flow series limit is at least 1")
-        self.limit = limit
-        self.idle = idle
         self.verdict = verdict
-        self.keys: dict[RetinaKey, PairTraffic] = {}
-        self.folded = 0  # records counted in an overflow key because the limit was reached
-        self._own = 0  # keys that are not overflow keys
-        self._peak = PeakTracker()
+        self.series: CappedTraffic[RetinaKey] = CappedTraffic(limit, idle)
+        dropped = verdict == VERDICT_DROPPED
+        self._overflow: Callable[[RetinaKey], RetinaKey] = lambda key: overflow_key(key.direction, dropped)
+
+    @property
+    def keys(self) -> dict[RetinaKey, PairTraffic]:
+        return self.series.table
+
+    @property
+    def folded(self) -> int:
+        return self.series.folded
 
     def add(self, records: Iterable[FlowRecord], now: float) -> None:
+        series = self.series
         for record in records:
-            if record.verdict != self.verdict:
-                continue
-            traffic = self._traffic(key_of(record))
-            traffic.packets += record.packets
-            traffic.bytes += record.bytes
-            traffic.last_active = now
-
-    def _traffic(self, key: RetinaKey) -> PairTraffic:
-        traffic = self.keys.get(key)
-        if traffic is not None:
-            return traffic
-        if self._own >= self.limit:
-            self.folded += 1
-            key = overflow_key(key.direction, self.verdict == VERDICT_DROPPED)
-            traffic = self.keys.get(key)
-            if traffic is not None:
-                return traffic
-        else:
-            self._own += 1
-        traffic = self.keys[key] = PairTraffic()
-        self._peak.grew_to(len(self.keys))
-        return traffic
+            if record.verdict == self.verdict:
+                series.add(key_of(record), record.packets, record.bytes, now, self._overflow)
 
     def expire(self, now: float) -> int:
         """Drop the keys idle for ``idle`` seconds or more; returns how many."""
-        idle = [key for key, traffic in self.keys.items() if now - traffic.last_active >= self.idle]
-        for key in idle:
-            del self.keys[key]
-            if key.source != _OTHER_END:
-                self._own -= 1
-        if idle and self._peak.should_rebuild(len(self.keys)):
-            self.keys = dict(self.keys)  # give the table's memory back after a peak (F14)
-        return len(idle)
+        return self.series.expire(now)
 
     def values(self) -> Iterator[tuple[RetinaKey, PairTraffic]]:
-        return iter(self.keys.items())
+        return self.series.values()
 
 
 class WorkloadFlowsAndRetina(WorkloadFlows):
