@@ -120,3 +120,22 @@ def test_a_remote_end_is_labelled_by_its_identity_and_a_local_one_by_its_pod() -
                 resource_version="1")
     assert endpoint_labels(pod_endpoint(local), {"u1": local}, cache) == ("app", "web", "tier", "front")
     assert endpoint_labels(pod_endpoint(local), {}, ClusterEndpoints()) == ()
+
+
+def test_shared_label_sets_go_with_the_last_slice_that_holds_them() -> None:
+    import gc
+
+    from podmeter.model import endpoint_slices
+
+    store: Store[PodSlice] = Store(POD_SLICES)
+    cache = ClusterEndpoints()
+    for round_ in range(3):
+        for n in range(20):
+            labelled = _labelled(f"s{n}", {900_000 + round_ * 100 + n: {"app": f"a{n}"}})
+            store.apply(Upsert(POD_SLICES, labelled), cache.changed)
+        del labelled
+        for n in range(20):
+            store.apply(Delete(POD_SLICES, f"s{n}"), cache.changed)
+    gc.collect()
+    assert not [key for key in endpoint_slices._label_sets if key[0] >= 900_000]  # nothing outlives the slices
+    assert cache._labels == {} and cache._label_holders == {} and not store.objects
