@@ -271,10 +271,10 @@ def decode_slice_digest(data: bytes | dict[str, Any]) -> SliceDigest:
     return SliceDigest(wire.metadata.name, wire.metadata.resourceVersion, spec_digest(wire.spec))
 
 
-def decode_slice(data: bytes | dict[str, Any], labels: bool = True) -> PodSlice:
+def decode_slice(data: bytes | dict[str, Any]) -> PodSlice:
     """A ``PodSlice`` object -> :class:`PodSlice`; :class:`DecodeError` names what is wrong. The identities'
-    labels are kept unless ``labels`` is false (shared, see :func:`label_set`). An address listed twice
-    belongs to the endpoint listed last (the pod it was given to most recently)."""
+    labels are kept, shared (:func:`label_set`). An address listed twice belongs to the endpoint listed last
+    (the pod it was given to most recently)."""
     try:
         wire = msgspec.convert(data, _WireSlice) if isinstance(data, dict) else _decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -294,7 +294,7 @@ def decode_slice(data: bytes | dict[str, Any], labels: bool = True) -> PodSlice:
                 raise DecodeError(KIND, name, f"$.spec.endpoints[{n}].ips[{m}]", f"not an IP: {ip!r}") from None
     ordered = sorted(rows.items())
     labels_of = [label_set(int(ident), identity.labels)
-                 for ident, identity in (wire.spec.identities.items() if labels else ()) if ident.isdigit()]
+                 for ident, identity in wire.spec.identities.items() if ident.isdigit()]
     return PodSlice(name, wire.metadata.resourceVersion, tuple(ip for ip, _ in ordered),
                     tuple(r[0] for _, r in ordered), tuple(r[1] for _, r in ordered),
                     tuple(r[2] for _, r in ordered), tuple(labels_of))
