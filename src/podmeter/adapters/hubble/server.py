@@ -256,23 +256,40 @@ def _version() -> str:
         return "podmeter"
 
 
-@dataclass
+@dataclass(eq=False)
 class _Stream:
-    """One following stream: whether it is already ending (only one abort)."""
+    """A server stream the server may end early, its reader cut off for falling behind (GetFlows, Notify):
+    aborted once, by its handler or, when the handler is stuck in a write to a reader that does not read,
+    by :meth:`watch`."""
 
+    context: aio.ServicerContext[Any, Any]
+    message: str
     ending: bool = False
+
+    async def end(self) -> None:
+        if self.ending:
+            return
+        self.ending = True
+        await self.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.message)
+
+    async def watch(self, cut_off: Callable[[], bool]) -> None:
+        """End the stream once ``cut_off()`` holds and its handler has not ended it itself (it would
+        notice only once its write completes)."""
+        while not cut_off():
+            await asyncio.sleep(CUT_OFF_CHECK)
+        await asyncio.sleep(CUT_OFF_CHECK)  # the handler, if it is not stuck, ends it itself meanwhile
+        with contextlib.suppress(Exception):
+            await self.end()
 
 
 @dataclass(eq=False)
 class _PeerClient:
     """One Notify stream: its bounded queue of changes (None: the stream ends), and whether the server
-    dropped it for falling behind (then its ``context`` is aborted once: ``ending``)."""
+    dropped it for falling behind."""
 
     queue: asyncio.Queue[peer_pb2.ChangeNotification | None]
-    context: aio.ServicerContext[Any, Any]
+    stream: _Stream
     dropped: bool = False
-    ending: bool = False
-    reaper: asyncio.Task[None] | None = None
 
 
 def tls_server_name(node: str) -> str:
@@ -412,9 +429,12 @@ class HubbleServer(Generic[F]):
                                     "too many readers follow the flows of this agent; try again later")
             follower = self.feed.subscribe(dataclasses.replace(wanted, until=None))
         self.streams += 1
-        stream = _Stream()
-        watchdog = (asyncio.create_task(self._watch(follower, stream, context), name="hubble-follower-watchdog")
-                    if follower is not None else None)
+        stream = _Stream(context, f"this reader fell {follower.queue.maxsize if follower else 0} flows behind and "
+                                  "was cut off (podmeter_flow_followers_cut_off_total); filter more, or read faster")
+        watchdog = None
+        if follower is not None:
+            following = follower
+            watchdog = asyncio.create_task(stream.watch(lambda: following.cut_off), name="hubble-follower-watchdog")
         try:
             for past in self._past(request, wanted):  # taken at once, right after subscribing: no gap
                 await context.write(self.messages.encoded(past))
@@ -423,7 +443,7 @@ class HubbleServer(Generic[F]):
             while True:
                 record = await follower.queue.get()
                 if record is None:
-                    await self._cut_off(follower, stream, context)
+                    await stream.end()
                     return
                 if until is not None and record.time > until:
                     return
@@ -444,23 +464,6 @@ class HubbleServer(Generic[F]):
         if request.first:
             return self.feed.last(UNBOUNDED, wanted)[:count]
         return self.feed.last(count, wanted)
-
-    async def _watch(self, follower: F, stream: _Stream, context: aio.ServicerContext[Any, Any]) -> None:
-        """End the stream of a follower the feed cut off while its handler waits on a write to a client
-        that does not read (the handler itself would only notice once the write completes)."""
-        while not follower.cut_off:
-            await asyncio.sleep(CUT_OFF_CHECK)
-        await asyncio.sleep(CUT_OFF_CHECK)  # the handler, if it is not stuck, ends it itself meanwhile
-        with contextlib.suppress(Exception):
-            await self._cut_off(follower, stream, context)
-
-    async def _cut_off(self, follower: F, stream: _Stream, context: aio.ServicerContext[Any, Any]) -> None:
-        if stream.ending:
-            return
-        stream.ending = True
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"this reader fell {follower.queue.maxsize} flows behind and was cut off "
-                            "(podmeter_flow_followers_cut_off_total); filter more, or read faster")
 
     async def server_status(self, request: observer_pb2.ServerStatusRequest, context: aio.ServicerContext[Any, Any]
                             ) -> observer_pb2.ServerStatusResponse:
@@ -557,24 +560,9 @@ class HubbleServer(Generic[F]):
             client.dropped = True
             self.peer_clients_dropped += 1
             client.queue.put_nowait(None)  # the slot above the cap: the handler ends the stream when it reads
-            client.reaper = asyncio.get_running_loop().create_task(self._reap(client), name="hubble-peer-reaper")
             log.warning("Hubble API: a peer.Peer/Notify client fell %d changes behind and was dropped "
                         "(%d dropped so far); it reconnects to the current peers", self.peer_queue,
                         self.peer_clients_dropped)
-
-    async def _reap(self, client: _PeerClient) -> None:
-        """End a dropped client's stream whose handler is stuck in a write to a client that does not read."""
-        await asyncio.sleep(CUT_OFF_CHECK)
-        with contextlib.suppress(Exception):
-            await self._end_dropped(client)
-
-    async def _end_dropped(self, client: _PeerClient) -> None:
-        if client.ending:
-            return
-        client.ending = True
-        await client.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"this peer client fell {self.peer_queue} changes behind and was dropped; "
-                                   "call Notify again for the current peers")
 
     async def notify(self, request: peer_pb2.NotifyRequest, context: aio.ServicerContext[Any, Any]) -> None:
         if self._stopping.is_set():
@@ -582,20 +570,22 @@ class HubbleServer(Generic[F]):
         if len(self._peer_clients) >= MAX_PEER_CLIENTS:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{MAX_PEER_CLIENTS} clients already ask this agent for its peers; try again later")
-        client = _PeerClient(asyncio.Queue(self.peer_queue + 1), context)
+        client = _PeerClient(asyncio.Queue(self.peer_queue + 1), _Stream(
+            context, f"this peer client fell {self.peer_queue} changes behind and was dropped; call Notify "
+                     "again for the current peers"))
         current = list(self.peers.items())  # taken as the client subscribes, in one step: no change is lost
         self._peer_clients.add(client)
+        watchdog = asyncio.create_task(client.stream.watch(lambda: client.dropped), name="hubble-peer-watchdog")
         try:
             for name, address in current:
                 await context.write(self._change(name, address, peer_pb2.PEER_ADDED))
             while (change := await client.queue.get()) is not None:
                 await context.write(change)
             if client.dropped:
-                await self._end_dropped(client)
+                await client.stream.end()
         finally:
             self._peer_clients.discard(client)
-            if client.reaper is not None and not client.ending:
-                client.reaper.cancel()
+            watchdog.cancel()
 
     # --- grpc.health.v1.Health
 
