@@ -152,7 +152,8 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
                              series_grace=args.series_grace, flow_interval=args.flow_interval,
                              flow_buffer=args.flow_buffer, flow_series_limit=args.flow_series_limit,
                              # the peers the Hubble API announces to Relay; on a local address only this node
-                             watch_nodes=hubble is not None and not hubble.address.local)
+                             watch_nodes=hubble is not None and not hubble.address.local,
+                             retina_remote=args.retina_compat == REMOTE)
     datapath = opened.datapath
     agent = Agent(settings, connection, datapath, opened.flows, drops.source)
     agent.links = opened.links
@@ -161,11 +162,8 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
     PlatformCollector(registry=registry)
     registry.register(AgentStateCollector(agent.snapshot))
     renderers = [lambda: render_workload_flows(agent.workload_flows)]
-    if args.retina_compat == REMOTE and agent.flows is not None:  # the drain feeds both (model.retina_flows)
-        flows = WorkloadFlowsAndRetina(args.node_name, settings.flow_series_limit, settings.flow_series_idle)
-        agent.workload_flows = agent.flows.series = flows
-        if agent.drops is not None:  # Retina's drop series count the dropped flow records
-            agent.drops.series = flows.retina_drops.add
+    flows = agent.workload_flows
+    if isinstance(flows, WorkloadFlowsAndRetina):  # --retina-compat=remote with flows
         renderers.append(lambda: render_remote(flows.retina, flows.retina_drops))
     traffic = PodTrafficExposition(agent.ledger, datapath.read_counters, args.retina_compat == LOCAL)
     drop_series = PodDropExposition(agent.drop_ledger, lambda: drops.hooks,

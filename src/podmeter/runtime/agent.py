@@ -45,6 +45,7 @@ from podmeter.model.drops import DropLedger, DropSource
 from podmeter.model.flow_series import WorkloadFlows
 from podmeter.model.flows import FlowSource
 from podmeter.model.records import Node, Pod
+from podmeter.model.retina_flows import WorkloadFlowsAndRetina
 from podmeter.model.store import Store
 from podmeter.model.traffic import TrafficLedger
 from podmeter.model.view import NodeView, ViewDelta
@@ -81,6 +82,7 @@ class AgentSettings:
     flow_series_limit: int = 2000  # workload pairs with a series of their own (then: the overflow series)
     flow_series_idle: float = 300.0  # a workload pair's series goes after this long without traffic
     watch_nodes: bool = False  # the cluster's nodes, for the Hubble API's peer list (on with --hubble-listen)
+    retina_remote: bool = False  # Retina's remote-context series too (--retina-compat=remote; model.retina_flows)
     reflector: Callable[[ResourceKind[Any]], ReflectorSettings] = field(
         default=lambda kind: ReflectorSettings()
     )
@@ -103,14 +105,17 @@ class Agent:
         self.writer = Writer(self.view.desired, datapath)
         self.ledger = TrafficLedger(settings.series_grace)
         self.flow_feed = FlowFeed(settings.flow_buffer)
-        self.workload_flows = WorkloadFlows(settings.node_name, settings.flow_series_limit,
-                                            settings.flow_series_idle)
+        # With Retina's remote context, one table feeds both: the drains see one WorkloadFlows as ever.
+        self.workload_flows = (WorkloadFlowsAndRetina if settings.retina_remote and flows else WorkloadFlows)(
+            settings.node_name, settings.flow_series_limit, settings.flow_series_idle)
         self.drop_ledger = DropLedger(settings.series_grace)  # per-pod drops and TCP health (runtime.drop_drain)
         self.drops = (DropDrainer(drops, self.drop_ledger, settings.node_name, self.flow_feed, [self.view.cluster],
                                   annotate_flows=flows is not None) if drops else None)
         self.flows = (FlowDrainer(flows, settings.node_name, self.flow_feed, self.workload_flows, [self.view.cluster],
                                   annotate=self.drops.annotate if self.drops else None)
                       if flows else None)
+        if self.drops is not None and isinstance(self.workload_flows, WorkloadFlowsAndRetina):
+            self.drops.series = self.workload_flows.retina_drops.add  # Retina's drop series: the dropped records
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=10_000)
         self.synced: set[Collection[Any]] = set()
         self.ready = asyncio.Event()
