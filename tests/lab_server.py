@@ -165,7 +165,8 @@ class LabServer:
                 config = yaml.safe_load(self.kubeconfig.read_text())
                 cluster = config["clusters"][0]["cluster"]
                 self.url = cluster["server"]
-                self.ca_file = cluster.get("certificate-authority")
+                ca = cluster.get("certificate-authority")  # relative to the kubeconfig's directory, if relative
+                self.ca_file = str(self.kubeconfig.parent / ca) if ca else None
                 try:
                     self.admin.stats()
                     return

@@ -324,7 +324,7 @@ def test_the_apiserver_serves_https_by_default_and_kubectl_uses_its_kubeconfig(t
     proc, cluster = start_apiserver(tmp_path)
     try:
         assert cluster["server"].startswith("https://127.0.0.1:")
-        assert Path(cluster["certificate-authority"]).is_file()
+        assert (tmp_path / cluster["certificate-authority"]).is_file()  # relative to the kubeconfig's directory
         env = {**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig"), "HOME": str(tmp_path)}
         created = subprocess.run(["kubectl", "create", "namespace", "shop"], capture_output=True, text=True,
                                  env=env, timeout=30)
@@ -332,6 +332,51 @@ def test_the_apiserver_serves_https_by_default_and_kubectl_uses_its_kubeconfig(t
         listed = subprocess.run(["kubectl", "get", "namespaces", "-o", "name"], capture_output=True, text=True,
                                 env=env, timeout=30)
         assert "namespace/shop" in listed.stdout, listed.stderr
+    finally:
+        stop_process(proc)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None or shutil.which("openssl") is None,
+                    reason="needs kubectl and openssl")
+def test_a_relative_kubeconfig_out_resolves_from_any_working_directory(tmp_path: Path) -> None:
+    """The README's `make lab` writes lab-report/kubeconfig from a relative --out: the CA it names must resolve
+    by the readers' rule (relative to the kubeconfig's own directory), whatever directory the reader runs in."""
+    writer, reader = tmp_path / "writer", tmp_path / "elsewhere"
+    writer.mkdir()
+    reader.mkdir()
+    log = open(tmp_path / "apiserver.log", "wb")  # noqa: SIM115 (the child's)
+    with log:
+        proc = subprocess.Popen([*ENTRY, "apiserver", "--listen", "127.0.0.1:0", "--kubeconfig-out",
+                                 "rel/dir/kubeconfig"], stdout=log, stderr=subprocess.STDOUT, cwd=writer)
+    kubeconfig = writer / "rel" / "dir" / "kubeconfig"
+    try:
+        wait_for(lambda: kubeconfig.exists() and "server" in kubeconfig.read_text(), 30, "the kubeconfig",
+                 (tmp_path / "apiserver.log").read_text)
+        ca = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["certificate-authority"]
+        assert (kubeconfig.parent / ca).is_file(), ca
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "HOME": str(tmp_path)}
+        created = subprocess.run(["kubectl", "create", "namespace", "shop"], capture_output=True, text=True,
+                                 env=env, timeout=30, cwd=reader)
+        assert created.returncode == 0, created.stderr
+        # podmeter's own clients: the lab's (kubectl-like) one and the product's reflector transport.
+        script = ("import asyncio, sys\n"
+                  "from podmeter.lab.kube import KubeClient\n"
+                  "from podmeter.adapters.kube.connection import load_connection\n"
+                  "names = [n['metadata']['name'] for n in KubeClient.from_kubeconfig(sys.argv[1])"
+                  ".list('/api/v1/namespaces')['items']]\n"
+                  "async def product():\n"
+                  "    transport = load_connection(sys.argv[1]).transport()\n"
+                  "    try:\n"
+                  "        return (await transport.get('/api/v1/namespaces/shop', {}, 10)).status\n"
+                  "    finally:\n"
+                  "        await transport.close()\n"
+                  "print(' '.join(names), asyncio.run(product()))\n")
+        relative = os.path.relpath(kubeconfig, reader)
+        listed = subprocess.run([sys.executable, "-c", script, relative], capture_output=True, text=True,
+                                env=env, timeout=60, cwd=reader)
+        assert listed.returncode == 0, listed.stderr
+        names, status = listed.stdout.split()[:-1], listed.stdout.split()[-1]
+        assert "shop" in names and status == "200", listed.stdout
     finally:
         stop_process(proc)
 

@@ -100,7 +100,9 @@ class AiohttpTransport:
         if self.base.startswith("https"):
             assert user is not None
             self._ssl = client_adapter.verify_cluster(config.cluster, user, config.abs_file, trust_env=False)
-        self._token = _BearerToken(user.token if user else None, user.token_file if user else None)
+        # A relative tokenFile is relative to the kubeconfig's directory, like every path a kubeconfig names.
+        token_file = str(config.abs_file(user.token_file)) if user is not None and user.token_file else None
+        self._token = _BearerToken(user.token if user else None, token_file)
         self._basic = None
         if user is not None and user.username and user.password:
             raw = f"{user.username}:{user.password}".encode()

@@ -63,10 +63,13 @@ def generate_self_signed(directory: Path, host: str) -> TlsFiles:
     return TlsFiles(cert, key)
 
 
-def kubeconfig(url: str, token: str, ca_file: Path | None) -> dict[str, object]:
+def kubeconfig(url: str, token: str, ca_file: Path | None, *, beside: Path | None = None) -> dict[str, object]:
+    """The kubeconfig of a lab API server. ``beside``: where the kubeconfig will live, so that the CA's path
+    resolves by the readers' rule (kubectl's and podmeter's): relative paths in a kubeconfig are relative to
+    the kubeconfig's own directory, never to the writer's working directory."""
     cluster: dict[str, object] = {"server": url}
     if ca_file is not None:
-        cluster["certificate-authority"] = str(ca_file)
+        cluster["certificate-authority"] = kubeconfig_path(ca_file, beside)
     return {
         "apiVersion": "v1",
         "kind": "Config",
@@ -83,12 +86,22 @@ def kubeconfig(url: str, token: str, ca_file: Path | None) -> dict[str, object]:
     }
 
 
+def kubeconfig_path(target: Path, kubeconfig_file: Path | None) -> str:
+    """How a kubeconfig at ``kubeconfig_file`` names ``target``: relative to the kubeconfig's directory when
+    the target lies under it (the directory can be moved or copied whole, a lab report's is), else absolute."""
+    target = target.resolve()
+    if kubeconfig_file is None:
+        return str(target)
+    home = kubeconfig_file.resolve().parent
+    return str(target.relative_to(home)) if target.is_relative_to(home) else str(target)
+
+
 def write_kubeconfig(path: Path, url: str, token: str, ca_file: Path | None) -> None:
     """Atomically write the kubeconfig (mode 0600: it holds the token)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kubeconfig-")
     with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(kubeconfig(url, token, ca_file), f, sort_keys=False)
+        yaml.safe_dump(kubeconfig(url, token, ca_file, beside=path), f, sort_keys=False)
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
 
