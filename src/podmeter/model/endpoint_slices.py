@@ -32,7 +32,7 @@ import weakref
 import zlib
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -47,6 +47,11 @@ GROUP, VERSION, PLURAL, KIND = "podmeter.io", "v1alpha1", "podslices", "PodSlice
 NAME_PREFIX = "pods-"
 TARGET, MOST, FEWEST = 100, 200, 25
 MAX_SLICE_ENDPOINTS = 1000  # what the CRD's schema allows in one slice (and what an agent accepts)
+# What an agent holds of one slice's identities: the operator writes one per identity its endpoints use, and
+# Kubernetes labels are short (a key at most 317 bytes with its prefix, a value 63). A slice beyond is refused.
+MAX_SLICE_IDENTITIES = MAX_SLICE_ENDPOINTS
+MAX_IDENTITY_LABELS, MAX_LABEL_KEY, MAX_LABEL_VALUE = 128, 317, 63
+MAX_IDENTITY = 2**32 - 1  # the CRD's bound on an endpoint's identity, and the identities' keys
 
 # identity_of(pod) -> (ID, key) of the identity the pod holds, or None (none allocated yet).
 IdentityOf = Callable[[Pod], "tuple[int, IdentityKey] | None"]
@@ -114,7 +119,7 @@ class _WireEndpoint(msgspec.Struct):
     node: str = ""
     workloadKind: str = ""
     workload: str = ""
-    identity: int | None = None
+    identity: Annotated[int, msgspec.Meta(ge=1, le=MAX_IDENTITY)] | None = None
 
 
 class _WireIdentity(msgspec.Struct):
@@ -293,11 +298,38 @@ def decode_slice(data: bytes | dict[str, Any]) -> PodSlice:
             except ValueError:
                 raise DecodeError(KIND, name, f"$.spec.endpoints[{n}].ips[{m}]", f"not an IP: {ip!r}") from None
     ordered = sorted(rows.items())
-    labels_of = [label_set(int(ident), identity.labels)
-                 for ident, identity in wire.spec.identities.items() if ident.isdigit()]
+    labels_of = _identity_labels(name, wire.spec.identities)
     return PodSlice(name, wire.metadata.resourceVersion, tuple(ip for ip, _ in ordered),
                     tuple(r[0] for _, r in ordered), tuple(r[1] for _, r in ordered),
                     tuple(r[2] for _, r in ordered), tuple(labels_of))
+
+
+def identity_id(key: str) -> int | None:
+    """An identities key as the operator writes it (decimal ASCII, 1..2^32-1) -> its ID, else None. Not
+    ``str.isdigit`` and ``int``: those admit other scripts' digits ("²") and keys of thousands of digits."""
+    if not 0 < len(key) <= 10 or not key.isascii() or not key.isdecimal() or key[0] == "0":
+        return None
+    ident = int(key)
+    return ident if ident <= MAX_IDENTITY else None
+
+
+def _identity_labels(name: str, identities: Mapping[str, _WireIdentity]) -> list[LabelSet]:
+    if len(identities) > MAX_SLICE_IDENTITIES:
+        raise DecodeError(KIND, name, "$.spec.identities", f"more than {MAX_SLICE_IDENTITIES} identities")
+    labels_of = []
+    for key, identity in identities.items():
+        path = f"$.spec.identities[{key[:24]!r}]"
+        ident = identity_id(key)
+        if ident is None:
+            raise DecodeError(KIND, name, path, f"not an identity ID (decimal, 1 to {MAX_IDENTITY})")
+        labels = identity.labels
+        if len(labels) > MAX_IDENTITY_LABELS:
+            raise DecodeError(KIND, name, f"{path}.labels", f"more than {MAX_IDENTITY_LABELS} labels")
+        if any(len(k) > MAX_LABEL_KEY or len(v) > MAX_LABEL_VALUE for k, v in labels.items()):
+            raise DecodeError(KIND, name, f"{path}.labels",
+                              f"a label longer than Kubernetes allows ({MAX_LABEL_KEY} key, {MAX_LABEL_VALUE} value)")
+        labels_of.append(label_set(ident, labels))
+    return labels_of
 
 
 class ClusterEndpoints:

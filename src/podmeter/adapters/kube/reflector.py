@@ -199,7 +199,7 @@ class Reflector(Generic[R]):
 
     def _decode_into(self, raw: msgspec.Raw, items: list[R], keep: set[str]) -> None:
         try:
-            items.append(self.kind.decode(bytes(raw)))
+            items.append(self._decode(raw))
         except DecodeError as exc:
             key = self._raw_key(raw)
             if key:
@@ -255,7 +255,7 @@ class Reflector(Generic[R]):
         """One-pass decode of an ordinary event; False sends the line down the general path."""
         try:
             kind, item = decode_event(line)
-        except DecodeError:
+        except Exception:  # DecodeError, or a decoder's bug: the general path names it
             return False
         if kind not in ("ADDED", "MODIFIED", "DELETED"):
             return False
@@ -269,7 +269,7 @@ class Reflector(Generic[R]):
 
     async def _on_object(self, kind: str, raw: msgspec.Raw) -> None:
         try:
-            item = self.kind.decode(bytes(raw))
+            item = self._decode(raw)
         except DecodeError as exc:
             self._report_invalid(exc)
             key = self._raw_key(raw)
@@ -324,6 +324,19 @@ class Reflector(Generic[R]):
         log.warning("%s: skipped an invalid object: %s", self.kind.name, exc)
 
     # --- helpers ---------------------------------------------------------------------------------
+
+    def _decode(self, raw: msgspec.Raw) -> R:
+        """The kind's decoder, held to its contract: whatever an object holds, the only failure is a
+        :class:`DecodeError` (counted, the object skipped, the rest applied). Anything else a decoder raises
+        is its bug, never a reason to stop the agent: logged as one, and treated as bad input."""
+        try:
+            return self.kind.decode(bytes(raw))
+        except DecodeError:
+            raise
+        except Exception as exc:  # the contract above
+            log.error("%s: the decoder failed on an object (a bug; the object is skipped): %r",
+                      self.kind.name, exc)
+            raise DecodeError(self.kind.name, self._raw_key(raw), "$", f"decoder failed: {exc!r}"[:300]) from None
 
     def _selectors(self) -> dict[str, str]:
         params: dict[str, str] = {}
