@@ -1,5 +1,7 @@
 import _posixsubprocess
 import asyncio
+import gc
+import logging
 import os
 import subprocess
 import sys
@@ -66,3 +68,33 @@ def _root_logging_restored() -> Iterator[None]:
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+class _TaskLeaks(logging.Handler):
+    """Collects asyncio's "Task was destroyed but it is pending!" (logged when a task nobody awaited or
+    cancelled is garbage collected)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.found: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "Task was destroyed but it is pending" in message:
+            self.found.append(message.splitlines()[0] + " " + message.splitlines()[-1][:300])
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_tasks() -> Iterator[None]:
+    """A test fails if it leaves a pending asyncio task behind (its loop closed under it): collected
+    before the next test starts, so the leak is charged to the test that made it."""
+    leaks = _TaskLeaks()
+    logger = logging.getLogger("asyncio")
+    logger.addHandler(leaks)
+    try:
+        yield
+        gc.collect()
+    finally:
+        logger.removeHandler(leaks)
+    if leaks.found:
+        pytest.fail(f"the test leaked {len(leaks.found)} pending asyncio task(s): {leaks.found[0]}", pytrace=False)

@@ -3,8 +3,9 @@
 What the lab touches there (docs/lab.md, "Against an existing API server"), all labelled
 ``podmeter.io/lab=<run id>`` where Kubernetes lets it, and all removed at the end, also after Ctrl-C:
 
-* the scenario's namespaces, created by the lab (it refuses to start if one exists), and one namespace of
-  its own, ``<run id>``, for the operator's leader-election Lease;
+* the scenario's namespaces, created by the lab (it refuses to start if one exists; one that a previous run
+  deleted and a real API server is still finalizing, it waits for), and one namespace of its own,
+  ``<run id>``, for the operator's leader-election Lease; at the end it waits until they are gone;
 * a Node per simulated node (refused if one exists), with its pod CIDR and address, made Ready; and, if the
   server has the ``kube-node-lease`` namespace (a real cluster), each node's heartbeat Lease there, renewed
   every 10 s like a kubelet's, so a node lifecycle controller does not evict the lab's pods;
@@ -45,6 +46,9 @@ SLICES = "/apis/podmeter.io/v1alpha1/podslices"
 MCONF_DEFAULT = "/apis/podmeter.io/v1alpha1/metricsconfigurations/default"
 NODE_LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
 HEARTBEAT_S = 10.0
+NAMESPACE_GONE_S = 180.0  # how long a deleted namespace may take to go (a real server: seconds, its pods first)
+PROGRESS_S = 5.0
+POLL_S = 0.5
 
 
 class ExternalError(RuntimeError):
@@ -90,6 +94,7 @@ class ExternalCluster:
     def prepare(self, namespaces: Sequence[str], nodes: Sequence[tuple[str, str, str]]) -> None:
         """Refuse what would touch others' objects, then install the CRDs, create the lab's namespace and
         the Nodes. ``nodes``: (name, pod CIDR, address) each."""
+        self._wait_gone(self._terminating_lab_namespaces(namespaces), "a previous lab run's namespaces")
         taken = [ns for ns in [*namespaces, self.run_id] if self.client.get(f"/api/v1/namespaces/{ns}") is not None]
         if taken:
             raise ExternalError(f"namespace {', '.join(taken)} already exists on {self.client.server}: the lab "
@@ -139,6 +144,39 @@ class ExternalCluster:
                 return False
             raise
         return True
+
+    def _terminating_lab_namespaces(self, namespaces: Sequence[str]) -> list[str]:
+        """Those of ``namespaces`` a lab run created and deleted, that a real API server is still finalizing
+        (it deletes a namespace's objects before the namespace, asynchronously): the run waits for them
+        rather than refusing. One that is not terminating, or not the lab's, is refused as taken."""
+        found = []
+        for ns in namespaces:
+            obj = self.client.get(f"/api/v1/namespaces/{ns}")
+            meta = (obj or {}).get("metadata") or {}
+            if obj is not None and LAB_LABEL in (meta.get("labels") or {}) and (
+                    meta.get("deletionTimestamp") or (obj.get("status") or {}).get("phase") == "Terminating"):
+                found.append(ns)
+        return found
+
+    def _wait_gone(self, namespaces: Sequence[str], what: str) -> list[str]:
+        """Wait until ``namespaces`` are gone, saying every few seconds which are left; those left after
+        ``timeout`` (the server never finished: a finalizer nobody removes, a controller manager not running)."""
+        left, timeout = list(namespaces), NAMESPACE_GONE_S
+        started = last_said = time.monotonic()
+        while left:
+            left = [ns for ns in left if self.client.get(f"/api/v1/namespaces/{ns}") is not None]
+            now = time.monotonic()
+            if not left:
+                break
+            if now - started > timeout:
+                log.warning("%s still terminating after %.0f s: %s", what, timeout, ", ".join(left))
+                return left
+            if now - last_said >= PROGRESS_S:
+                last_said = now
+                print(f"podmeter lab: waiting for {what} to be gone ({now - started:.0f} s): {', '.join(left)}",
+                      flush=True)
+            time.sleep(POLL_S)
+        return []
 
     @staticmethod
     def _wait(done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -202,6 +240,10 @@ class ExternalCluster:
             for pod in self._items(pod_path(ns)):
                 attempt(f"pod {ns}/{pod}", pod_path(ns, pod), grace=0)
             attempt(f"namespace {ns}", f"/api/v1/namespaces/{ns}")
+        # A real API server finalizes namespaces asynchronously: the next run starts clean only once they are gone.
+        for ns in self._wait_gone(ours, "the lab's namespaces"):
+            problems.append(f"namespace {ns}: still terminating after {NAMESPACE_GONE_S:.0f} s (the API server "
+                            "has not finished deleting it; the next run waits for it)")
         for name in self.node_leases:
             attempt(f"node lease {name}", f"{NODE_LEASES}/{name}")
         for name in self.nodes:

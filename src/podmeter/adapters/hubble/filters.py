@@ -132,14 +132,23 @@ def _address(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
 
 
 def _ips(values: Sequence[str], side: Side) -> Check:
+    """Addresses and CIDR ranges as one set of masked networks per prefix length: a record costs one set
+    lookup per distinct prefix length (at most 33 + 129), however many ranges the filter lists."""
+    by_length: dict[tuple[int, int], set[int]] = {}
     try:
-        networks = [ipaddress.ip_network(value, strict=False) for value in values]
+        for value in values:
+            network = ipaddress.ip_network(value, strict=False)
+            by_length.setdefault((network.version, network.prefixlen), set()).add(int(network.network_address))
     except ValueError as exc:
         raise BadFilter(f"IP filter: {exc}") from None
+    lengths = [(version, (1 << bits) - (1 << (bits - length)), networks)
+               for (version, length), networks in sorted(by_length.items())
+               for bits in ((32 if version == 4 else 128),)]
 
     def check(record: FlowRecord) -> bool:
         address = _address(side(record).ip)
-        return any(address in network for network in networks)
+        value = int(address)
+        return any(address.version == version and value & mask in networks for version, mask, networks in lengths)
     return check
 
 
@@ -297,19 +306,39 @@ def _tcp_flags(values: Iterable[flow_pb2.TCPFlags]) -> Check:
     return check
 
 
-def _wildcard(pattern: str) -> re.Pattern[str]:
-    """``*`` matches any run of characters; nothing else is special."""
-    return re.compile(".*".join(re.escape(part) for part in pattern.split("*")) + r"\Z")
+def _wildcard(pattern: str) -> Callable[[str], bool]:
+    """``*`` matches any run of characters; nothing else is special. Matched without backtracking (a
+    regular expression of ``.*`` runs backtracks exponentially on a pattern of many stars): the first part
+    is a prefix, the last a suffix, and each part between is found leftmost after the one before, which
+    is a match whenever one exists. Linear in the name times the parts."""
+    if len(pattern) > MAX_PATTERN:
+        raise BadFilter(f"node name pattern of {len(pattern)} characters: at most {MAX_PATTERN}")
+    parts = pattern.split("*")
+    if len(parts) == 1:
+        return lambda name: name == pattern
+    head, middle, tail = parts[0], [p for p in parts[1:-1] if p], parts[-1]
+
+    def matches(name: str) -> bool:
+        if len(name) < len(head) + len(tail) or not name.startswith(head) or not name.endswith(tail):
+            return False
+        at, end = len(head), len(name) - len(tail)
+        for part in middle:
+            found = name.find(part, at, end)
+            if found < 0:
+                return False
+            at = found + len(part)
+        return True
+    return matches
 
 
 def _node_names(values: Sequence[str]) -> Check:
     patterns = []
     for value in values:
         cluster, slash, node = value.rpartition("/")
-        if slash and not _wildcard(cluster or "*").match(CLUSTER):
+        if slash and not _wildcard(cluster or "*")(CLUSTER):
             continue  # another cluster's nodes: none of this agent's records
         patterns.append(_wildcard(node or "*"))
-    return lambda record: any(p.match(record.node) for p in patterns)
+    return lambda record: any(matches(record.node) for matches in patterns)
 
 
 def _event_types(values: Iterable[flow_pb2.EventTypeFilter]) -> Check:
