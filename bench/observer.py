@@ -31,6 +31,7 @@ from typing import Any
 
 import msgspec
 from grpc import aio
+from podmeter.runtime.flow_feed import FOLLOWER_QUEUE, FlowFeed
 
 from bench.measure import json_line, rss_mib, table
 from podmeter.adapters.hubble.flows import FlowMessages, pod_labels
@@ -40,7 +41,6 @@ from podmeter.model.endpoints import AddressBook
 from podmeter.model.flow_records import FlowRecord, name_flows
 from podmeter.model.flows import TCP, UDP, FlowCounts, FlowKey, Observation
 from podmeter.model.records import Pod, decode_pod
-from podmeter.runtime.flow_feed import FOLLOWER_QUEUE, FlowFeed
 
 PODS = 200
 

@@ -28,6 +28,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from factories import make_pod
 from hubble_support import Certificates, Client, make_certificates, ports
+from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.adapters.hubble.flows import WORLD_IDENTITY, pod_labels
 from podmeter.adapters.hubble.proto import flow_pb2, health_pb2, observer_pb2, peer_pb2, peer_pb2_grpc
 from podmeter.adapters.hubble.server import (
@@ -40,7 +41,6 @@ from podmeter.model.endpoints import AddressBook
 from podmeter.model.flow_records import FlowRecord, name_flows
 from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, FlowCounts, FlowKey, Observation
 from podmeter.model.records import Pod
-from podmeter.runtime.flow_feed import FOLLOWER_QUEUE, FlowFeed
 
 FROM, TO = Observation.FROM_POD, Observation.TO_POD
 BASE = 1_790_000_000.0  # wall-clock seconds of record 0; record i is at BASE + i
@@ -83,7 +83,7 @@ def stamp(seconds: float) -> Timestamp:
 
 
 @pytest.fixture
-async def hubble() -> AsyncIterator[tuple[FlowFeed, HubbleServer[Any], Client]]:
+async def hubble() -> AsyncIterator[tuple[FlowFeed, HubbleServer, Client]]:
     feed = FlowFeed(100)
     server = HubbleServer(feed, "node-a", parse_listen("127.0.0.1:0"), labels=lambda e: pod_labels(PODS, e))
     await server.start()
@@ -95,12 +95,13 @@ async def hubble() -> AsyncIterator[tuple[FlowFeed, HubbleServer[Any], Client]]:
         await server.stop(0)
 
 
-async def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+async def wait_until(condition: Callable[[], bool], timeout: float = 10.0,
+                     describe: Callable[[], str] | None = None) -> None:
     for _ in range(int(timeout / 0.02)):
         if condition():
             return
         await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
+    raise AssertionError("condition not reached" + (f": {describe()}" if describe else ""))
 
 
 # --- GetFlows: how many, which ones, in which order ------------------------------------------------------
@@ -521,6 +522,7 @@ def rss_mib() -> float:
 
 async def test_a_reader_that_stops_reading_is_cut_off_counted_and_costs_no_memory(hubble: Any) -> None:
     feed, server, _ = hubble
+    feed.write_timeout = 2.0
     reader = await asyncio.create_subprocess_exec(
         sys.executable, "-c", STALLED_CLIENT, f"127.0.0.1:{server.port}", stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE)
@@ -531,17 +533,21 @@ async def test_a_reader_that_stops_reading_is_cut_off_counted_and_costs_no_memor
         assert await asyncio.wait_for(reader.stdout.readline(), 10) == b"reading\n"
         batch = records(1000)
         before = rss_mib()
-        for _ in range(300):  # 300,000 records, far beyond the follower's queue and gRPC's buffers
-            feed.publish(batch)
-            await asyncio.sleep(0)
-        await wait_until(lambda: feed.slow_followers == 1 and feed.followers == 0 and server.streams == 0, 15)
+        for _ in range(3000):  # up to 3,000,000 records: a gap whenever the ring laps the reader, until the
+            feed.publish(batch)  # client's window is full and a write waits past the write timeout
+            await asyncio.sleep(0.005)
+            if feed.cut_off:
+                break
+        await wait_until(lambda: feed.cut_off == 1 and feed.followers == 0 and server.streams == 0, 15,
+                         lambda: f"cut off {feed.cut_off}, followers {feed.followers}, streams {server.streams}, gaps {feed.gaps}")
         grown = rss_mib() - before
         assert grown < 60, f"the server grew by {grown:.0f} MiB while a reader did not read"
         reader.stdin.write(b"go on\n")
         await reader.stdin.drain()
         received, code, *details = (await asyncio.wait_for(reader.stdout.readline(), 30)).decode().split(" ", 2)
         assert code == "RESOURCE_EXHAUSTED" and "cut off" in details[-1]
-        assert 1 < int(received) < 300_000  # what gRPC had buffered before the server stopped writing
+        assert 1 < int(received) < 3_000_000  # what gRPC had buffered before the server stopped writing
+        assert feed.gaps > 0  # lapped meanwhile: told what it lost, not cut off for it
     finally:
         if reader.returncode is None:
             reader.kill()
@@ -674,4 +680,3 @@ async def test_the_agent_refuses_to_start_on_a_remote_address_without_tls() -> N
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2
     assert b"needs TLS with client certificates (--hubble-tls-cert, --hubble-tls-key, --hubble-tls-client-ca)" in err
-    assert FOLLOWER_QUEUE > 0  # the bound the cut-off message names (runtime.flow_feed)

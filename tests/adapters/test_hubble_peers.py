@@ -27,13 +27,13 @@ from agent_harness import AgentHarness
 from api_proxy import ApiProxy
 from hubble_support import Certificates, make_certificates
 from lab_server import LabServer
+from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.adapters.hubble.proto import peer_pb2, peer_pb2_grpc
 from podmeter.adapters.hubble.server import HubbleServer, hubble_config, parse_listen
 from podmeter.adapters.metrics.hubble_state import HubbleStateCollector
 from podmeter.model.deltas import NODES, Delete, Upsert
 from podmeter.model.records import DecodeError, Node, decode_node
 from podmeter.model.store import Store
-from podmeter.runtime.flow_feed import FlowFeed
 from waiting import wait_for
 
 ADDED, DELETED, UPDATED = peer_pb2.PEER_ADDED, peer_pb2.PEER_DELETED, peer_pb2.PEER_UPDATED
@@ -117,7 +117,7 @@ async def nothing_more(call: Any, wait: float = 0.3) -> None:
 
 @contextlib.asynccontextmanager
 async def serving(nodes: Nodes | None, listen: str = "127.0.0.1:0", **options: Any
-                  ) -> AsyncIterator[tuple[HubbleServer[Any], Any]]:
+                  ) -> AsyncIterator[tuple[HubbleServer, Any]]:
     server = HubbleServer(FlowFeed(10), "node-a", parse_listen(listen), nodes=nodes, **options)
     await server.start()
     channel = aio.insecure_channel(f"127.0.0.1:{server.port}")

@@ -14,13 +14,13 @@ import msgspec
 from factories import make_pod
 from flow_support import counts, flow_agent, key, sent_by
 from podmeter.adapters.datapath.memory import MemoryDatapath
+from podmeter.adapters.flow_serving import FlowFeed, Gap
 from podmeter.model.datapath import BatchResult
 from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Delete, Replace, Upsert
 from podmeter.model.endpoints import AddressBook
 from podmeter.model.flow_records import FlowFilter, name_flows
 from podmeter.model.flows import FlowEntry
 from podmeter.runtime.agent import Agent, AgentSettings
-from podmeter.runtime.flow_feed import FOLLOWER_QUEUE, FlowFeed
 from podmeter.runtime.ticks import Tick
 
 
@@ -118,15 +118,18 @@ def test_a_deleted_pods_ip_leaves_the_filter_before_its_flows_are_drained() -> N
 # --- the feed ------------------------------------------------------------------------------------------
 
 
-async def test_a_follower_that_stops_reading_is_cut_off_and_holds_nothing() -> None:
+async def test_a_follower_that_stops_reading_holds_nothing_and_is_told_what_it_missed() -> None:
     feed = FlowFeed(16)
     book = AddressBook([make_pod("web-1", "shop", ips=("10.0.0.1",))])
     (record,) = name_flows([(key("10.0.0.1", "10.0.0.2"), counts())], book, "node-a", 0.0)
-    follower = feed.subscribe(FlowFilter())
-    feed.publish([record])
-    assert await follower.queue.get() == record
-    for _ in range(FOLLOWER_QUEUE + 1):  # it reads nothing more
+    async with feed.open(FlowFilter(), follow=True) as follower:
+        following = follower.follow()
         feed.publish([record])
-    assert feed.slow_followers == 1 and feed.followers == 0
-    assert follower.queue.qsize() == 1 and await follower.queue.get() is None  # freed, and told it ended
-    assert len(feed.ring) == 16  # the ring stays bounded whatever the traffic
+        assert await anext(following) == record
+        for _ in range(100):  # it reads nothing meanwhile: nothing is queued for it
+            feed.publish([record])
+        assert len(feed.ring) == 16  # the ring stays bounded whatever the traffic, and is all the feed holds
+        assert await anext(following) == Gap(100 - 16)
+        assert await anext(following) == record
+        await following.aclose()
+    assert (feed.followers, feed.lost) == (0, 84)

@@ -25,11 +25,11 @@ from prometheus_client import CollectorRegistry
 
 from factories import make_pod
 from podmeter.adapters.flow_http import flows_handler
+from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.adapters.http import build_app, serve
 from podmeter.model.endpoints import AddressBook, Endpoint
 from podmeter.model.flow_records import FlowRecord, name_flows
 from podmeter.model.flows import ICMP, TCP, UDP, FlowCounts, FlowKey, Observation
-from podmeter.runtime.flow_feed import FlowFeed
 
 CONTRACT_END = {"ip", "port", "namespace", "pod", "workload"}
 CONTRACT = {"time", "source", "destination", "protocol", "packets", "bytes", "tcp_flags", "observation", "node"}

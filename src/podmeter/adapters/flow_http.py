@@ -11,13 +11,14 @@ applies (loopback only unless the agent runs with ``--debug-remote``): records n
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from podmeter.adapters.flow_serving import Busy, FlowFeed, Gap, Reader
 from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_records import VERDICTS, FlowFilter, FlowRecord
 
@@ -27,28 +28,6 @@ Labels = Callable[[Endpoint], tuple[str, ...]]
 DEFAULT_LAST = 20
 MAX_LAST = 1_000_000
 _encode = msgspec.json.Encoder().encode
-
-
-CLOSED_CHECK = 1.0  # seconds between two checks that a quiet follower's client is still there
-
-
-class Follower(Protocol):
-    queue: asyncio.Queue[FlowRecord | None]
-
-
-F = TypeVar("F", bound=Follower)
-
-
-class Feed(Protocol[F]):
-    """The flow feed as the endpoint reads it (``runtime.flow_feed.FlowFeed``)."""
-
-    def last(self, count: int, wanted: FlowFilter) -> list[FlowRecord]: ...
-
-    def can_follow(self) -> bool: ...
-
-    def subscribe(self, wanted: FlowFilter) -> F: ...
-
-    def unsubscribe(self, follower: F) -> None: ...
 
 
 class BadQuery(ValueError):
@@ -82,7 +61,9 @@ def parse_query(params: Mapping[str, str]) -> tuple[FlowFilter, int, bool]:
         try:
             since = float(params["since"])
         except ValueError:
-            raise BadQuery(f"since={params['since']!r}: expected seconds since the epoch") from None
+            since = math.nan
+        if not math.isfinite(since):
+            raise BadQuery(f"since={params['since']!r}: expected seconds since the epoch")
     verdict = params.get("verdict")
     if verdict is not None and verdict not in VERDICTS:
         raise BadQuery(f"verdict={verdict!r}: expected one of {', '.join(VERDICTS)}")
@@ -94,10 +75,13 @@ def parse_query(params: Mapping[str, str]) -> tuple[FlowFilter, int, bool]:
     return wanted, (0 if follow else DEFAULT_LAST) if last is None else last, follow
 
 
+ENCODED = 8192  # recent records' lines kept encoded: readers of the same records encode each once
+
+
 def _line_encoder(labels: Labels | None) -> Callable[[FlowRecord], bytes]:
     """A record as one NDJSON line, with both ends' labels when ``labels`` is given."""
     if labels is None:
-        return lambda record: _encode(record.to_json()) + b"\n"
+        return _cached(lambda record: _encode(record.to_json()) + b"\n")
 
     def labelled(record: FlowRecord) -> bytes:
         out = record.to_json()
@@ -106,61 +90,102 @@ def _line_encoder(labels: Labels | None) -> Callable[[FlowRecord], bytes]:
             out[side]["labels"] = dict(zip(flat[::2], flat[1::2], strict=True))
         return _encode(out) + b"\n"
 
-    return labelled
+    return labelled  # labels change with the cluster: never cached
 
 
-def flows_handler(feed: Feed[Any], labels: Labels | None = None) -> Callable[[web.Request], Any]:
-    """The handler. Invariant (as the feed's): a follower gets every matching record published after its
-    past ones, in order, none twice. The slot is taken and the past read at once, before the first await:
-    nothing can be published in between (no gap, no overlap), and a reader refused for want of a slot is
-    told so by a 503, never by a stream cut after its headers."""
+def _cached(encode: Callable[[FlowRecord], bytes]) -> Callable[[FlowRecord], bytes]:
+    # id(record) -> the record (kept alive, so the id is not reused while cached) and its line; oldest out.
+    lines: dict[int, tuple[FlowRecord, bytes]] = {}
+
+    def line(record: FlowRecord) -> bytes:
+        found = lines.get(id(record))
+        if found is not None and found[0] is record:
+            return found[1]
+        data = encode(record)
+        if len(lines) >= ENCODED:
+            del lines[next(iter(lines))]
+        lines[id(record)] = (record, data)
+        return data
+    return line
+
+
+_plain_line = _line_encoder(None)
+
+
+def flows_handler(feed: FlowFeed, labels: Labels | None = None) -> Callable[[web.Request], Any]:
+    """The handler: a read of the flow-serving core (``adapters.flow_serving``) written as NDJSON. The slot
+    is taken before the response starts, so a reader refused for want of one is told so by a 503, never by
+    a stream cut after its headers. A follower that fell behind gets a line ``{"lost": N}`` where records
+    are missing; a stream the agent ends (its reader did not read, or yielded its slot) ends with a line
+    ``{"error": "..."}`` when the reader can still read it."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
             wanted, last, follow = parse_query(request.query)
         except BadQuery as exc:
             return web.Response(status=400, text=f"{exc}\n")
-        line = _line_encoder(labels if labels is not None and _flag(request.query, "labels") else None)
-        if follow and not feed.can_follow():
-            return web.Response(status=503, text="too many readers follow the flows; try again later\n")
-        follower = feed.subscribe(wanted) if follow else None
-        past = feed.last(last, wanted) if last else []
-        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        line = _line_encoder(labels) if labels is not None and _flag(request.query, "labels") else _plain_line
         try:
-            await response.prepare(request)
-            for record in past:
-                await response.write(line(record))
-            if follower is not None and not await _follow(request, response, follower, line):
-                return response  # the reader went away: nobody to end the stream for
-            await response.write_eof()
+            reader = feed.open(wanted, follow=follow, client=_connection(request))
+        except Busy as exc:
+            return web.Response(status=503, text=f"{exc}\n")
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        reader.alive = lambda: request.transport is not None and not request.transport.is_closing()
+        reader.end = _ender(request)
+        try:
+            async with reader:
+                with reader.writing():
+                    await response.prepare(request)
+                for chunk in _chunks(await reader.history(last) if last else [], line):
+                    with reader.writing():
+                        await response.write(chunk)
+                if follow:
+                    await _follow(reader, response, line)
+                with reader.writing():
+                    if reader.cut_off is not None:
+                        await response.write(_encode({"error": reader.cut_off}) + b"\n")
+                    await response.write_eof()
+                await reader.finish()
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the reader went away
             pass
-        finally:
-            if follower is not None:
-                feed.unsubscribe(follower)
         return response
 
     return handler
 
 
-async def _follow(request: web.Request, response: web.StreamResponse, follower: Follower,
-                  line: Callable[[FlowRecord], bytes]) -> bool:
-    """Stream new records until the feed cuts the follower off (True) or its client goes (False; a quiet
-    stream is checked every second, so a reader that left does not keep its slot)."""
-    waiting: asyncio.Future[FlowRecord | None] | None = None
-    try:
-        while True:
-            if waiting is None:
-                waiting = asyncio.ensure_future(follower.queue.get())
-            done, _ = await asyncio.wait({waiting}, timeout=CLOSED_CHECK)
-            if not done:
-                if request.transport is None or request.transport.is_closing():
-                    return False
-                continue
-            record, waiting = waiting.result(), None
-            if record is None:
-                return True
-            await response.write(line(record))
-    finally:
-        if waiting is not None:
-            waiting.cancel()
+CHUNK = 64 * 1024  # bytes of lines per write of the past records (one write, one syscall, per chunk)
+
+
+def _chunks(records: list[FlowRecord], line: Callable[[FlowRecord], bytes]) -> Iterator[bytes]:
+    batch: list[bytes] = []
+    size = 0
+    for record in records:
+        data = line(record)
+        batch.append(data)
+        size += len(data)
+        if size >= CHUNK:
+            yield b"".join(batch)
+            batch, size = [], 0
+    if batch:
+        yield b"".join(batch)
+
+
+def _connection(request: web.Request) -> str:
+    """The client's connection (address and port): the streams-per-client bound is per connection, as
+    every local reader (kubectl port-forward, ip netns exec) shares one address."""
+    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(request.remote or "")
+
+
+def _ender(request: web.Request) -> Callable[[str], Any]:
+    async def end(reason: str) -> None:
+        if request.transport is not None:
+            request.transport.abort()  # a reader stuck mid-write: drop what waits for it, end the write
+    return end
+
+
+async def _follow(reader: Reader, response: web.StreamResponse, line: Callable[[FlowRecord], bytes]) -> None:
+    async for item in reader.follow():
+        data = _encode({"lost": item.lost}) + b"\n" if isinstance(item, Gap) else line(item)
+        with reader.writing():
+            await response.write(data)

@@ -12,7 +12,6 @@ them to readers (``adapters.flow_http``).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
@@ -174,21 +173,38 @@ class FlowFilter:
     since: float | None = None  # wall-clock seconds: records whose last packet is at or after this
     verdict: str | None = None  # forwarded or dropped
 
+    @property
+    def everything(self) -> bool:
+        """Whether this filter lets every record through (its readers skip matching)."""
+        return self == _EVERYTHING
+
     def matches(self, record: FlowRecord) -> bool:
+        if self.since is not None and record.time < self.since:
+            return False
+        if self.verdict is not None and record.verdict != self.verdict:
+            return False
+        if self.protocol is not None and not _protocol_matches(record.protocol, self.protocol):
+            return False
+        if self.port is not None and (record.protocol in _PORTLESS or self.port not in (record.source.port,
+                                                                                          record.destination.port)):
+            return False
+        return self._ends_match(record)
+
+    def _ends_match(self, record: FlowRecord) -> bool:
         ends = (record.source, record.destination)
-        checks = (
-            self.since is None or record.time >= self.since,
-            self.namespace is None or any(e.endpoint is not None and e.endpoint.namespace == self.namespace
-                                          for e in ends),
-            self.pod is None or any(_end_matches(e, _split_pod(self.pod)) for e in ends),
-            self.from_pod is None or _end_matches(record.source, _split_pod(self.from_pod)),
-            self.to_pod is None or _end_matches(record.destination, _split_pod(self.to_pod)),
-            self.workload is None or any(_workload_matches(e, _split_pod(self.workload)) for e in ends),
-            self.protocol is None or _protocol_matches(record.protocol, self.protocol),
-            self.port is None or (record.protocol not in _PORTLESS and self.port in (e.port for e in ends)),
-            self.verdict is None or record.verdict == self.verdict,
-        )
-        return all(checks)
+        if self.namespace is not None and not any(e.endpoint is not None and e.endpoint.namespace == self.namespace
+                                                  for e in ends):
+            return False
+        if self.pod is not None and not any(_end_matches(e, _split_pod(self.pod)) for e in ends):
+            return False
+        if self.from_pod is not None and not _end_matches(record.source, _split_pod(self.from_pod)):
+            return False
+        if self.to_pod is not None and not _end_matches(record.destination, _split_pod(self.to_pod)):
+            return False
+        return self.workload is None or any(_workload_matches(e, _split_pod(self.workload)) for e in ends)
+
+
+_EVERYTHING = FlowFilter()
 
 
 def _protocol_matches(protocol: int, wanted: str) -> bool:
@@ -201,46 +217,67 @@ def _protocol_matches(protocol: int, wanted: str) -> bool:
 
 
 class FlowRing:
-    """The most recent ``capacity`` records, each with a sequence number (1, 2, ...).
+    """The most recent ``capacity`` records, each with a sequence number (1, 2, ...), in a circular buffer:
+    the record numbered ``seq`` is at ``seq % capacity`` while it is in the ring, so a reader is a cursor
+    (the last number it read) and finds its next record, or learns how many it missed, in O(1).
 
-    Invariants: ``len(self) <= capacity``; sequence numbers are consecutive from ``first_seq`` to
-    ``last_seq``; ``dropped`` counts records that fell out (oldest first) to make room.
+    Invariants: ``len(self) <= capacity``; the ring holds the records numbered ``first_seq`` to
+    ``last_seq``, consecutive; ``dropped`` counts records that fell out (oldest first) to make room.
     """
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError("the flow buffer holds at least one record")
         self.capacity = capacity
-        self._records: deque[FlowRecord] = deque(maxlen=capacity)
+        self._slots: list[FlowRecord | None] = [None] * capacity
         self.last_seq = 0
         self.dropped = 0
 
     def __len__(self) -> int:
-        return len(self._records)
+        return min(self.last_seq, self.capacity)
 
     @property
     def first_seq(self) -> int:
-        return self.last_seq - len(self._records) + 1
+        return self.last_seq - len(self) + 1
 
     def extend(self, records: Iterable[FlowRecord]) -> None:
+        slots, capacity = self._slots, self.capacity
         for record in records:
-            if len(self._records) == self.capacity:
+            if self.last_seq >= capacity:
                 self.dropped += 1
-            self._records.append(record)
             self.last_seq += 1
+            slots[self.last_seq % capacity] = record
+
+    def get(self, seq: int) -> FlowRecord | None:
+        """The record numbered ``seq``; None once it fell out of the ring (or before it came)."""
+        if not self.first_seq <= seq <= self.last_seq:
+            return None
+        return self._slots[seq % self.capacity]
+
+    def span(self, low: int, high: int) -> list[FlowRecord]:
+        """The records numbered ``low`` to ``high`` that the ring holds, oldest first (two list slices)."""
+        low, high = max(low, self.first_seq), min(high, self.last_seq)
+        if low > high:
+            return []
+        start, stop = low % self.capacity, high % self.capacity
+        slots = self._slots[start:stop + 1] if start <= stop else self._slots[start:] + self._slots[:stop + 1]
+        return slots  # type: ignore[return-value]  # every slot in the held range has a record
 
     def after(self, seq: int) -> Iterator[tuple[int, FlowRecord]]:
         """The records with a sequence number above ``seq`` still in the ring, oldest first."""
-        start = max(seq + 1, self.first_seq)
-        for offset in range(start - self.first_seq, len(self._records)):
-            yield self.first_seq + offset, self._records[offset]
+        for n in range(max(seq + 1, self.first_seq), self.last_seq + 1):
+            record = self._slots[n % self.capacity]
+            assert record is not None
+            yield n, record
 
     def last(self, count: int, wanted: FlowFilter | None = None) -> list[FlowRecord]:
         """The last ``count`` records that match ``wanted``, oldest first."""
         found: list[FlowRecord] = []
-        for record in reversed(self._records):
+        for n in range(self.last_seq, self.first_seq - 1, -1):
             if len(found) >= count:
                 break
+            record = self._slots[n % self.capacity]
+            assert record is not None
             if wanted is None or wanted.matches(record):
                 found.append(record)
         found.reverse()

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.adapters.kube.connection import Connection
 from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
 from podmeter.adapters.kube.resources import (
@@ -52,7 +53,6 @@ from podmeter.model.view import NodeView, ViewDelta
 from podmeter.runtime.datapaths import PodLinks
 from podmeter.runtime.drop_drain import DropDrainer
 from podmeter.runtime.flow_drain import FlowDrainer
-from podmeter.runtime.flow_feed import FlowFeed
 from podmeter.runtime.supervision import Supervisor
 from podmeter.runtime.ticks import Tick, every
 from podmeter.runtime.writer import Pushed, Writer
@@ -344,7 +344,9 @@ class Agent:
             drains=d.drains, drain_errors=d.errors, entries=d.entries, last_drain_entries=d.last_entries,
             last_drain_seconds=d.last_seconds, series=len(self.workload_flows.pairs),
             series_folded=self.workload_flows.folded, followers=feed.followers,
-            followers_cut_off=feed.slow_followers, buffer_dropped=feed.ring.dropped, unnamed=d.unnamed,
+            followers_cut_off=feed.cut_off, buffer_dropped=feed.ring.dropped, unnamed=d.unnamed,
+            streams=feed.streams, streams_refused=feed.refused, followers_evicted=feed.evicted,
+            reader_gaps=feed.gaps, reader_lost=feed.lost,
         )
 
     def debug_state(self) -> dict[str, Any]:

@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.model.datapath import Datapath
 from podmeter.model.drops import HOOKS, DropLedger, DropSource, DropStats, Retransmits, name_drops
 from podmeter.model.endpoints import AddressBook, ChainedNames, Names
 from podmeter.model.flow_records import FlowRecord
 from podmeter.model.records import Pod
-from podmeter.runtime.flow_feed import FlowFeed
 
 log = logging.getLogger("podmeter.drops")
 

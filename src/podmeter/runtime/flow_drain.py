@@ -7,7 +7,7 @@ were before the change (a far end's change of holder in the PodSlices: before it
 always named by the pod that held the IP while its packets were counted (invariant I8: a pod deleted or
 an IP reused between two periodic drains never hands its flows to the next holder).
 
-Next stage: the feed (``runtime.flow_feed``) for ``podmeter observe``, and the workload series
+Next stage: the feed (``adapters.flow_serving``) for ``podmeter observe``, and the workload series
 (``model.flow_series``) for ``/metrics``.
 """
 
@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.model.endpoints import AddressBook, ChainedNames, Names
 from podmeter.model.flow_records import FlowRecord, name_flows
 from podmeter.model.flow_series import WorkloadFlows
 from podmeter.model.flows import FlowSource
 from podmeter.model.records import Pod
-from podmeter.runtime.flow_feed import FlowFeed
 
 log = logging.getLogger("podmeter.flows")
 

@@ -63,7 +63,7 @@ from podmeter.adapters.hubble.flows import (
     no_labels,
 )
 from podmeter.adapters.hubble.proto import flow_pb2
-from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowFilter, FlowRecord
+from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
 from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP
 
 Check = Callable[[FlowRecord], bool]
@@ -80,6 +80,11 @@ UNSUPPORTED = (
     ("node_labels", 36, "podmeter does not know its node's labels"),
     ("encrypted", 40, "podmeter does not know whether the node encrypts a flow"),
 )
+# Bounds on one request's filters (INVALID_ARGUMENT beyond): far above what a person or Relay asks, and what
+# keeps the cost of matching a record bounded, however the request is built.
+MAX_FILTERS = 256  # FlowFilters in a request (allow and deny lists together)
+MAX_VALUES = 4096  # values of all the repeated fields of all its filters together
+MAX_PATTERN = 256  # characters of one node name pattern or label selector
 TCP_FLAG_BITS = {"FIN": 0, "SYN": 1, "RST": 2, "PSH": 3, "ACK": 4, "URG": 5, "ECE": 6, "CWR": 7}
 
 
@@ -271,6 +276,8 @@ def selector_matches(requirements: Sequence[Requirement], labels: tuple[str, ...
 
 
 def _labels(values: Sequence[str], side: Side, labels: LabelSource) -> Check:
+    if any(len(value) > MAX_PATTERN for value in values):
+        raise BadFilter(f"a label selector longer than {MAX_PATTERN} characters")
     selectors = [parse_selector(value) for value in values]
 
     def check(record: FlowRecord) -> bool:
@@ -434,13 +441,14 @@ def _any_matches(filters: tuple[tuple[Check, ...], ...], record: FlowRecord) -> 
 
 
 @dataclass(frozen=True)
-class HubbleSelection(FlowFilter):
-    """The records a ``GetFlows`` request wants, as a :class:`FlowFilter` the flow feed takes (its ring's
-    ``last`` and its followers call :meth:`matches`). The fields of the base class but ``since`` are
-    unused; ``since`` and ``until`` are wall-clock seconds, bounds on the time of the record's last packet."""
+class HubbleSelection:
+    """The records a ``GetFlows`` request wants: a selector of the flow-serving core
+    (``adapters.flow_serving``); ``since`` and ``until`` are wall-clock seconds, bounds on the time of the
+    record's last packet."""
 
     allow: tuple[tuple[Check, ...], ...] = ()
     deny: tuple[tuple[Check, ...], ...] = ()
+    since: float | None = None
     until: float | None = None
 
     def matches(self, record: FlowRecord) -> bool:
@@ -453,9 +461,18 @@ class HubbleSelection(FlowFilter):
         return not (self.deny and _any_matches(self.deny, record))
 
 
-def selection(whitelist: Iterable[flow_pb2.FlowFilter], blacklist: Iterable[flow_pb2.FlowFilter],
+def _check_size(filters: Sequence[flow_pb2.FlowFilter]) -> None:
+    if len(filters) > MAX_FILTERS:
+        raise BadFilter(f"the request has {len(filters)} flow filters: at most {MAX_FILTERS}")
+    values = sum(len(value) for f in filters for field, value in f.ListFields() if field.is_repeated)
+    if values > MAX_VALUES:
+        raise BadFilter(f"the request's flow filters have {values} values: at most {MAX_VALUES} in all")
+
+
+def selection(whitelist: Sequence[flow_pb2.FlowFilter], blacklist: Sequence[flow_pb2.FlowFilter],
               since: float | None = None, until: float | None = None,
               labels: LabelSource = no_labels) -> HubbleSelection:
+    _check_size([*whitelist, *blacklist])
     return HubbleSelection(since=since, until=until,
                            allow=tuple(compile_filter(f, labels) for f in whitelist),
                            deny=tuple(compile_filter(f, labels) for f in blacklist))

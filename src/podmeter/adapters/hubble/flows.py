@@ -35,6 +35,7 @@ but ``Summary``: the counts are absent from the message (``podmeter observe -o j
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Mapping
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -227,3 +228,11 @@ class FlowMessages:
     def response(self, record: FlowRecord) -> observer_pb2.GetFlowsResponse:
         flow = self.flow(record)
         return observer_pb2.GetFlowsResponse(flow=flow, node_name=record.node, time=flow.time)
+
+
+def lost_message(lost: int, node: str) -> bytes:
+    """The serialized ``GetFlowsResponse`` telling a follower that ``lost`` records went by unread: the
+    agent's ring overwrote them first (``hubble observe`` prints it as lost events)."""
+    now = timestamp(time.time())
+    event = flow_pb2.LostEvent(source=flow_pb2.HUBBLE_RING_BUFFER, num_events_lost=lost)
+    return observer_pb2.GetFlowsResponse(lost_events=event, node_name=node, time=now).SerializeToString()

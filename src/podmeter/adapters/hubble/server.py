@@ -46,17 +46,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from google.protobuf.wrappers_pb2 import UInt32Value
 from grpc import aio
 
-from podmeter.adapters.hubble.filters import BadFilter, HubbleSelection, UnsupportedFilter, selection
-from podmeter.adapters.hubble.flows import CLUSTER, FlowMessages, LabelSource, no_labels
+from podmeter.adapters.flow_serving import Busy, FlowFeed, Gap, Reader
+from podmeter.adapters.hubble.filters import BadFilter, UnsupportedFilter, selection
+from podmeter.adapters.hubble.flows import CLUSTER, FlowMessages, LabelSource, lost_message, no_labels
 from podmeter.adapters.hubble.proto import health_pb2, observer_pb2, peer_pb2, relay_pb2
-from podmeter.model.flow_records import FlowFilter, FlowRecord, FlowRing
+from podmeter.model.flow_records import FlowRecord
 from podmeter.model.records import Node
 
 log = logging.getLogger("podmeter.hubble")
@@ -65,34 +66,9 @@ SUGGESTED_PORT = 4246  # Hubble's own gRPC is 4244 on nodes, Relay 4245: the nex
 HEALTHY_SERVICES = frozenset({"", "hubble.server.Observer", "observer.Observer"})
 UNBOUNDED = sys.maxsize
 CUT_OFF_CHECK = 1.0  # seconds between two checks that a follower stuck in a write has been cut off
+MAX_REQUEST = 256 * 1024  # bytes of one request: a filter list far beyond any client's, far below a flood
 PEER_QUEUE = 1024  # changes a Notify client may fall behind by before it is dropped
 MAX_PEER_CLIENTS = 64  # Notify streams at once (Relays: one each)
-
-
-class Follower(Protocol):
-    queue: asyncio.Queue[FlowRecord | None]
-    cut_off: bool
-
-
-F = TypeVar("F", bound=Follower)
-
-
-class Feed(Protocol[F]):
-    """The agent's flow feed as the server reads it (``runtime.flow_feed.FlowFeed``)."""
-
-    @property
-    def ring(self) -> FlowRing: ...
-
-    @property
-    def published(self) -> int: ...
-
-    def last(self, count: int, wanted: FlowFilter) -> list[FlowRecord]: ...
-
-    def can_follow(self) -> bool: ...
-
-    def subscribe(self, wanted: FlowFilter) -> F: ...
-
-    def unsubscribe(self, follower: F) -> None: ...
 
 
 class NodeSource(Protocol):
@@ -267,10 +243,13 @@ class _Stream:
     ending: bool = False
 
     async def end(self) -> None:
+        await self.end_with(self.message)
+
+    async def end_with(self, message: str) -> None:
         if self.ending:
             return
         self.ending = True
-        await self.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.message)
+        await self.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     async def watch(self, cut_off: Callable[[], bool]) -> None:
         """End the stream once ``cut_off()`` holds and its handler has not ended it itself (it would
@@ -302,7 +281,7 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class HubbleServer(Generic[F]):
+class HubbleServer:
     """The gRPC server of one agent. Start it inside the agent's event loop; stop it before the loop ends.
 
     Invariant (peers): after :meth:`start`, ``peers`` maps each announced node to its address, and every
@@ -312,7 +291,7 @@ class HubbleServer(Generic[F]):
     on a Unix socket or loopback); True announces them anyway (tests of several agents on one machine).
     """
 
-    def __init__(self, feed: Feed[F], node_name: str, address: ListenAddress, *, tls: TlsFiles | None = None,
+    def __init__(self, feed: FlowFeed, node_name: str, address: ListenAddress, *, tls: TlsFiles | None = None,
                  labels: LabelSource = no_labels, version: str | None = None, nodes: NodeSource | None = None,
                  announce_peers: bool | None = None, peer_queue: int = PEER_QUEUE) -> None:
         check_access(address, tls)
@@ -336,7 +315,7 @@ class HubbleServer(Generic[F]):
     # --- lifecycle
 
     async def start(self) -> None:
-        server = aio.server(options=[("grpc.so_reuseport", 0)])
+        server = aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_REQUEST)])
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
             "GetFlows": grpc.unary_stream_rpc_method_handler(
                 self.get_flows, request_deserializer=observer_pb2.GetFlowsRequest.FromString,
@@ -412,6 +391,9 @@ class HubbleServer(Generic[F]):
 
     async def get_flows(self, request: observer_pb2.GetFlowsRequest, context: aio.ServicerContext[Any, Any]
                         ) -> None:
+        """A read of the flow-serving core (``adapters.flow_serving``) written as GetFlowsResponses: the past
+        records, then with ``follow`` the new ones, a ``lost_events`` response (HUBBLE_RING_BUFFER) where
+        the ring overwrote records before this reader read them."""
         if request.first and request.follow:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first cannot be combined with follow")
         since = _seconds(request.since) if request.HasField("since") else None
@@ -422,48 +404,42 @@ class HubbleServer(Generic[F]):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
         except BadFilter as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        follower: F | None = None
-        if request.follow:
-            if not self.feed.can_follow():
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    "too many readers follow the flows of this agent; try again later")
-            follower = self.feed.subscribe(dataclasses.replace(wanted, until=None))
-        self.streams += 1
-        stream = _Stream(context, f"this reader fell {follower.queue.maxsize if follower else 0} flows behind and "
-                                  "was cut off (podmeter_flow_followers_cut_off_total); filter more, or read faster")
-        watchdog = None
-        if follower is not None:
-            following = follower
-            watchdog = asyncio.create_task(stream.watch(lambda: following.cut_off), name="hubble-follower-watchdog")
         try:
-            for past in self._past(request, wanted):  # taken at once, right after subscribing: no gap
-                await context.write(self.messages.encoded(past))
-            if follower is None:
-                return
-            while True:
-                record = await follower.queue.get()
-                if record is None:
-                    await stream.end()
-                    return
-                if until is not None and record.time > until:
-                    return
-                await context.write(self.messages.encoded(record))
+            reader = self.feed.open(dataclasses.replace(wanted, until=None) if request.follow else wanted,
+                                    follow=request.follow, client=context.peer())
+        except Busy as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        stream = _Stream(context, "")
+        reader.end = stream.end_with
+        self.streams += 1
+        try:
+            async with reader:
+                for past in await self._past(request, reader):
+                    with reader.writing():
+                        await context.write(self.messages.encoded(past))
+                if request.follow:
+                    await self._follow(reader, context, until)
+                await reader.finish()
         finally:
             self.streams -= 1
-            if watchdog is not None:
-                watchdog.cancel()
-            if follower is not None:
-                self.feed.unsubscribe(follower)
 
-    def _past(self, request: observer_pb2.GetFlowsRequest, wanted: HubbleSelection) -> list[FlowRecord]:
+    async def _follow(self, reader: Reader, context: aio.ServicerContext[Any, Any], until: float | None) -> None:
+        async for item in reader.follow():
+            if isinstance(item, Gap):
+                message = lost_message(item.lost, self.node_name)
+            elif until is not None and item.time > until:
+                return
+            else:
+                message = self.messages.encoded(item)
+            with reader.writing():
+                await context.write(message)
+
+    async def _past(self, request: observer_pb2.GetFlowsRequest, reader: Reader) -> list[FlowRecord]:
         # number 0 means "all" within a time window; a follower's window is only ever opened by since
         window = request.HasField("since") or (request.HasField("until") and not request.follow)
         if request.number == 0 and not window:
             return []
-        count = request.number or UNBOUNDED
-        if request.first:
-            return self.feed.last(UNBOUNDED, wanted)[:count]
-        return self.feed.last(count, wanted)
+        return await reader.history(request.number or UNBOUNDED, first=request.first)
 
     async def server_status(self, request: observer_pb2.ServerStatusRequest, context: aio.ServicerContext[Any, Any]
                             ) -> observer_pb2.ServerStatusResponse:

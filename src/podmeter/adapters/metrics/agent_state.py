@@ -53,7 +53,12 @@ class FlowSnapshot:
     series: int = 0
     series_folded: int = 0  # records counted in the overflow series (the series limit was reached)
     followers: int = 0
-    followers_cut_off: int = 0
+    followers_cut_off: int = 0  # reads cut off because their client did not read
+    streams: int = 0  # reads open (following or not)
+    streams_refused: int = 0
+    followers_evicted: int = 0
+    reader_gaps: int = 0
+    reader_lost: int = 0  # records followers did not see: the ring overwrote them first
     buffer_dropped: int = 0  # records that fell out of the ring of recent flows
     unnamed: int = 0  # entries named world because who held their IPs when counted cannot be known
 
@@ -109,8 +114,18 @@ def flow_families(f: FlowSnapshot) -> Iterator[Metric]:
     yield counter("podmeter_workload_flow_series_folded", "Flow records counted in the overflow series.",
                   value=f.series_folded)
     yield gauge("podmeter_flow_followers", "Readers following the flows.", f.followers)
-    yield counter("podmeter_flow_followers_cut_off", "Followers cut off for falling behind.",
-                  value=f.followers_cut_off)
+    yield counter("podmeter_flow_followers_cut_off", "Reads of the flows cut off because their client read "
+                  "nothing for the write timeout.", value=f.followers_cut_off)
+    yield gauge("podmeter_flow_streams", "Reads of the flows open (/debug/flows and GetFlows, following or not).",
+                f.streams)
+    yield counter("podmeter_flow_streams_refused", "Reads of the flows refused: every slot taken.",
+                  value=f.streams_refused)
+    yield counter("podmeter_flow_followers_evicted", "Idle followers that yielded their slot to a new follower.",
+                  value=f.followers_evicted)
+    yield counter("podmeter_flow_reader_gaps", "Gaps told to followers: records the ring overwrote before they "
+                  "read them.", value=f.reader_gaps)
+    yield counter("podmeter_flow_reader_lost_records", "Records followers did not see (in gaps).",
+                  value=f.reader_lost)
     yield counter("podmeter_flow_buffer_dropped", "Flow records that fell out of the ring of recent flows.",
                   value=f.buffer_dropped)
 

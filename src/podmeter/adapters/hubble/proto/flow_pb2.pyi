@@ -168,6 +168,28 @@ IPv4: IPVersion.ValueType  # 1
 IPv6: IPVersion.ValueType  # 2
 Global___IPVersion: _TypeAlias = IPVersion  # noqa: Y015
 
+class _LostEventSource:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LostEventSourceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LostEventSource.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    UNKNOWN_LOST_EVENT_SOURCE: _LostEventSource.ValueType  # 0
+    PERF_EVENT_RING_BUFFER: _LostEventSource.ValueType  # 1
+    OBSERVER_EVENTS_QUEUE: _LostEventSource.ValueType  # 2
+    HUBBLE_RING_BUFFER: _LostEventSource.ValueType  # 3
+
+class LostEventSource(_LostEventSource, metaclass=_LostEventSourceEnumTypeWrapper):
+    """Where events were lost. podmeter's readers lose records in one place: the agent's ring of recent flows
+    overwrote them before a follower read them (HUBBLE_RING_BUFFER, as Hubble names its own ring).
+    """
+
+UNKNOWN_LOST_EVENT_SOURCE: LostEventSource.ValueType  # 0
+PERF_EVENT_RING_BUFFER: LostEventSource.ValueType  # 1
+OBSERVER_EVENTS_QUEUE: LostEventSource.ValueType  # 2
+HUBBLE_RING_BUFFER: LostEventSource.ValueType  # 3
+Global___LostEventSource: _TypeAlias = LostEventSource  # noqa: Y015
+
 @_typing.final
 class Flow(_message.Message):
     """One flow event: for podmeter, one drained kernel flow entry (one drain interval of one 5-tuple at one
@@ -541,6 +563,42 @@ class CiliumEventType(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CiliumEventType: _TypeAlias = CiliumEventType  # noqa: Y015
+
+@_typing.final
+class LostEvent(_message.Message):
+    """A number of events a reader did not get (GetFlowsResponse.lost_events)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_FIELD_NUMBER: _builtins.int
+    NUM_EVENTS_LOST_FIELD_NUMBER: _builtins.int
+    CPU_FIELD_NUMBER: _builtins.int
+    FIRST_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
+    source: Global___LostEventSource.ValueType
+    num_events_lost: _builtins.int
+    @_builtins.property
+    def cpu(self) -> _wrappers_pb2.Int32Value: ...
+    @_builtins.property
+    def first(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def last(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        source: Global___LostEventSource.ValueType = ...,
+        num_events_lost: _builtins.int = ...,
+        cpu: _wrappers_pb2.Int32Value | None = ...,
+        first: _timestamp_pb2.Timestamp | None = ...,
+        last: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cpu", b"cpu", "first", b"first", "last", b"last"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu", b"cpu", "first", b"first", "last", b"last", "num_events_lost", b"num_events_lost", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LostEvent: _TypeAlias = LostEvent  # noqa: Y015
 
 @_typing.final
 class EventTypeFilter(_message.Message):

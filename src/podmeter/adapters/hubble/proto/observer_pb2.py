@@ -28,7 +28,7 @@ from podmeter.adapters.hubble.proto import flow_pb2 as podmeter_dot_adapters_dot
 from podmeter.adapters.hubble.proto import relay_pb2 as podmeter_dot_adapters_dot_hubble_dot_proto_dot_relay__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-podmeter/adapters/hubble/proto/observer.proto\x12\x08observer\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1egoogle/protobuf/wrappers.proto\x1a)podmeter/adapters/hubble/proto/flow.proto\x1a*podmeter/adapters/hubble/proto/relay.proto\"\x15\n\x13ServerStatusRequest\"\x87\x02\n\x14ServerStatusResponse\x12\x11\n\tnum_flows\x18\x01 \x01(\x04\x12\x11\n\tmax_flows\x18\x02 \x01(\x04\x12\x12\n\nseen_flows\x18\x03 \x01(\x04\x12\x11\n\tuptime_ns\x18\x04 \x01(\x04\x12\x39\n\x13num_connected_nodes\x18\x05 \x01(\x0b\x32\x1c.google.protobuf.UInt32Value\x12;\n\x15num_unavailable_nodes\x18\x06 \x01(\x0b\x32\x1c.google.protobuf.UInt32Value\x12\x19\n\x11unavailable_nodes\x18\x07 \x03(\t\x12\x0f\n\x07version\x18\x08 \x01(\t\"\xe0\x01\n\x0fGetFlowsRequest\x12\x0e\n\x06number\x18\x01 \x01(\x04\x12\r\n\x05\x66irst\x18\t \x01(\x08\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12#\n\tblacklist\x18\x05 \x03(\x0b\x32\x10.flow.FlowFilter\x12#\n\twhitelist\x18\x06 \x03(\x0b\x32\x10.flow.FlowFilter\x12)\n\x05since\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x7f\n\x10GetFlowsResponse\x12\x1a\n\x04\x66low\x18\x01 \x01(\x0b\x32\n.flow.FlowH\x00\x12\x12\n\tnode_name\x18\xe8\x07 \x01(\t\x12)\n\x04time\x18\xe9\x07 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x10\n\x0eresponse_types\"\x11\n\x0fGetNodesRequest\"1\n\x10GetNodesResponse\x12\x1d\n\x05nodes\x18\x01 \x03(\x0b\x32\x0e.observer.Node\"\xc0\x01\n\x04Node\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x1f\n\x05state\x18\x04 \x01(\x0e\x32\x10.relay.NodeState\x12\x1a\n\x03tls\x18\x05 \x01(\x0b\x32\r.observer.TLS\x12\x11\n\tuptime_ns\x18\x06 \x01(\x04\x12\x11\n\tnum_flows\x18\x07 \x01(\x04\x12\x11\n\tmax_flows\x18\x08 \x01(\x04\x12\x12\n\nseen_flows\x18\t \x01(\x04\"+\n\x03TLS\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x13\n\x0bserver_name\x18\x02 \x01(\t\"\x16\n\x14GetNamespacesRequest\"@\n\x15GetNamespacesResponse\x12\'\n\nnamespaces\x18\x01 \x03(\x0b\x32\x13.observer.Namespace\"/\n\tNamespace\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t2\xbb\x02\n\x08Observer\x12\x45\n\x08GetFlows\x12\x19.observer.GetFlowsRequest\x1a\x1a.observer.GetFlowsResponse\"\x00\x30\x01\x12\x43\n\x08GetNodes\x12\x19.observer.GetNodesRequest\x1a\x1a.observer.GetNodesResponse\"\x00\x12O\n\x0cServerStatus\x12\x1d.observer.ServerStatusRequest\x1a\x1e.observer.ServerStatusResponse\"\x00\x12R\n\rGetNamespaces\x12\x1e.observer.GetNamespacesRequest\x1a\x1f.observer.GetNamespacesResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-podmeter/adapters/hubble/proto/observer.proto\x12\x08observer\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1egoogle/protobuf/wrappers.proto\x1a)podmeter/adapters/hubble/proto/flow.proto\x1a*podmeter/adapters/hubble/proto/relay.proto\"\x15\n\x13ServerStatusRequest\"\x87\x02\n\x14ServerStatusResponse\x12\x11\n\tnum_flows\x18\x01 \x01(\x04\x12\x11\n\tmax_flows\x18\x02 \x01(\x04\x12\x12\n\nseen_flows\x18\x03 \x01(\x04\x12\x11\n\tuptime_ns\x18\x04 \x01(\x04\x12\x39\n\x13num_connected_nodes\x18\x05 \x01(\x0b\x32\x1c.google.protobuf.UInt32Value\x12;\n\x15num_unavailable_nodes\x18\x06 \x01(\x0b\x32\x1c.google.protobuf.UInt32Value\x12\x19\n\x11unavailable_nodes\x18\x07 \x03(\t\x12\x0f\n\x07version\x18\x08 \x01(\t\"\xe0\x01\n\x0fGetFlowsRequest\x12\x0e\n\x06number\x18\x01 \x01(\x04\x12\r\n\x05\x66irst\x18\t \x01(\x08\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12#\n\tblacklist\x18\x05 \x03(\x0b\x32\x10.flow.FlowFilter\x12#\n\twhitelist\x18\x06 \x03(\x0b\x32\x10.flow.FlowFilter\x12)\n\x05since\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xa7\x01\n\x10GetFlowsResponse\x12\x1a\n\x04\x66low\x18\x01 \x01(\x0b\x32\n.flow.FlowH\x00\x12&\n\x0blost_events\x18\x03 \x01(\x0b\x32\x0f.flow.LostEventH\x00\x12\x12\n\tnode_name\x18\xe8\x07 \x01(\t\x12)\n\x04time\x18\xe9\x07 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x10\n\x0eresponse_types\"\x11\n\x0fGetNodesRequest\"1\n\x10GetNodesResponse\x12\x1d\n\x05nodes\x18\x01 \x03(\x0b\x32\x0e.observer.Node\"\xc0\x01\n\x04Node\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x1f\n\x05state\x18\x04 \x01(\x0e\x32\x10.relay.NodeState\x12\x1a\n\x03tls\x18\x05 \x01(\x0b\x32\r.observer.TLS\x12\x11\n\tuptime_ns\x18\x06 \x01(\x04\x12\x11\n\tnum_flows\x18\x07 \x01(\x04\x12\x11\n\tmax_flows\x18\x08 \x01(\x04\x12\x12\n\nseen_flows\x18\t \x01(\x04\"+\n\x03TLS\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x13\n\x0bserver_name\x18\x02 \x01(\t\"\x16\n\x14GetNamespacesRequest\"@\n\x15GetNamespacesResponse\x12\'\n\nnamespaces\x18\x01 \x03(\x0b\x32\x13.observer.Namespace\"/\n\tNamespace\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t2\xbb\x02\n\x08Observer\x12\x45\n\x08GetFlows\x12\x19.observer.GetFlowsRequest\x1a\x1a.observer.GetFlowsResponse\"\x00\x30\x01\x12\x43\n\x08GetNodes\x12\x19.observer.GetNodesRequest\x1a\x1a.observer.GetNodesResponse\"\x00\x12O\n\x0cServerStatus\x12\x1d.observer.ServerStatusRequest\x1a\x1e.observer.ServerStatusResponse\"\x00\x12R\n\rGetNamespaces\x12\x1e.observer.GetNamespacesRequest\x1a\x1f.observer.GetNamespacesResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,22 +41,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERSTATUSRESPONSE']._serialized_end=498
   _globals['_GETFLOWSREQUEST']._serialized_start=501
   _globals['_GETFLOWSREQUEST']._serialized_end=725
-  _globals['_GETFLOWSRESPONSE']._serialized_start=727
-  _globals['_GETFLOWSRESPONSE']._serialized_end=854
-  _globals['_GETNODESREQUEST']._serialized_start=856
-  _globals['_GETNODESREQUEST']._serialized_end=873
-  _globals['_GETNODESRESPONSE']._serialized_start=875
-  _globals['_GETNODESRESPONSE']._serialized_end=924
-  _globals['_NODE']._serialized_start=927
-  _globals['_NODE']._serialized_end=1119
-  _globals['_TLS']._serialized_start=1121
-  _globals['_TLS']._serialized_end=1164
-  _globals['_GETNAMESPACESREQUEST']._serialized_start=1166
-  _globals['_GETNAMESPACESREQUEST']._serialized_end=1188
-  _globals['_GETNAMESPACESRESPONSE']._serialized_start=1190
-  _globals['_GETNAMESPACESRESPONSE']._serialized_end=1254
-  _globals['_NAMESPACE']._serialized_start=1256
-  _globals['_NAMESPACE']._serialized_end=1303
-  _globals['_OBSERVER']._serialized_start=1306
-  _globals['_OBSERVER']._serialized_end=1621
+  _globals['_GETFLOWSRESPONSE']._serialized_start=728
+  _globals['_GETFLOWSRESPONSE']._serialized_end=895
+  _globals['_GETNODESREQUEST']._serialized_start=897
+  _globals['_GETNODESREQUEST']._serialized_end=914
+  _globals['_GETNODESRESPONSE']._serialized_start=916
+  _globals['_GETNODESRESPONSE']._serialized_end=965
+  _globals['_NODE']._serialized_start=968
+  _globals['_NODE']._serialized_end=1160
+  _globals['_TLS']._serialized_start=1162
+  _globals['_TLS']._serialized_end=1205
+  _globals['_GETNAMESPACESREQUEST']._serialized_start=1207
+  _globals['_GETNAMESPACESREQUEST']._serialized_end=1229
+  _globals['_GETNAMESPACESRESPONSE']._serialized_start=1231
+  _globals['_GETNAMESPACESRESPONSE']._serialized_end=1295
+  _globals['_NAMESPACE']._serialized_start=1297
+  _globals['_NAMESPACE']._serialized_end=1344
+  _globals['_OBSERVER']._serialized_start=1347
+  _globals['_OBSERVER']._serialized_end=1662
 # @@protoc_insertion_point(module_scope)

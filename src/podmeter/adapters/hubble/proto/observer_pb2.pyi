@@ -130,25 +130,29 @@ class GetFlowsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FLOW_FIELD_NUMBER: _builtins.int
+    LOST_EVENTS_FIELD_NUMBER: _builtins.int
     NODE_NAME_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
     node_name: _builtins.str
     @_builtins.property
     def flow(self) -> _flow_pb2.Flow: ...
     @_builtins.property
+    def lost_events(self) -> _flow_pb2.LostEvent: ...
+    @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
         flow: _flow_pb2.Flow | None = ...,
+        lost_events: _flow_pb2.LostEvent | None = ...,
         node_name: _builtins.str = ...,
         time: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["flow", b"flow", "response_types", b"response_types", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["flow", b"flow", "lost_events", b"lost_events", "response_types", b"response_types", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["flow", b"flow", "node_name", b"node_name", "response_types", b"response_types", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["flow", b"flow", "lost_events", b"lost_events", "node_name", b"node_name", "response_types", b"response_types", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_response_types: _TypeAlias = _typing.Literal["flow"]  # noqa: Y015
+    _WhichOneofReturnType_response_types: _TypeAlias = _typing.Literal["flow", "lost_events"]  # noqa: Y015
     _WhichOneofArgType_response_types: _TypeAlias = _typing.Literal["response_types", b"response_types"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_response_types) -> _WhichOneofReturnType_response_types | None: ...
 

@@ -1,0 +1,313 @@
+"""The one core that serves the agent's flows to every reader: ``/debug/flows`` (``podmeter observe``) and
+Hubble's ``GetFlows`` are two encodings of the same reads.
+
+* **Readers are cursors on one ring.** The writer task publishes each drain's records into the ring
+  (:meth:`FlowFeed.publish`: an append and a wake-up, never a filter). A reader remembers the number of
+  the last record it looked at; its own task applies its filter, in slices that let the event loop run
+  between them (at most :data:`SLICE_SECONDS` at a time), so no filter, however costly, delays the datapath
+  writes, ``/readyz`` or another reader. Nothing is queued per reader: what the feed holds is the ring.
+* **A reader that falls behind is told what it lost.** When the ring overwrote records before a follower
+  read them, it gets a :class:`Gap` with their number (counted in ``lost``), then goes on from the oldest
+  record still held; it is never cut off for one big drain.
+* **Every open read counts against a bound**, following or not: :data:`MAX_STREAMS` in all,
+  :data:`MAX_STREAMS_PER_CLIENT` from one client connection, :data:`MAX_FOLLOWERS` followers. When the
+  followers' slots are all taken, a new follower takes the slot of the one that has been sent nothing for
+  longest, if that is more than :data:`FOLLOWER_IDLE` (a follower whose filter matches nothing cannot lock
+  everyone else out).
+* **A client that does not read is cut off and its memory returned.** A write that does not complete
+  within :data:`WRITE_TIMEOUT` ends the read (``cut_off``). Why a time and not a byte budget: what a read
+  holds beyond the ring is the answer being written (references into the ring, at most the ring) and the
+  transport's buffer, which HTTP/2's and TCP's flow control bound per stream; a reader that does not read
+  holds it until it is cut off, so time bounds the memory and the stream caps bound the sum.
+
+Next stage: ``adapters.flow_http`` (NDJSON) and ``adapters.hubble.server`` (gRPC) write what a
+:class:`Reader` yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from podmeter.model.flow_records import FlowRecord, FlowRing
+
+log = logging.getLogger("podmeter.flows")
+
+MAX_STREAMS = 256  # reads of the flows open at once, following or not
+MAX_STREAMS_PER_CLIENT = 32  # of them over one client connection
+MAX_FOLLOWERS = 64
+WRITE_TIMEOUT = 30.0  # seconds a write may wait for its client to read before the read is cut off
+FOLLOWER_IDLE = 60.0  # seconds without a record after which a follower yields its slot to a new one
+CHECK_PERIOD = 1.0  # seconds between two checks of a read's writes and its client
+SLICE_SECONDS = 0.002  # longest run of filter work before a reader lets the event loop run others
+ABANDON_GRACE = 1.0  # seconds an end through a stuck stream may take before its handler is cancelled
+SLICE_CHECK = 32  # records between two looks at the clock
+SLICE_RECORDS = 512  # records of the past a reader filters before it lets the event loop run others
+
+
+class Selector(Protocol):
+    """Which records a reader wants (``model.flow_records.FlowFilter``, ``adapters.hubble.filters``)."""
+
+    def matches(self, record: FlowRecord) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Gap:
+    """``lost`` records a follower did not see: the ring overwrote them before it read them."""
+
+    lost: int
+
+
+class Busy(Exception):
+    """No slot for another read (the message says which bound, and what to do)."""
+
+
+class _Slicer:
+    """Lets the event loop run once a reader has worked :data:`SLICE_SECONDS`."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.started = time.perf_counter()
+
+    async def tick(self) -> None:
+        self.count += 1
+        if self.count % SLICE_CHECK == 0 and time.perf_counter() - self.started > SLICE_SECONDS:
+            await asyncio.sleep(0)
+            self.started = time.perf_counter()
+
+
+class Reader:
+    """One read of the flows: its past records, then, following, the new ones as they come. Use it as an
+    async context manager (its slot is held from :meth:`FlowFeed.open` until the end of the block).
+
+    ``end`` is how the adapter ends its stream when the core cuts the read off (a reader that does not
+    read, or a follower that yielded its slot); it is called once, from the watchdog if the handler is
+    stuck in a write, else from :meth:`finish`. ``alive`` says whether the client is still there."""
+
+    def __init__(self, feed: FlowFeed, selector: Selector, follow: bool, client: str) -> None:
+        self.feed, self.selector, self.following, self.client = feed, selector, follow, client
+        self.cursor = feed.ring.last_seq  # the past is up to here, the followed records after it
+        self.end: Callable[[str], Awaitable[None]] | None = None
+        self.alive: Callable[[], bool] = lambda: True
+        self.cut_off: str | None = None
+        self.last_sent = time.monotonic()
+        self._writing_since: float | None = None
+        self._ended = False
+        self._wake = asyncio.Event()
+        self._watchdog: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[object] | None = None
+
+    async def __aenter__(self) -> Reader:
+        self._task = asyncio.current_task()
+        self._watchdog = asyncio.create_task(self._watch(), name="flow-reader-watchdog")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+        self.feed._close(self)
+
+    # --- the past
+
+    async def history(self, count: int, first: bool = False) -> list[FlowRecord]:
+        """The last ``count`` matching records up to the moment the read opened (the first ``count`` with
+        ``first``), oldest first. Records the ring overwrote meanwhile are skipped."""
+        ring = self.feed.ring
+        if getattr(self.selector, "everything", False):
+            held = ring.span(ring.first_seq, self.cursor)
+            return held[:count] if first else held[max(0, len(held) - count):]
+        return await (self._oldest(count) if first else self._newest(count))
+
+    async def _newest(self, count: int) -> list[FlowRecord]:
+        ring, high = self.feed.ring, self.cursor
+        found: list[FlowRecord] = []
+        while len(found) < count and high >= ring.first_seq:  # newest first, a slice at a time
+            low = max(ring.first_seq, high - SLICE_RECORDS + 1)
+            found.extend(r for r in reversed(ring.span(low, high)) if self.selector.matches(r))
+            high = low - 1
+            await asyncio.sleep(0)
+        return found[:count][::-1]
+
+    async def _oldest(self, count: int) -> list[FlowRecord]:
+        ring, low = self.feed.ring, self.feed.ring.first_seq
+        found: list[FlowRecord] = []
+        while len(found) < count and low <= self.cursor:
+            low = max(low, ring.first_seq)  # what the ring overwrote meanwhile is gone
+            high = min(self.cursor, low + SLICE_RECORDS - 1)
+            found.extend(r for r in ring.span(low, high) if self.selector.matches(r))
+            low = high + 1
+            await asyncio.sleep(0)
+        return found[:count]
+
+    # --- the new records
+
+    async def follow(self) -> AsyncIterator[FlowRecord | Gap]:
+        """Every matching record published after the read opened, in order, none twice, and a
+        :class:`Gap` wherever the ring overwrote records before this reader read them; until the read is
+        cut off (then ``cut_off`` says why)."""
+        ring, slicer = self.feed.ring, _Slicer()
+        while not self._ended:
+            if self.cursor + 1 < ring.first_seq:
+                lost = ring.first_seq - self.cursor - 1
+                self.cursor += lost
+                self.feed.gaps += 1
+                self.feed.lost += lost
+                yield Gap(lost)
+                continue
+            if self.cursor >= ring.last_seq:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self.cursor += 1
+            record = ring.get(self.cursor)
+            if record is not None and self.selector.matches(record):
+                self.last_sent = time.monotonic()
+                yield record
+            await slicer.tick()
+
+    # --- writes and the end
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Around every write to the client: one that waits longer than the write timeout cuts it off."""
+        self._writing_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._writing_since = None
+
+    def woken(self) -> None:
+        self._wake.set()
+
+    def cut(self, reason: str) -> None:
+        """End this read (it stops following at once); the stream is ended by the watchdog or :meth:`finish`."""
+        if self.cut_off is None:
+            self.cut_off = reason
+        self._ended = True
+        self._wake.set()
+
+    async def finish(self) -> None:
+        """End the stream the way the adapter does, if the read was cut off and nobody has yet."""
+        if self.cut_off is None or self.end is None or self._end_called:
+            return
+        self._end_called = True
+        with contextlib.suppress(Exception):
+            await self.end(self.cut_off)
+
+    _end_called = False
+
+    async def _watch(self) -> None:
+        timeout = self.feed.write_timeout
+        while True:
+            await asyncio.sleep(CHECK_PERIOD)
+            if not self.alive():
+                self.cut("the client went away")
+                self.cut_off = None  # nobody to tell
+                return
+            since = self._writing_since
+            if since is not None and time.monotonic() - since > timeout:
+                self.feed.cut_off += 1
+                log.warning("a flow reader (%s) read nothing for %.0f s and was cut off", self.client, timeout)
+                self.cut(f"this reader read nothing for {timeout:.0f} s and was cut off "
+                         "(podmeter_flow_followers_cut_off_total); read faster, or filter more")
+            if self.cut_off is not None and self._writing_since is not None:
+                await self._abandon()
+                return
+
+    async def _abandon(self) -> None:
+        """The handler is stuck in a write to a client that does not read: end the stream from here. An end
+        that must itself go through the stuck stream (gRPC's status) is given a moment; then the handler is
+        cancelled, which resets the stream and frees what it buffered."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.finish(), ABANDON_GRACE)
+        if self._writing_since is not None and self._task is not None:
+            self._task.cancel()
+
+
+class FlowFeed:
+    """Recent records (:class:`FlowRing`) and the reads open on them.
+
+    Invariants: a follower receives, in order and none twice, every record published after it opened
+    that its selector wants, except those a :class:`Gap` it received counts; at most ``max_streams`` reads
+    are open (``max_per_client`` per client, ``max_followers`` following); ``published`` counts every
+    record ever published.
+    """
+
+    def __init__(self, capacity: int, *, max_streams: int = MAX_STREAMS, max_per_client: int = MAX_STREAMS_PER_CLIENT,
+                 max_followers: int = MAX_FOLLOWERS, write_timeout: float = WRITE_TIMEOUT,
+                 follower_idle: float = FOLLOWER_IDLE) -> None:
+        self.ring = FlowRing(capacity)
+        self.max_streams, self.max_per_client, self.max_followers = max_streams, max_per_client, max_followers
+        self.write_timeout, self.follower_idle = write_timeout, follower_idle
+        self.cut_off = 0  # reads cut off because their client did not read
+        self.evicted = 0  # idle followers that yielded their slot to a new one
+        self.refused = 0  # reads refused for want of a slot
+        self.gaps = 0
+        self.lost = 0  # records followers did not see (in gaps)
+        self._readers: list[Reader] = []
+
+    @property
+    def published(self) -> int:
+        return self.ring.last_seq
+
+    @property
+    def streams(self) -> int:
+        return len(self._readers)
+
+    @property
+    def followers(self) -> int:
+        return sum(1 for r in self._readers if r.following)
+
+    def publish(self, records: list[FlowRecord]) -> None:
+        """The writer task's only call: append, and wake the followers (which filter in their own tasks)."""
+        if not records:
+            return
+        self.ring.extend(records)
+        for reader in self._readers:
+            if reader.following:
+                reader.woken()
+
+    def last(self, count: int, wanted: Selector) -> list[FlowRecord]:
+        """The last ``count`` matching records, at once (for callers off any client's path: tests, the lab)."""
+        return self.ring.last(count, wanted)  # type: ignore[arg-type]
+
+    def open(self, selector: Selector, *, follow: bool, client: str = "") -> Reader:
+        """A new read, holding its slot from now (so a refusal is an answer, never a stream cut after its
+        headers); :class:`Busy` if a bound is reached."""
+        if len(self._readers) >= self.max_streams:
+            self._refuse(f"too many readers: {self.max_streams} reads of this agent's flows are open")
+        if client and sum(1 for r in self._readers if r.client == client) >= self.max_per_client:
+            self._refuse(f"too many readers: this client has {self.max_per_client} reads of the flows open")
+        if follow and self.followers >= self.max_followers and not self._evict_idle_follower():
+            self._refuse(f"too many readers: {self.max_followers} follow this agent's flows")
+        reader = Reader(self, selector, follow, client)
+        self._readers.append(reader)
+        return reader
+
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        raise Busy(f"{why}; try again later")
+
+    def _evict_idle_follower(self) -> bool:
+        followers = [r for r in self._readers if r.following and r.cut_off is None]
+        if not followers:
+            return False
+        idlest = min(followers, key=lambda r: r.last_sent)
+        if time.monotonic() - idlest.last_sent < self.follower_idle:
+            return False
+        self.evicted += 1
+        idlest.cut(f"this follower was sent nothing for {self.follower_idle:.0f} s and every follower slot was "
+                   "wanted: it yielded its slot to a new reader; follow again")
+        self._readers.remove(idlest)
+        return True
+
+    def _close(self, reader: Reader) -> None:
+        if reader in self._readers:
+            self._readers.remove(reader)
