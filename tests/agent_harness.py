@@ -54,6 +54,8 @@ class AgentHarness:
         self.call(self.agent.stop)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        if not self.thread.is_alive():
+            self.loop.close()
 
     def call(self, coro_fn: Callable[[], Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(30)

@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,8 @@ class KubeClient:
             if client_cert is not None:
                 self._context.load_cert_chain(*client_cert)
         self._address = urllib.parse.urlsplit(self.server)
-        self._local = threading.local()  # .connection: this thread's kept-alive connection
+        self._local = threading.local()  # .held: this thread's kept-alive connection
+        self._held: weakref.WeakSet[_Held] = weakref.WeakSet()
 
     @classmethod
     def from_kubeconfig(cls, path: str, timeout: float = 10.0) -> KubeClient:
@@ -199,22 +201,44 @@ class KubeClient:
 
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
         """This thread's connection, and whether it was already open (kept alive from an earlier call)."""
-        connection: http.client.HTTPConnection | None = getattr(self._local, "connection", None)
-        if connection is not None:
-            return connection, True
+        holder: _Held | None = getattr(self._local, "held", None)
+        if holder is not None and holder.connection is not None:
+            return holder.connection, True
         host, port = self._address.hostname or "localhost", self._address.port
         if self._address.scheme == "https":
-            connection = http.client.HTTPSConnection(host, port, timeout=self.timeout, context=self._context)
+            connection: http.client.HTTPConnection = http.client.HTTPSConnection(
+                host, port, timeout=self.timeout, context=self._context)
         else:
             connection = http.client.HTTPConnection(host, port, timeout=self.timeout)
-        self._local.connection = connection
+        holder = self._local.held = _Held(connection)
+        self._held.add(holder)
         return connection, False
 
     def _drop(self) -> None:
-        connection = getattr(self._local, "connection", None)
+        holder: _Held | None = getattr(self._local, "held", None)
+        if holder is not None:
+            holder.close()
+
+    def close(self) -> None:
+        """Close every thread's kept-alive connection (a thread's own also goes when the thread ends)."""
+        for holder in list(self._held):
+            holder.close()
+
+
+class _Held:
+    """One thread's connection, closed when the thread ends (its thread-local goes) or the client closes:
+    never left to the garbage collector open."""
+
+    def __init__(self, connection: http.client.HTTPConnection) -> None:
+        self.connection: http.client.HTTPConnection | None = connection
+
+    def close(self) -> None:
+        connection, self.connection = self.connection, None
         if connection is not None:
             connection.close()
-        self._local.connection = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def _file(config: SingleConfig, path: str | None, data: str | None) -> str | None:

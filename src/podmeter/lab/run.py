@@ -221,6 +221,8 @@ class LabRun(Hooks):
             log.exception("lab run failed")
             self.result.error = f"{type(exc).__name__}: {exc}"
         finally:
+            if self.client is not None:
+                self.client.close()
             with contextlib.suppress(FileNotFoundError):
                 shutil.rmtree(self.bpffs)
             info.duration_s = round(time.time() - info.started_unix, 1)
