@@ -44,6 +44,8 @@ class ApiProxy:
         asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        if not self.thread.is_alive():
+            self.loop.close()
 
     async def _start(self) -> int:
         self.session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
