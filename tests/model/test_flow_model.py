@@ -186,3 +186,17 @@ def test_a_to_pod_record_from_another_node_counts() -> None:
     assert web.observation is TO
     flows.add([web], now=1.0)
     assert sum(t.packets for _, t in flows.values()) == 1
+
+
+def test_unnamed_same_node_packets_count_once_and_world_sources_still_count() -> None:
+    """A drain whose ends cannot be named (a predecessor's entries: every end world) holds both records of
+    each packet between two pods of this node; the pair series count the packet once, at the from-pod
+    point, and a to-pod record without a from-pod twin (traffic from outside) still counts."""
+    entries = [(key("10.0.0.1", "10.0.0.2", 4000, 80, obs=FROM), counts(3, 300)),
+               (key("10.0.0.1", "10.0.0.2", 4000, 80, obs=TO), counts(3, 300)),
+               (key("8.8.8.8", "10.0.0.2", 53, 5353, obs=TO), counts(2, 200))]
+    records = name_flows(entries, AddressBook(()), "node-a", 0.0)
+    assert all(r.source.endpoint is None and r.destination.endpoint is None for r in records)
+    flows = WorkloadFlows("node-a", limit=10, idle=60.0)
+    flows.add(records, now=1.0)
+    assert sum(t.packets for _, t in flows.values()) == 3 + 2

@@ -130,17 +130,22 @@ class WorkloadFlows:
         return self.series.folded
 
     def add(self, records: Iterable[FlowRecord], now: float) -> None:
-        series = self.series
-        for record in records:
-            if self.counts_here(record):
+        series, batch = self.series, list(records)
+        sent_here = sent_from_pods(batch)
+        for record in batch:
+            if self.counts_here(record, sent_here):
                 series.add(self.pair_of(record), record.packets, record.bytes, now, _to_overflow)
 
-    def counts_here(self, record: FlowRecord) -> bool:
-        """Count at the from-pod point; at the to-pod point only what no pod of this node sent."""
+    def counts_here(self, record: FlowRecord, sent_here: frozenset[FlowTuple] = frozenset()) -> bool:
+        """Count at the from-pod point; at the to-pod point only what no pod of this node sent: a source
+        named on another node, or a source without a name (world, or an end whose holder cannot be known,
+        e.g. a predecessor's) whose packets the from-pod point of the same drain did not see."""
         if record.observation is Observation.FROM_POD:
             return True
         source = record.source.endpoint
-        return source is None or source.node != self.node
+        if source is None:
+            return flow_tuple(record) not in sent_here
+        return source.node != self.node
 
     @staticmethod
     def pair_of(record: FlowRecord) -> WorkloadPair:
@@ -153,6 +158,18 @@ class WorkloadFlows:
 
     def values(self) -> Iterator[tuple[WorkloadPair, PairTraffic]]:
         return self.series.values()
+
+
+FlowTuple = tuple[str, str, int, int, int]
+
+
+def flow_tuple(record: FlowRecord) -> FlowTuple:
+    return record.source.ip, record.destination.ip, record.source.port, record.destination.port, record.protocol
+
+
+def sent_from_pods(records: Iterable[FlowRecord]) -> frozenset[FlowTuple]:
+    """The flows of a drain seen leaving a pod of this node: their to-pod twins are the same packets."""
+    return frozenset(flow_tuple(r) for r in records if r.observation is Observation.FROM_POD)
 
 
 def _to_overflow(pair: WorkloadPair) -> WorkloadPair:
