@@ -117,11 +117,18 @@ def test_metricsconfiguration_examples_in_the_docs_are_admitted_and_accepted() -
     assert found >= 2
 
 
-@pytest.mark.parametrize("name", MINE)
-def test_links_resolve(name: str) -> None:
-    text = (DOCS / name).read_text()
-    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
-        if target.startswith(("http://", "https://")):
-            continue
-        assert (DOCS / target).exists(), f"{name}: {target}"
+ROOT = DOCS.parent
+EVERY_PAGE = sorted([*DOCS.glob("*.md"), *ROOT.glob("*.md"), *(ROOT / d / "README.md" for d in ("bench", "deploy", "tests"))])
 
+
+@pytest.mark.parametrize("page", EVERY_PAGE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_resolve(page: Path) -> None:
+    """Every relative link of every page names a file of the repository (relative to the page), and none
+    points outside it."""
+    text = page.read_text()
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        resolved = (page.parent / target).resolve()
+        assert resolved.is_relative_to(ROOT), f"{page.name}: {target} points outside the repository"
+        assert resolved.exists(), f"{page.name}: {target}"
