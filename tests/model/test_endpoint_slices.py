@@ -93,16 +93,16 @@ def _labelled(name: str, identities: dict[int, dict[str, str]]) -> PodSlice:
 def test_an_identity_s_labels_are_shared_by_the_slices_and_go_with_the_last_of_them() -> None:
     store: Store[PodSlice] = Store(POD_SLICES)
     cache = ClusterEndpoints()
-    first, second = _labelled("a", {300: {"app": "web"}}), _labelled("b", {300: {"app": "web"}, 301: {"app": "db"}})
+    first, second = _labelled("pods-2-0", {300: {"app": "web"}}), _labelled("pods-2-1", {300: {"app": "web"}, 301: {"app": "db"}})
     assert first.labels[0] is second.labels[0]  # one object however many slices carry it
     store.apply(Upsert(POD_SLICES, first), cache.changed)
     store.apply(Upsert(POD_SLICES, second), cache.changed)
     assert cache.labels(300) == ("app", "web") and cache.labels(301) == ("app", "db")
-    store.apply(Delete(POD_SLICES, "b"), cache.changed)
+    store.apply(Delete(POD_SLICES, "pods-2-1"), cache.changed)
     assert cache.labels(300) == ("app", "web") and cache.labels(301) == ()
-    store.apply(Upsert(POD_SLICES, _labelled("a", {302: {"app": "api"}})), cache.changed)
+    store.apply(Upsert(POD_SLICES, _labelled("pods-2-0", {302: {"app": "api"}})), cache.changed)
     assert cache.labels(300) == () and cache.labels(302) == ("app", "api")
-    store.apply(Delete(POD_SLICES, "a"), cache.changed)
+    store.apply(Delete(POD_SLICES, "pods-2-0"), cache.changed)
     assert cache._labels == {} and cache._label_holders == {} and len(cache) == 0
 
 
@@ -112,8 +112,8 @@ def test_a_remote_end_is_labelled_by_its_identity_and_a_local_one_by_its_pod() -
     from podmeter.model.records import Pod
 
     cache = ClusterEndpoints()
-    cache.changed(None, _labelled("a", {300: {"app": "web"}}))
-    remote = cache.endpoint("10.1.50.1")
+    cache.changed(None, _labelled("pods-2-0", {300: {"app": "web"}}))
+    remote = cache.endpoint("10.1.50.8")  # _labelled puts the name's length last
     assert remote is not None and endpoint_labels(remote, {}, cache) == ("app", "web")
     local = Pod(uid="u1", namespace="shop", name="web-0", node_name="n1", ips=("10.9.0.1",), host_network=False,
                 phase="Running", deleting=False, observe=True, labels=("app", "web", "tier", "front"),
@@ -131,11 +131,26 @@ def test_shared_label_sets_go_with_the_last_slice_that_holds_them() -> None:
     cache = ClusterEndpoints()
     for round_ in range(3):
         for n in range(20):
-            labelled = _labelled(f"s{n}", {900_000 + round_ * 100 + n: {"app": f"a{n}"}})
+            labelled = _labelled(f"pods-64-{n}", {900_000 + round_ * 100 + n: {"app": f"a{n}"}})
             store.apply(Upsert(POD_SLICES, labelled), cache.changed)
         del labelled
         for n in range(20):
-            store.apply(Delete(POD_SLICES, f"s{n}"), cache.changed)
+            store.apply(Delete(POD_SLICES, f"pods-64-{n}"), cache.changed)
     gc.collect()
     assert not [key for key in endpoint_slices._label_sets if key[0] >= 900_000]  # nothing outlives the slices
     assert cache._labels == {} and cache._label_holders == {} and not store.objects
+
+
+@pytest.mark.parametrize(("name", "taken"), [
+    ("pods-1-0", True), ("pods-4-3", True), ("pods-4096-4095", True), ("pods-4-4", False), ("pods-3-0", False),
+    ("pods-8192-0", False), ("pods-01-0", False), ("pods-1-00", False), ("evil", False), ("pods-\u00b2-0", False),
+    ("pods-1-0-x", False), ("pods--1-0", False),
+])
+def test_an_agent_takes_only_the_slice_names_the_operator_gives(name: str, taken: bool) -> None:
+    """A writer of PodSlices cannot make an agent hold more than the operator's own names allow."""
+    obj = {**_spec(_endpoint("web-1", "10.0.0.1")), "metadata": {"name": name, "resourceVersion": "1"}}
+    if taken:
+        assert decode_slice(obj).name == name
+    else:
+        with pytest.raises(DecodeError, match=r"\$\.metadata\.name"):
+            decode_slice(obj)

@@ -42,8 +42,8 @@ def test_a_slice_renames_when_its_rows_change_and_other_collections_never_do() -
     assert not view.renames(Upsert(POD_SLICES, first))
     assert view.renames(Upsert(POD_SLICES, _slice("pods-1-0", ("b", "10.1.0.1"))))
     assert view.renames(Delete(POD_SLICES, "pods-1-0")) and not view.renames(Delete(POD_SLICES, "pods-9-9"))
-    view.apply(Upsert(POD_SLICES, _slice("pods-1-1")))
-    assert not view.renames(Delete(POD_SLICES, "pods-1-1"))  # an empty slice named nobody
+    view.apply(Upsert(POD_SLICES, _slice("pods-2-1")))
+    assert not view.renames(Delete(POD_SLICES, "pods-2-1"))  # an empty slice named nobody
     assert view.renames(Replace(POD_SLICES, []))
     assert not view.renames(Upsert(NAMESPACES, make_namespace("shop", observe=True)))
     assert not view.renames(Replace(NAMESPACES, []))

@@ -297,9 +297,9 @@ def test_the_endpoint_cache_returns_to_empty_after_churn_and_gives_its_tables_ba
     for round_ in range(3):
         for n in range(40):  # 40 slices of 100 pods each come and go, every round with new IPs
             pods = {f"10.{round_}.{n}.{i}": f"p{round_}-{n}-{i}" for i in range(100)}
-            store.apply(Upsert(POD_SLICES, _slice(f"s{n}", round_ * 100 + n, pods)), cache.changed)
+            store.apply(Upsert(POD_SLICES, _slice(f"pods-64-{n}", round_ * 100 + n, pods)), cache.changed)
         assert len(cache) == 4000
         for n in range(40):
-            store.apply(Delete(POD_SLICES, f"s{n}"), cache.changed)
+            store.apply(Delete(POD_SLICES, f"pods-64-{n}"), cache.changed)
         assert len(cache) == 0 and not cache.slices and not store.objects
     assert cache._peak.peak < 1024  # rebuilt when emptied: the peak of a past round pins no memory

@@ -52,6 +52,10 @@ MAX_SLICE_ENDPOINTS = 1000  # what the CRD's schema allows in one slice (and wha
 MAX_SLICE_IDENTITIES = MAX_SLICE_ENDPOINTS
 MAX_IDENTITY_LABELS, MAX_LABEL_KEY, MAX_LABEL_VALUE = 128, 317, 63
 MAX_IDENTITY = 2**32 - 1  # the CRD's bound on an endpoint's identity, and the identities' keys
+# The most slices the operator writes (819,200 endpoints at MOST each). An agent takes only the names the
+# operator gives (``pods-N-B``, N a power of two up to this, B below N): at most 2 * MAX_SLICES - 1 slices,
+# whatever else a writer of PodSlices creates.
+MAX_SLICES = 4096
 
 # identity_of(pod) -> (ID, key) of the identity the pod holds, or None (none allocated yet).
 IdentityOf = Callable[[Pod], "tuple[int, IdentityKey] | None"]
@@ -65,11 +69,24 @@ def slice_count(endpoints: int, current: int) -> int:
         count *= 2
     while count > 1 and endpoints < count * FEWEST:
         count //= 2
-    return count
+    return min(count, MAX_SLICES)
 
 
 def slice_name(bucket: int, count: int) -> str:
     return f"{NAME_PREFIX}{count}-{bucket}"
+
+
+def is_slice_name(name: str) -> bool:
+    """Whether ``name`` is one :func:`slice_name` gives (see :data:`MAX_SLICES`)."""
+    count, dash, bucket = name.removeprefix(NAME_PREFIX).partition("-")
+    if not (name.startswith(NAME_PREFIX) and dash and _small_decimal(count) and _small_decimal(bucket)):
+        return False
+    n, b = int(count), int(bucket)
+    return 0 < n <= MAX_SLICES and n & (n - 1) == 0 and b < n
+
+
+def _small_decimal(text: str) -> bool:
+    return 0 < len(text) <= 5 and text.isascii() and text.isdecimal() and (text == "0" or text[0] != "0")
 
 
 def bucket_of(uid: str, count: int) -> int:
@@ -285,6 +302,9 @@ def decode_slice(data: bytes | dict[str, Any]) -> PodSlice:
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise DecodeError(KIND, "", "$", str(exc)) from None
     name = wire.metadata.name
+    if not is_slice_name(name):
+        raise DecodeError(KIND, name[:64], "$.metadata.name", f"not a name the operator gives (pods-N-B, N a power "
+                          f"of two up to {MAX_SLICES}, B below N)")
     if len(wire.spec.endpoints) > MAX_SLICE_ENDPOINTS:
         raise DecodeError(KIND, name, "$.spec.endpoints", f"more than {MAX_SLICE_ENDPOINTS} endpoints")
     rows: dict[bytes, tuple[str, str, str]] = {}
