@@ -20,7 +20,7 @@ from test_deploy_support import DEPLOY, OVERLAYS, ROOT, container, env_map, find
 
 DOCS = ROOT / "docs"
 MINE = ("install.md", "configuration.md", "observing.md", "troubleshooting.md", "upgrade.md", "comparison.md")
-DOCUMENTED_COMMANDS = ("agent", "operator", "doctor", "inspect")  # what runs on a cluster (the lab has lab.md)
+DOCUMENTED_COMMANDS = ("agent", "operator", "doctor", "inspect", "bpffs")  # what runs on a cluster (the lab has lab.md)
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -118,7 +118,8 @@ def test_metricsconfiguration_examples_in_the_docs_are_admitted_and_accepted() -
 
 
 ROOT = DOCS.parent
-EVERY_PAGE = sorted([*DOCS.glob("*.md"), *ROOT.glob("*.md"), *(ROOT / d / "README.md" for d in ("bench", "deploy", "tests"))])
+EVERY_PAGE = sorted([*DOCS.glob("*.md"), *ROOT.glob("*.md"),
+                     *(ROOT / d / "README.md" for d in ("bench", "deploy", "tests"))])
 
 
 @pytest.mark.parametrize("page", EVERY_PAGE, ids=lambda p: str(p.relative_to(ROOT)))

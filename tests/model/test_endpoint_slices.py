@@ -93,7 +93,8 @@ def _labelled(name: str, identities: dict[int, dict[str, str]]) -> PodSlice:
 def test_an_identity_s_labels_are_shared_by_the_slices_and_go_with_the_last_of_them() -> None:
     store: Store[PodSlice] = Store(POD_SLICES)
     cache = ClusterEndpoints()
-    first, second = _labelled("pods-2-0", {300: {"app": "web"}}), _labelled("pods-2-1", {300: {"app": "web"}, 301: {"app": "db"}})
+    first = _labelled("pods-2-0", {300: {"app": "web"}})
+    second = _labelled("pods-2-1", {300: {"app": "web"}, 301: {"app": "db"}})
     assert first.labels[0] is second.labels[0]  # one object however many slices carry it
     store.apply(Upsert(POD_SLICES, first), cache.changed)
     store.apply(Upsert(POD_SLICES, second), cache.changed)
