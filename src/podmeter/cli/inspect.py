@@ -20,6 +20,7 @@ from podmeter.adapters.datapath.ebpf import DEFAULT_BPFFS, DatapathSetupError, E
 from podmeter.adapters.datapath.ebpf.libbpf import BpfCallError
 from podmeter.model.datapath import Direction, Traffic
 from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, FlowEntry, protocol_name, tcp_flag_names
+from podmeter.model.hostport import host_port
 
 
 def register(subparsers: Any) -> None:
@@ -154,7 +155,7 @@ def _flow_order(entry: FlowEntry) -> tuple[Any, ...]:
 def _endpoint(ip: str, port: int, protocol: int) -> str:
     if protocol not in (TCP, UDP):
         return ip
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+    return host_port(ip, port)
 
 
 def _detail(protocol: int, source_port: int, destination_port: int, tcp_flags: int) -> str:

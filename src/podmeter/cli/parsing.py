@@ -17,6 +17,8 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from podmeter.model.hostport import host_port
+
 _LITERAL = re.compile(r"``(.+?)``", re.S)
 _ROLE = re.compile(r":(?:mod|class|func|meth|attr|data|exc|obj|ref):`~?([^`]+)`")
 
@@ -40,7 +42,7 @@ def shown(value: object) -> str:
         return str(int(value))
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int):
         host, port = value
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return host_port(host, port)
     if isinstance(value, (list, tuple)):
         return ",".join(shown(v) for v in value)
     return str(value)

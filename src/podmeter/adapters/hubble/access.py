@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from podmeter.adapters.hubble.flows import CLUSTER
+from podmeter.model.hostport import host_port
 
 log = logging.getLogger("podmeter.hubble")
 
@@ -59,7 +60,7 @@ def parse_listen(text: str) -> ListenAddress:
     loopback = host == "localhost"
     with contextlib.suppress(ValueError):
         loopback = ipaddress.ip_address(host).is_loopback
-    return ListenAddress(text, f"[{host}]:{port}" if ":" in host else f"{host}:{port}", loopback=loopback,
+    return ListenAddress(text, host_port(host, port), loopback=loopback,
                          host=host, port=int(port))
 
 
@@ -160,5 +161,3 @@ def tls_server_name(node: str) -> str:
     return f"{node.replace('.', '-')}.{CLUSTER}.hubble-grpc.cilium.io"
 
 
-def host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -64,7 +64,7 @@ from podmeter.adapters.hubble.flows import (
 )
 from podmeter.adapters.hubble.proto import flow_pb2
 from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
-from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP
+from podmeter.model.flows import ICMP, ICMPV6, TCP, TCP_FLAG_NAMES, UDP
 
 Check = Callable[[FlowRecord], bool]
 SCTP = 132
@@ -85,7 +85,7 @@ UNSUPPORTED = (
 MAX_FILTERS = 256  # FlowFilters in a request (allow and deny lists together)
 MAX_VALUES = 4096  # values of all the repeated fields of all its filters together
 MAX_PATTERN = 256  # characters of one node name pattern or label selector
-TCP_FLAG_BITS = {"FIN": 0, "SYN": 1, "RST": 2, "PSH": 3, "ACK": 4, "URG": 5, "ECE": 6, "CWR": 7}
+TCP_FLAG_BITS = {name: bit for bit, name in enumerate(TCP_FLAG_NAMES)}
 
 
 class BadFilter(ValueError):

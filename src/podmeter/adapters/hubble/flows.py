@@ -43,7 +43,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from podmeter.adapters.hubble.proto import flow_pb2, observer_pb2
 from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
-from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, Observation, protocol_name
+from podmeter.model.flows import ICMP, ICMPV6, TCP, TCP_FLAG_NAMES, UDP, Observation, protocol_name
 from podmeter.model.records import Pod
 
 # A pod's labels as the agent stores them, a flat tuple (k1, v1, k2, v2, ...); () when it does not know them.
@@ -69,7 +69,7 @@ POINTS = {Observation.TO_POD: flow_pb2.TO_ENDPOINT, Observation.FROM_POD: flow_p
 DIRECTIONS = {Observation.TO_POD: flow_pb2.INGRESS, Observation.FROM_POD: flow_pb2.EGRESS}
 SUB_TYPES = {Observation.TO_POD: TRACE_TO_ENDPOINT, Observation.FROM_POD: TRACE_FROM_ENDPOINT}
 VERDICTS = {"forwarded": flow_pb2.FORWARDED, "dropped": flow_pb2.DROPPED}
-TCP_FLAG_FIELDS = ("FIN", "SYN", "RST", "PSH", "ACK", "URG", "ECE", "CWR")  # bit 0 first, as the kernel's byte
+TCP_FLAG_FIELDS = TCP_FLAG_NAMES  # bit 0 first, as the kernel's byte
 # The order in which Hubble's agent lists the flags in a flow's summary (not the bits' order).
 SUMMARY_FLAGS = tuple(TCP_FLAG_FIELDS.index(name) for name in ("SYN", "ACK", "RST", "FIN", "PSH", "URG", "ECE", "CWR"))
 

@@ -24,9 +24,10 @@ from typing import Any, Protocol
 import grpc
 from grpc import aio
 
-from podmeter.adapters.hubble.access import ListenAddress, TlsFiles, host_port, tls_server_name
+from podmeter.adapters.hubble.access import ListenAddress, TlsFiles, tls_server_name
 from podmeter.adapters.hubble.proto import peer_pb2
 from podmeter.adapters.hubble.streams import EndableStream
+from podmeter.model.hostport import host_port
 from podmeter.model.records import Node
 
 log = logging.getLogger("podmeter.hubble")
@@ -113,7 +114,7 @@ class PeerService:
             return f"unix://{a.unix_path}"
         port = self.port or a.port
         host = a.host or self.node_name
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return host_port(host, port)
 
     @property
     def tls_server_name(self) -> str:

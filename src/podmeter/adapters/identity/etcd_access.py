@@ -37,6 +37,7 @@ import grpc
 import grpc.aio
 
 from podmeter.adapters.identity.base import IdentityBackendError
+from podmeter.model.hostport import host_port
 
 DEFAULT_PORT = 2379
 
@@ -54,7 +55,7 @@ class Endpoint:
     @property
     def target(self) -> str:
         """gRPC's ``HOST:PORT`` (an IPv6 address in brackets)."""
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return host_port(self.host, self.port)
 
     def __str__(self) -> str:
         return f"{'https' if self.tls else 'http'}://{self.target}"
