@@ -16,6 +16,8 @@
 #                  rules when the loader lacks it (deploy/components/perfmon)
 #   CAP_SYS_ADMIN  a container runtime or seccomp profile that predates CAP_BPF: there, bpf(2) is allowed
 #                  for CAP_SYS_ADMIN alone (deploy/components/sys-admin)
+# On nodes that do not mount the bpf filesystem at boot, deploy/components/mount-bpffs runs `podmeter bpffs`
+# from this image as a privileged init container, which mounts it in the node's mount namespace.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG DEBIAN_IMAGE=debian:bookworm-slim

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything podmeter's lab and tests need on a fresh Debian 12 machine, idempotently:
-# system packages (clang, libbpf, bpftool, etcd, iproute2, nftables, promtool, zsh), the bpffs mount, a venv with the package,
+# system packages (clang, libbpf, bpftool, etcd, iproute2, nftables, promtool, zsh, the CNI plugins), the bpffs mount, a venv with the package,
 # its lab extra and its dev tools, and the BPF object. Safe to run again: each step checks before it acts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,7 @@ command -v ip >/dev/null || need_apt+=(iproute2)
 command -v nft >/dev/null || need_apt+=(nftables)  # the lab and tests induce drops with nft rules
 command -v promtool >/dev/null || need_apt+=(prometheus)  # promtool: the tests check the alert rules with it
 command -v zsh >/dev/null || need_apt+=(zsh)  # the tests run the zsh completion script in a real zsh
+[ -x /usr/lib/cni/bridge ] || need_apt+=(containernetworking-plugins)  # the tests run the bridge CNI plugin
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
     echo "setup: installing ${need_apt[*]}"

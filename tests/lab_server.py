@@ -109,12 +109,12 @@ class LabServer:
 
     def start(self) -> None:
         if self.process:
-            log = open(self.dir / "server.log", "wb")  # noqa: SIM115 (kept open for the child's lifetime)
-            self.proc = subprocess.Popen(
-                [*self._command(), *self._cli_args()],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            with open(self.dir / "server.log", "wb") as log:  # the child holds its own copy of the file
+                self.proc = subprocess.Popen(
+                    [*self._command(), *self._cli_args()],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
         else:
             self._start_thread()
         self._wait_ready()

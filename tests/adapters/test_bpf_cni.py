@@ -4,8 +4,11 @@ A pod link is a veth (or netkit) whose peer lives in another network namespace; 
 (a veth with both ends on the node, a bridge, an ifb, a dummy, the uplink of a node that is itself a
 container) are left alone. Real namespaces and packets: veth pairs named as AWS VPC CNI, Azure CNI,
 Antrea, OVN-Kubernetes, Calico, Cilium and the bridge plugin name them are attached and count exactly.
-And the other half of "never silently count nothing": which observed pods' IPs reach no attached link,
-from the attach manager and from a real `podmeter agent` (metric and /debug/state).
+Such a veth is a pod's only if it carries one of the node's pod IPs: routed (a /32 to the host side),
+bridged (the real bridge CNI plugin, called as a runtime calls it) and a late address are attached, a
+veth into a namespace that is no pod is not, and is counted as skipped. And the other half of "never
+silently count nothing": which observed pods' IPs reach no attached link, from the attach manager and
+from a real `podmeter agent` (metric and /debug/state).
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ import sys
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from agent_harness import Cluster
+from agent_harness import AgentHarness, Cluster
 from lab_server import LabServer
-from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath, InterfaceRule
+from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath, InterfaceRule, LinkSelection
 from podmeter.adapters.datapath.ebpf import links as nl
 from podmeter.adapters.datapath.ebpf.links import LinkInfo, changes
-from podmeter.model.datapath import Direction, Traffic
+from podmeter.model.datapath import Direction, LinkCounts, Traffic
+from podmeter.runtime.datapaths import open_datapath as open_agent_datapath
 from test_bpf_netns import UDP_HEADERS, udp_echo
-from test_bpf_support import Topology, needs_root, run, unique
+from test_bpf_support import Pod, Topology, needs_root, run, unique
 from waiting import stop_process, wait_for
 
 Opener = Callable[..., EbpfDatapath]
@@ -198,6 +203,189 @@ def test_which_pod_ips_reach_no_attached_link(topology: Topology, open_datapath:
         assert manager.placed()[late_ip] == late_host
 
 
+# --- only the links that carry a pod of this node (LinkSelection.PODS, the agent's) ------------------------
+
+
+def bare_pod(topology: Topology, ip: str, host_veth: str | None = None) -> Pod:
+    """A pod's netns and veth, both ends up, and no address yet (the test places ``ip`` itself)."""
+    pod = Pod(unique("pmp"), host_veth or unique("pmr"), ip, "")
+    run("ip", "netns", "add", pod.netns)
+    topology.pods.append(pod)  # removed with the topology
+    add_link(topology, pod.host_veth, "type", "veth", "peer", "name", "eth0", "netns", pod.netns)
+    run("ip", "-n", topology.host, "link", "set", pod.host_veth, "up")
+    run("ip", "-n", pod.netns, "link", "set", "eth0", "up")
+    return pod
+
+
+def pod_manager(datapath: EbpfDatapath, topology: Topology, rule: InterfaceRule | None = None) -> AttachManager:
+    assert datapath.programs is not None
+    return AttachManager(datapath.programs, rule=rule, netns=topology.host_path, resync_interval=3600,
+                         selection=LinkSelection.PODS)
+
+
+def settled_counts(manager: AttachManager, expected: LinkCounts) -> None:
+    wait_for(lambda: manager.link_counts() == expected, 10, f"link counts {expected}",
+             lambda: f"counts {manager.link_counts()}, attached {sorted(manager.attached())}")
+
+
+@needs_root
+def test_only_links_that_carry_a_pod_ip_are_attached_routed_or_held(topology: Topology, open_datapath: Opener) -> None:
+    datapath = open_datapath(8)
+    pod = topology.add_pod(host_veth=cni_names()["calico"])  # its eth0 holds its IP
+    stranger = topology.add_pod()  # another program's netns: a veth to the node, an address, no pod
+    # Routed: the pod's IP is not on its eth0, but the node routes it (a /32) through the host side.
+    routed = bare_pod(topology, "10.95.0.9")
+    run("ip", "-n", routed.netns, "addr", "add", f"{routed.ip}/32", "dev", "lo")
+    run("ip", "-n", topology.host, "route", "add", f"{routed.ip}/32", "dev", routed.host_veth)
+    with pod_manager(datapath, topology) as manager:
+        assert manager.attached() == {}  # no pod IP given yet: no veth is known to be a pod's
+        assert manager.link_counts() == LinkCounts(seen=3, attached=0, skipped={"no_pod": 3})
+        manager.set_pod_ips({pod.ip, routed.ip, "10.99.0.7"})  # and a pod with no link of its own
+        wait_until(lambda: set(manager.attached()) == {pod.host_veth, routed.host_veth})
+        settled_counts(manager, LinkCounts(seen=3, attached=2, skipped={"no_pod": 1}))
+        manager.sync()  # a dump finds the same
+        assert set(manager.attached()) == {pod.host_veth, routed.host_veth}
+        assert stranger.host_veth not in manager.errors
+        manager.set_pod_ips({routed.ip})  # the pod left the node; its veth is still there
+        wait_until(lambda: set(manager.attached()) == {routed.host_veth})
+        settled_counts(manager, LinkCounts(seen=3, attached=1, skipped={"no_pod": 2}))
+
+
+@needs_root
+def test_a_new_pods_link_is_attached_promptly_whichever_comes_first(
+        topology: Topology, open_datapath: Opener) -> None:
+    """Its IP known after its link is configured (a runtime reports the IP after the CNI's ADD), or before
+    its link exists, or its address coming after the link with no link event at all."""
+    datapath = open_datapath(8)
+    with pod_manager(datapath, topology) as manager:
+        first = topology.add_pod()
+        manager.sync()
+        assert manager.attached() == {}
+        manager.set_pod_ips({first.ip})
+        wait_until(lambda: first.host_veth in manager.attached(), timeout=2)
+
+        manager.set_pod_ips({first.ip, "10.94.0.5", "10.94.0.6"})
+        second = bare_pod(topology, "10.94.0.5")
+        run("ip", "-n", second.netns, "addr", "add", f"{second.ip}/24", "dev", "eth0")
+        wait_until(lambda: second.host_veth in manager.attached(), timeout=2)
+
+        late = bare_pod(topology, "10.94.0.6")
+        wait_until(lambda: manager.link_counts().seen == 3)
+        run("ip", "-n", late.netns, "addr", "add", f"{late.ip}/24", "dev", "eth0")  # nothing tells the node
+        wait_until(lambda: late.host_veth in manager.attached(), timeout=3)  # a recheck finds it
+
+
+@needs_root
+def test_names_given_are_attached_whatever_they_carry(topology: Topology, open_datapath: Opener) -> None:
+    """--interface and --interface-pattern are the override: no pod IP needed."""
+    datapath = open_datapath(8)
+    stranger = topology.add_pod()
+    eni = topology.add_pod(host_veth=cni_names()["aws-vpc-cni"])
+    with pod_manager(datapath, topology, InterfaceRule(explicit=(stranger.host_veth,))) as manager:
+        assert set(manager.attached()) == {stranger.host_veth}  # named; eni carries no pod IP given
+        assert manager.link_counts() == LinkCounts(seen=2, attached=1, skipped={"no_pod": 1})
+    with pod_manager(datapath, topology, InterfaceRule(patterns=("eni*",))) as manager:
+        assert set(manager.attached()) == {eni.host_veth}
+        assert manager.link_counts() == LinkCounts(seen=2, attached=1, skipped={"no_match": 1})
+
+
+# --- the bridge CNI plugin, called as a container runtime calls it ------------------------------------------
+
+CNI_BIN = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
+needs_bridge_plugin = pytest.mark.skipif(not (CNI_BIN / "bridge").is_file(),
+                                         reason="no bridge CNI plugin (apt-get install containernetworking-plugins)")
+
+
+class BridgeCni:
+    """The bridge plugin with host-local IPAM in the test's host netns: ADD for each pod sandbox, DEL at
+    the end. The host side of a pod's veth is what the plugin's result names outside the sandbox."""
+
+    def __init__(self, topology: Topology, data_dir: Path) -> None:
+        self.topology = topology
+        self.bridge = unique("pmcni")
+        self.config = json.dumps({
+            "cniVersion": "1.0.0", "name": unique("pmnet"), "type": "bridge", "bridge": self.bridge,
+            "isGateway": True, "ipMasq": False,
+            "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.236.0.0/24"}]], "dataDir": str(data_dir)},
+        })
+        self.added: list[Pod] = []
+
+    def add(self) -> Pod:
+        pod = Pod(unique("pmp"), "", "", "")
+        run("ip", "netns", "add", pod.netns)
+        self.topology.pods.append(pod)  # its netns goes with the topology
+        run("ip", "netns", "exec", pod.netns, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
+        result = self._call("ADD", pod)
+        self.added.append(pod)
+        pod.host_veth = next(i["name"] for i in result["interfaces"] if "sandbox" not in i and i["name"] != self.bridge)
+        pod.ip, pod.host_ip = result["ips"][0]["address"].split("/")[0], result["ips"][0]["gateway"]
+        return pod
+
+    def delete_all(self) -> None:
+        for pod in reversed(self.added):
+            self._call("DEL", pod)
+        self.added.clear()
+        subprocess.run(["ip", "-n", self.topology.host, "link", "del", self.bridge], capture_output=True, check=False)
+
+    def _call(self, command: str, pod: Pod) -> dict[str, Any]:
+        env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "CNI_COMMAND": command,
+               "CNI_CONTAINERID": pod.netns, "CNI_NETNS": pod.netns_path, "CNI_IFNAME": "eth0",
+               "CNI_PATH": str(CNI_BIN)}
+        done = subprocess.run(["nsenter", f"--net={self.topology.host_path}", "--", str(CNI_BIN / "bridge")],
+                              input=self.config, env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, f"bridge {command}: {done.stdout}{done.stderr}"
+        result: dict[str, Any] = json.loads(done.stdout) if done.stdout.strip() else {}
+        return result
+
+
+@pytest.fixture
+def bridge_cni(topology: Topology, tmp_path: Path) -> Iterator[BridgeCni]:
+    cni = BridgeCni(topology, tmp_path / "ipam")
+    try:
+        yield cni
+    finally:
+        cni.delete_all()
+
+
+@needs_root
+@needs_bridge_plugin
+def test_the_agent_attaches_to_the_bridge_plugins_pods_and_nothing_else(
+        topology: Topology, bridge_cni: BridgeCni, lab_apiserver: LabServer, pin_dir: Path) -> None:
+    """The agent's own wiring (runtime.datapaths.open_datapath, the pod IPs from its store): the pods of
+    the bridge plugin, observed or not, and not the veth of a netns that is no pod's."""
+    web, db = bridge_cni.add(), bridge_cni.add()
+    stranger = topology.add_pod()
+    add_link(topology, unique("qs"), "type", "veth", "peer", "name", unique("qt"))  # both ends here: not seen
+    cluster = Cluster(lab_apiserver)
+    cluster.namespace("shop", observe=True)
+    cluster.namespace("quiet")
+    cluster.pod("shop", "web", web.ip)
+    cluster.pod("quiet", "db", db.ip)
+    with topology.in_host():  # the attach worker starts from here: it works in the test's host netns
+        opened = open_agent_datapath("ebpf", str(pin_dir), 64)
+    try:
+        manager = opened.links
+        assert isinstance(manager, AttachManager)
+        assert manager.attached() == {}  # no pod known before the agent lists them
+        harness = AgentHarness(lab_apiserver, datapath=opened.datapath)
+        harness.agent.links = manager
+        with harness:
+            wait_for(lambda: set(manager.attached()) == {web.host_veth, db.host_veth}, 10, "the pods' links",
+                     lambda: f"attached {sorted(manager.attached())}, stranger {stranger.host_veth}")
+            harness.wait_filter({web.ip})
+            sizes = [1, 300, 1400]
+            udp_echo(topology, web, sizes)
+            udp_echo(topology, db, sizes)
+            one_round = Traffic(len(sizes), sum(size + UDP_HEADERS for size in sizes))
+            assert opened.datapath.read_counters() == {(web.ip, direction): one_round for direction in Direction}
+            counts = LinkCounts(seen=3, attached=2, skipped={"no_pod": 1})
+            wait_for(lambda: harness.on_loop(harness.agent.snapshot).links == counts, 10, f"links {counts}")
+            cluster.delete_pod("quiet", "db")  # gone from the API; its sandbox is not torn down yet
+            wait_for(lambda: set(manager.attached()) == {web.host_veth}, 10, "db's link detached")
+    finally:
+        opened.close()
+
+
 # --- netkit (not in every kernel: the parser and the rule against the wire format) --------------------------
 
 
@@ -276,6 +464,7 @@ def metric(text: str, name: str) -> float | None:
 def test_the_agent_reports_observed_pods_whose_link_was_not_found(
         topology: Topology, server: LabServer, pin_dir: Path, tmp_path: Path) -> None:
     web = topology.add_pod(host_veth=cni_names()["aws-vpc-cni"])
+    topology.add_pod()  # a netns that is no pod's: seen, skipped
     cluster = Cluster(server)
     with topology.in_host():
         cluster.namespace("shop", observe=True)
@@ -300,6 +489,9 @@ def test_the_agent_reports_observed_pods_whose_link_was_not_found(
                  lambda: log_path.read_text()[-3000:])
         state = json.loads(get(topology, f"http://127.0.0.1:{port}/debug/state"))
         assert state["pods_without_link"] == ["shop/ghost"]
+        links = scrape()
+        assert (metric(links, "podmeter_links_seen"), metric(links, "podmeter_links_attached")) == (2, 1)
+        assert metric(links, 'podmeter_links_skipped{reason="no_pod"}') == 1
         udp_echo(topology, web, [100])
         wanted = ('podmeter_pod_bytes_total{', 'namespace="shop"', 'pod="web"', 'direction="egress"')
         wait_for(lambda: any(all(part in line for part in wanted) and float(line.rsplit(" ", 1)[1]) == 100 + UDP_HEADERS

@@ -19,11 +19,12 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
+from flow_support import pod as flow_pod
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf.drops import (
     DROP_FLOWS_MAP,
@@ -35,9 +36,11 @@ from podmeter.adapters.datapath.ebpf.drops import (
     read_reasons,
 )
 from podmeter.adapters.datapath.ebpf.netns import netns
+from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.model.datapath import Direction
-from podmeter.model.drops import HOOK_DROPS, HOOKS, DropDrain, TcpEvent
+from podmeter.model.drops import HOOK_DROPS, HOOKS, LIFECYCLE_REASONS, DropDrain, DropLedger, TcpEvent
 from podmeter.model.flows import TCP, UDP
+from podmeter.runtime.drop_drain import DropDrainer
 from test_bpf_support import Pod, Topology, needs_root, run
 
 pytestmark = needs_root
@@ -285,6 +288,78 @@ def test_random_loss_makes_the_sender_retransmit_and_nobody_else(
     assert set(seen.retransmits) == {(client.ip, server.ip, client_port, server_port)}
     assert seen.retransmits[client.ip, server.ip, client_port, server_port] == seen.tcp[client.ip, TcpEvent.RETRANSMIT]
     assert {(f[0], f[4]) for f in seen.flows} == {(client.ip, TCP)}  # the client's data segments, lost
+
+
+class Recorded:
+    """A drop source that is the tracer, with everything it drained kept (what the kernel said)."""
+
+    def __init__(self, tracer: DropTracer) -> None:
+        self.tracer, self.seen = tracer, Drained(tracer)
+
+    @property
+    def hooks(self) -> Mapping[str, bool]:
+        return self.tracer.hooks
+
+    def drain_drops(self) -> DropDrain:
+        return self.seen.drain()
+
+    def drops_lost(self) -> Mapping[str, int]:
+        return self.tracer.drops_lost()
+
+
+@contextlib.contextmanager
+def unread(client: Pod, server: Pod, size: int = 100) -> Iterator[tuple[int, int]]:
+    """A connection from the client whose ``size`` bytes the server never reads: its listener closes with
+    the connection still in its accept queue, so the kernel frees the queued data (QUEUE_PURGE). Yields
+    (client port, server port) while the client's socket is still open."""
+    with netns(server.netns_path):
+        listener = socket.socket()
+    with netns(client.netns_path):
+        sock = socket.socket()
+    with sock:
+        with listener:
+            listener.bind((server.ip, 0))
+            listener.listen(1)
+            sock.settimeout(5)
+            sock.connect(listener.getsockname())
+            ports = sock.getsockname()[1], listener.getsockname()[1]
+            sock.sendall(b"q" * size)
+            time.sleep(0.2)  # the segment waits in the connection no one accepted
+        yield ports
+
+
+def test_a_connection_closed_with_unread_data_is_a_lifecycle_drop_not_a_drop_nor_a_dropped_flow(
+        topology: Topology, datapath: EbpfDatapath, tracer: DropTracer) -> None:
+    """A segment left in the accept queue of a listener that closes without accepting it: the kernel frees
+    it as QUEUE_PURGE, for both ends. Through the agent's drain it is a lifecycle drop of each pod, and
+    neither a drop of either nor a dropped flow."""
+    assert "QUEUE_PURGE" in read_reasons().names.values()
+    client, server = routed_pod(topology, datapath), routed_pod(topology, datapath)
+    warm(client, server)
+    pods = [flow_pod("client", client.ip), flow_pod("server", server.ip)]
+    ledger, feed = DropLedger(grace=10), FlowFeed(100)
+    for one in pods:
+        ledger.assign(one.ips[0], one, now=0)
+    source = Recorded(tracer)
+    drainer = DropDrainer(source, ledger, "node-a", feed)
+    with unread(client, server) as ports:
+        deadline = time.monotonic() + 5
+        while not ledger.node_lifecycle and time.monotonic() < deadline:
+            drainer.drain(pods)
+            time.sleep(0.02)
+        time.sleep(0.1)
+        drainer.drain(pods)
+    seen = source.seen
+    purged = seen.drops[server.ip, IN, "QUEUE_PURGE"]
+    assert purged >= 1 and seen.drops[client.ip, OUT, "QUEUE_PURGE"] == purged  # the kernel's word for it
+    assert {f: n for f, n in seen.flows.items() if f[5] == "QUEUE_PURGE"} == {
+        (client.ip, server.ip, *ports, TCP, "QUEUE_PURGE"): purged}  # a dropped flow, as the kernel counts it
+    by_name = {s.name: s for s in ledger.values()}
+    assert by_name["server"].lifecycle == {(IN, "QUEUE_PURGE"): purged}
+    assert by_name["client"].lifecycle == {(OUT, "QUEUE_PURGE"): purged}
+    assert not [key for s in ledger.values() for key in s.drops if key[1] in LIFECYCLE_REASONS]
+    assert not [key for key in ledger.node_drops if key[1] in LIFECYCLE_REASONS]
+    assert [r for _, r in feed.ring.after(0) if r.drop_reason in LIFECYCLE_REASONS] == []
 
 
 # --- what is not counted, and what leaves ------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 
 from agent_harness import Cluster, wait_for
 from lab_server import LabServer
-from test_bpf_drops import lossy_link, nft, routed_pod, send, udp_socket, upload, warm
+from test_bpf_drops import lossy_link, nft, routed_pod, send, udp_socket, unread, upload, warm
 from test_bpf_support import Topology, needs_root
 from waiting import stop_process
 
@@ -132,6 +132,20 @@ def test_induced_drops_and_loss_reach_metrics_records_and_observe(
         shown = [json.loads(line) for line in observe.stdout.splitlines()]
         assert shown and all(r["verdict"] == "dropped" and r["drop_reason"] == "NETFILTER_DROP" for r in shown)
         assert sum(r["packets"] for r in shown) == 10
+
+        # A connection closed with data unread (QUEUE_PURGE): a lifecycle drop of both pods, no drop, no record.
+        lifecycle_in = ('podmeter_pod_lifecycle_drops_total{namespace="shop",pod="web",direction="ingress",'
+                        'reason="QUEUE_PURGE"}')
+        with unread(client, web, size=40):  # small enough for the lossy rule above (ip length > 100) to spare
+            wait_for(lambda: (agent.metric(re.escape(lifecycle_in)) or 0) >= 1, 10, "web's lifecycle drop", agent.log)
+        purged = agent.metric(re.escape(lifecycle_in))
+        assert agent.metric(re.escape(lifecycle_in.replace("web", "client").replace("ingress", "egress"))) == purged
+        assert agent.metric(r'podmeter_pod_drops_total\{[^}]*reason="QUEUE_PURGE"\}') is None
+        assert agent.metric(r'podmeter_node_drops_total\{[^}]*reason="QUEUE_PURGE"\}') is None
+        assert agent.metric(re.escape('podmeter_node_lifecycle_drops_total{direction="ingress",'
+                                      'reason="QUEUE_PURGE"}')) == purged
+        records = [json.loads(line) for line in agent.get("/debug/flows?last=100000&verdict=dropped")[1].splitlines()]
+        assert records and not [r for r in records if r["drop_reason"] == "QUEUE_PURGE"]
 
         with topology.in_host():  # the pod goes: its series go after the grace
             cluster.delete_pod("shop", "web")

@@ -193,6 +193,20 @@ def test_the_operator_logs_json_like_the_agent(tmp_path: Path) -> None:
     assert "absent" in record["msg"]
 
 
+@pytest.mark.parametrize("command", ["operator", "agent"])
+def test_the_log_format_comes_from_the_environment(tmp_path: Path, command: str) -> None:
+    """PODMETER_LOG_FORMAT=json, as the manifests set it, without the flag: the same JSON lines."""
+    env = {"PODMETER_LOG_FORMAT": "json", "PODMETER_KUBECONFIG": str(tmp_path / "absent"),
+           "PODMETER_NODE_NAME": "node-a"}
+    result = podmeter(command, env=env)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    record = json.loads(line)
+    assert record["level"] == "error" and record["logger"] == f"podmeter.{command}" and "absent" in record["msg"]
+    text = podmeter(command, env={**env, "PODMETER_LOG_FORMAT": "text"})
+    assert text.returncode == 2 and not text.stderr.lstrip().startswith("{")
+
+
 # --- shell completion ----------------------------------------------------------------------------------------
 
 
@@ -205,7 +219,7 @@ def completion_script(shell: str, tmp_path: Path) -> Path:
 
 
 BASH_CASES = {
-    "podmeter ''": "agent operator observe apiserver node lab inspect doctor demo completion",
+    "podmeter ''": "agent operator observe apiserver node lab inspect doctor demo bpffs completion",
     "podmeter ag": "agent",
     "podmeter agent --data": "--datapath",
     "podmeter agent --datapath ''": "ebpf memory",

@@ -8,9 +8,15 @@ What the kubelet and the container runtime would provide is provided the same wa
   so a root process gets those and no others (``setpriv``);
 - ``hostNetwork`` is a private network namespace standing in for the node's (so the agent attaches only to
   this test's veth), and the ``/sys/fs/bpf`` hostPath is a fresh directory inside the host's bpffs.
-Then: ``/readyz`` (the readiness probe's path and port) answers 200, an annotated pod's IP reaches
+Then: the first startup probe (at its initial delay) already answers, so a start logs no Unhealthy event;
+``/readyz`` (the readiness probe's path and port) answers 200, an annotated pod's IP reaches
 ``/debug/state`` and the pinned filter map, an unannotated one does not, SIGTERM ends it cleanly and
 leaves the pins, and the next agent (an upgrade) adopts them and converges to the pods of that moment.
+
+And on a node like the issue's, whose init is not systemd: every mount private, no bpffs mounted. The
+node is a mount namespace of its own; the runtime's rule on mount propagation is checked against its real
+mountinfo, the ``mount-bpffs`` component's init container runs there as its manifest says, and the agent's
+container, created from that node's namespace after it, runs on the bpffs the init container mounted.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -41,8 +48,11 @@ from test_deploy_support import (
     find,
     grants,
     needs_kubectl,
+    pod_containers,
     render,
+    render_with,
     request_attributes,
+    runtime_refusal,
     service_account_dir,
 )
 
@@ -62,8 +72,11 @@ class Container:
     """The DaemonSet's agent container, translated to a process on this machine."""
 
     def __init__(self, daemonset: Obj, host_dirs: dict[str, Path], kubeconfig: Path,
-                 without: str | None = None) -> None:
+                 without: str | None = None, node_mounts: str | None = None) -> None:
+        """``node_mounts``: the node's mount namespace (a /proc/PID/ns/mnt), which the container's is made
+        from; default this process's."""
         spec = daemonset["spec"]["template"]["spec"]
+        self.node_mounts = node_mounts
         self.spec = spec
         self.container = container(daemonset)
         self.host_dirs = host_dirs
@@ -106,7 +119,9 @@ class Container:
     def _inside(self, netns: str) -> list[str]:
         """The container's file system view, the "node" netns, root limited to the container's capabilities."""
         bounding = ",".join(["-all", *(f"+{c.lower()}" for c in self.capabilities)])
-        return [*self.filesystem, "nsenter", f"--net={netns}", "--", "setpriv", f"--bounding-set={bounding}", "--"]
+        node = ["nsenter", f"--mount={self.node_mounts}", "--"] if self.node_mounts else []
+        return [*node, *self.filesystem, "nsenter", f"--net={netns}", "--", "setpriv", f"--bounding-set={bounding}",
+                "--"]
 
     def remove(self) -> None:
         shutil.rmtree(self.secrets, ignore_errors=True)
@@ -179,12 +194,15 @@ def test_the_agent_runs_as_the_daemonset_says(topology: Topology, bpffs_dir: Pat
     with topology.in_host():
         server.admin.reset_requests()  # from here on, only the agent (and doctor, with its identity) ask
     proc = agent.start(topology.host_path, tmp_path / "agent.log")
+    started = time.monotonic()
     try:
         ready_path, port = agent.probe("readinessProbe")
         live_path, live_port = agent.probe("livenessProbe")
         log = lambda: (tmp_path / "agent.log").read_text(errors="replace")[-3000:]  # noqa: E731
-        # the kubelet probes a host-network pod at the node's address
+        # the kubelet probes a host-network pod at the node's address: first the startup probe, after its
+        # initial delay; a failure there would be an Unhealthy event, so the first one must answer
         node_ip = pod.host_ip
+        first_probe(agent, topology, node_ip, started, proc, log)
         wait_for(lambda: proc.poll() is not None or get(topology, port, ready_path, node_ip)[0] == 200, timeout=30,
                  what="readiness probe", describe=log)
         assert proc.poll() is None, log()
@@ -251,6 +269,16 @@ def test_the_agent_runs_as_the_daemonset_says(topology: Topology, bpffs_dir: Pat
         agent.remove()
 
 
+def first_probe(agent: Container, topology: Topology, node_ip: str, started: float,
+                proc: subprocess.Popen[bytes], log: Any) -> None:
+    """The kubelet's first probe of a new container: the startup probe, once its initial delay is over."""
+    path, port = agent.probe("startupProbe")
+    time.sleep(max(0.0, agent.container["startupProbe"]["initialDelaySeconds"] - (time.monotonic() - started)))
+    assert proc.poll() is None, log()
+    status = get(topology, port, path, node_ip)[0]
+    assert status == 200, f"the first startup probe got {status or 'connection refused'}: an Unhealthy event"
+
+
 def pinned_filter(pins: Path) -> set[str]:
     """The filter map as the kernel holds it, read from this (separate) process."""
     with EbpfDatapath.open_pinned(pins) as pinned:
@@ -272,3 +300,159 @@ def test_each_capability_of_the_manifest_is_needed(topology: Topology, bpffs_dir
             proc.wait(10)
         agent.remove()
     assert "cannot open the ebpf datapath" in (tmp_path / "agent.log").read_text()
+
+
+# --- a node whose init is not systemd: private mounts, no bpffs ----------------------------------------------
+
+
+class PrivateNode:
+    """A node's mount namespace where every mount is private and nothing is mounted at its /sys/fs/bpf (a
+    stand-in directory): held by a process of its own, which is PID 1 of the node's /proc (a stand-in too,
+    whose ``1`` is that process). What is mounted there is seen by the processes started in it, not here."""
+
+    def __init__(self) -> None:
+        self.root = service_account_dir()  # outside /tmp, which the containers get as an emptyDir
+        self.bpffs = self.root / "sys-fs-bpf"
+        self.bpffs.mkdir(mode=0o700)
+        self.holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "infinity"])
+        self.mounts = f"/proc/{self.holder.pid}/ns/mnt"
+        wait_for(lambda: os.stat(self.mounts).st_ino != os.stat("/proc/self/ns/mnt").st_ino, timeout=10,
+                 what="the node's mount namespace")
+        self.proc = self.root / "proc"
+        self.proc.mkdir()
+        (self.proc / "1").symlink_to(f"/proc/{self.holder.pid}")
+        self.paths = {"/sys/fs/bpf": self.bpffs, "/proc": self.proc}  # node path -> its stand-in here
+
+    def mountinfo(self) -> str:
+        return Path(f"/proc/{self.holder.pid}/mountinfo").read_text()
+
+    def mounted_at(self, path: Path, mountinfo: str | None = None) -> list[str]:
+        """The file system types mounted at ``path`` in the node, in mount order."""
+        text = self.mountinfo() if mountinfo is None else mountinfo
+        return [fields[fields.index("-", 6) + 1] for fields in (line.split() for line in text.splitlines())
+                if fields[4] == str(path)]
+
+    def stop(self) -> None:
+        self.holder.kill()
+        self.holder.wait(10)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture
+def private_node() -> Iterator[PrivateNode]:
+    node = PrivateNode()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def run_init_container(daemonset: Obj, name: str, node: PrivateNode,
+                       unprivileged: bool = False) -> subprocess.CompletedProcess[str]:
+    """An init container of the DaemonSet as the runtime starts it on ``node``: a mount namespace made from
+    the node's (read-only root), its hostPath volumes at their stand-ins, the manifest's args and env; a
+    privileged container is root with every capability, which is what this process has (``unprivileged``:
+    root with none, as if a policy had taken ``privileged`` away)."""
+    spec = daemonset["spec"]["template"]["spec"]
+    init = next(c for c in spec["initContainers"] if c["name"] == name)
+    assert init["securityContext"]["privileged"] is True and init["securityContext"]["runAsUser"] == 0
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    in_container = {m["mountPath"]: volumes[m["name"]]["hostPath"]["path"]
+                    for m in init.get("volumeMounts", []) if "hostPath" in volumes[m["name"]]}
+
+    def translate(value: str) -> str:
+        """A container path under a hostPath -> the node's path; a node path -> its stand-in."""
+        for table in (in_container, {k: str(v) for k, v in node.paths.items()}):
+            for inside, outside in table.items():
+                if value == inside or value.startswith(inside.rstrip("/") + "/"):
+                    value = outside + value[len(inside.rstrip("/")):]
+                    break
+        return value
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    for entry in init["env"]:
+        env[entry["name"]] = translate(entry["value"])
+    drop = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"] if unprivileged else []
+    argv = ["nsenter", f"--mount={node.mounts}", "--", *container_filesystem(daemonset, init), *drop,
+            *ENTRYPOINT, *init["args"]]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd="/")
+
+
+def test_the_daemonset_runs_on_a_node_without_systemd(topology: Topology, private_node: PrivateNode,
+                                                      server: LabServer, tmp_path: Path) -> None:
+    (tmp_path / "overlay").mkdir()
+    objects = render_with(tmp_path / "overlay", ["base"], ["components/mount-bpffs"])
+    daemonset = find(objects, "DaemonSet", "podmeter-agent")
+    spec = daemonset["spec"]["template"]["spec"]
+    node = private_node
+    # the node as the issue found it: the runtime refuses HostToContainer (the agent's former mount) and
+    # Bidirectional (an init container in Cilium's way) on its /sys/fs/bpf
+    before = node.mountinfo()
+    assert node.mounted_at(node.bpffs, before) == [] and "shared:" not in before and "master:" not in before
+    assert runtime_refusal("HostToContainer", str(node.bpffs), before) is not None
+    assert runtime_refusal("Bidirectional", str(node.bpffs), before) is not None
+    # and accepts every container of this pod
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for cont in pod_containers(daemonset):
+        for mount in cont.get("volumeMounts", []):
+            if "hostPath" in volumes[mount["name"]]:
+                host = str(node.paths[volumes[mount["name"]]["hostPath"]["path"]])
+                assert runtime_refusal(mount.get("mountPropagation"), host, before) is None, cont["name"]
+
+    agent = Container(daemonset, {"/sys/fs/bpf": node.bpffs}, server.kubeconfig, node_mounts=node.mounts)
+    pod = topology.add_pod()
+    cluster = Cluster(server)
+    with topology.in_host():
+        cluster.namespace("shop")
+        cluster.pod("shop", "web", pod.ip, node=NODE, observe=True)
+    log_path = tmp_path / "agent.log"
+    log = lambda: log_path.read_text(errors="replace")[-3000:]  # noqa: E731
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        # without the init container the agent has no bpffs to pin in: it says so and exits
+        proc = agent.start(topology.host_path, log_path)
+        assert proc.wait(30) == 1, log()
+        assert "not on a bpf filesystem" in log_path.read_text()
+
+        # the init container mounts it in the node's mount namespace: the node sees it, this process does not
+        first = run_init_container(daemonset, "mount-bpffs", node)
+        assert first.returncode == 0, first.stdout + first.stderr
+        (line,) = first.stderr.splitlines()
+        assert json.loads(line)["msg"] == f"mounted a bpf filesystem at {node.bpffs} on the node"
+        assert node.mounted_at(node.bpffs) == ["bpf"]
+        assert str(node.bpffs) not in Path("/proc/self/mountinfo").read_text()
+        # the pod's next start (an update, a node reboot finds it mounted by then) leaves it alone
+        again = run_init_container(daemonset, "mount-bpffs", node)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "nothing to do" in json.loads(again.stderr)["msg"]
+        assert node.mounted_at(node.bpffs) == ["bpf"]
+
+        # then the agent's container, made from the node's namespace, pins in that bpffs and counts
+        proc = agent.start(topology.host_path, log_path)
+        started = time.monotonic()
+        first_probe(agent, topology, pod.host_ip, started, proc, log)
+        ready_path, port = agent.probe("readinessProbe")
+        wait_for(lambda: proc.poll() is not None or get(topology, port, ready_path, pod.host_ip)[0] == 200,
+                 timeout=30, what="readiness on the node without systemd", describe=log)
+        assert proc.poll() is None, log()
+        pins = Path(f"/proc/{node.holder.pid}/root") / Path(agent.env["PODMETER_BPFFS"]).relative_to("/")
+        wait_for(lambda: pinned_filter(pins) == {pod.ip}, timeout=15, what="the pod's IP in the node's bpffs",
+                 describe=log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(agent.spec["terminationGracePeriodSeconds"]) == 0, log()
+        assert pinned_filter(pins) == {pod.ip}  # the pins outlive the agent, in the node's bpffs
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        agent.remove()
+
+
+def test_the_mount_bpffs_init_container_needs_its_privileges(private_node: PrivateNode, tmp_path: Path) -> None:
+    daemonset = find(render_with(tmp_path, ["base"], ["components/mount-bpffs"]), "DaemonSet", "podmeter-agent")
+    result = run_init_container(daemonset, "mount-bpffs", private_node, unprivileged=True)
+    assert result.returncode == 1, result.stdout + result.stderr
+    (line,) = result.stderr.splitlines()
+    record = json.loads(line)
+    assert record["level"] == "error" and "a privileged container" in record["msg"], record
+    assert private_node.mounted_at(private_node.bpffs) == []  # the pod stays in Init: the agent never starts

@@ -12,6 +12,7 @@ from unittest import mock
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from podmeter.cli.main import build_parser
 from test_deploy_support import (
@@ -23,9 +24,12 @@ from test_deploy_support import (
     env_map,
     find,
     grants,
+    kustomize,
     needs_kubectl,
+    pod_containers,
     render,
     render_with,
+    runtime_refusal,
 )
 
 pytestmark = needs_kubectl
@@ -38,6 +42,7 @@ COMPOSITIONS = {
     "base+sys-admin+perfmon": (["base"], ["components/sys-admin", "components/perfmon"]),
     "base+etcd+servicemonitor": (["base"], ["components/etcd", "components/servicemonitor"]),
     "base+alerts+dashboards": (["base"], ["components/alerts", "dashboards"]),
+    "base+mount-bpffs+sys-admin": (["base"], ["components/mount-bpffs", "components/sys-admin"]),
 }
 
 
@@ -216,14 +221,15 @@ def test_the_agent_is_configured_for_a_real_node() -> None:
     mounts = {m["mountPath"]: m for m in cont["volumeMounts"]}
     bpffs = mounts["/sys/fs/bpf"]
     assert volumes[bpffs["name"]]["hostPath"]["path"] == "/sys/fs/bpf"
-    assert bpffs.get("mountPropagation") == "HostToContainer" and not bpffs.get("readOnly")
+    # no propagation: nothing asked of the node's mount (below), and the bpffs mounted when the container starts
+    assert "mountPropagation" not in bpffs and not bpffs.get("readOnly")
     assert Path(args.bpffs).is_relative_to("/sys/fs/bpf")
     # probes on the port the agent listens on
     port = int(args.listen.rpartition(":")[2])
     ports = {p["name"]: p["containerPort"] for p in cont["ports"]}
     assert cont["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert cont["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    for probe in ("readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert ports[cont[probe]["httpGet"]["port"]] == port
     # requests and limits for both resources
     for part in ("requests", "limits"):
@@ -239,6 +245,113 @@ def test_the_agent_is_configured_for_a_real_node() -> None:
     assert scope["scopeName"] == "PriorityClass" and spec["priorityClassName"] in scope["values"]
     namespace = find(objects, "Namespace", "podmeter")
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+# What the mounts of a node look like (/proc/1/mountinfo) where init is not systemd: every mount private,
+# bpffs mounted at /sys/fs/bpf or not at all; and where it is systemd: every mount shared.
+PRIVATE_NODE = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+23 27 0:22 / /sys rw,relatime - sysfs sysfs rw
+27 1 254:0 / / rw,relatime - ext4 /dev/vda rw
+45 23 0:40 / /sys/fs/bpf rw,relatime - bpf bpf rw
+"""
+PRIVATE_NODE_WITHOUT_BPFFS = "".join(line + "\n" for line in PRIVATE_NODE.splitlines() if "bpf" not in line)
+SYSTEMD_NODE = """\
+22 27 0:21 / /proc rw,nosuid,nodev,noexec,relatime shared:13 - proc proc rw
+23 27 0:22 / /sys rw,nosuid,nodev,noexec,relatime shared:2 - sysfs sysfs rw
+27 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+45 23 0:40 / /sys/fs/bpf rw,nosuid,nodev,noexec,relatime shared:7 - bpf bpf rw,mode=700
+"""
+
+
+def test_the_runtime_rule_refuses_propagation_from_a_private_node_mount() -> None:
+    """Control of the rule below: the issue's node (private mounts, systemd absent) refuses the agent's former
+    HostToContainer, and Cilium's Bidirectional alike; a systemd node accepts both."""
+    assert runtime_refusal("HostToContainer", "/sys/fs/bpf", PRIVATE_NODE) == \
+        "path '/sys/fs/bpf' is mounted on '/sys/fs/bpf' but it is not a shared or slave mount"
+    assert runtime_refusal("Bidirectional", "/sys/fs/bpf", PRIVATE_NODE_WITHOUT_BPFFS) == \
+        "path '/sys/fs/bpf' is mounted on '/sys' but it is not a shared mount"
+    for propagation in ("HostToContainer", "Bidirectional"):
+        assert runtime_refusal(propagation, "/sys/fs/bpf", SYSTEMD_NODE) is None
+    for node in (PRIVATE_NODE, PRIVATE_NODE_WITHOUT_BPFFS):
+        assert runtime_refusal(None, "/sys/fs/bpf", node) is None
+
+
+def test_no_container_of_the_daemonset_needs_shared_node_mounts(tmp_path: Path) -> None:
+    """Every render: no container of the agent's pod asks for mount propagation, so the runtime creates them on
+    a node whose mounts are private (tests/deploy/test_deploy_agent.py runs them on such a node)."""
+    for name, objects in all_renders(tmp_path).items():
+        spec = find(objects, "DaemonSet", "podmeter-agent")["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for cont in pod_containers(find(objects, "DaemonSet", "podmeter-agent")):
+            for mount in cont.get("volumeMounts", []):
+                host = volumes[mount["name"]].get("hostPath")
+                if host is None:
+                    continue
+                for node in (PRIVATE_NODE, PRIVATE_NODE_WITHOUT_BPFFS, SYSTEMD_NODE):
+                    refusal = runtime_refusal(mount.get("mountPropagation"), host["path"], node)
+                    assert refusal is None, f"{name}: {cont['name']}: {refusal}"
+
+
+def test_the_mount_bpffs_component_mounts_the_agents_bpffs_before_the_agent(tmp_path: Path) -> None:
+    (tmp_path / "component").mkdir()
+    objects = render_with(tmp_path / "component", ["base"], ["components/mount-bpffs"])
+    daemonset = find(objects, "DaemonSet", "podmeter-agent")
+    spec = daemonset["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]  # every init container has exited before the agent's container starts
+    agent = container(daemonset)
+    assert init["name"] == "mount-bpffs" and init["image"] == agent["image"]
+    args, env = parse_as_the_container(objects, init)
+    assert args.command == "bpffs" and env["PODMETER_LOG_FORMAT"] == "json"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    # it mounts, in the node's mount namespace, the very path the agent's hostPath names
+    agent_bpffs = next(volumes[m["name"]]["hostPath"]["path"] for m in agent["volumeMounts"]
+                       if m["mountPath"] == "/sys/fs/bpf")
+    assert args.mount_point == agent_bpffs
+    agent_args, _ = parse_as_the_container(objects, agent)
+    assert Path(agent_args.bpffs).is_relative_to(args.mount_point)
+    # and finds that namespace through the node's /proc, read-only, with no propagation
+    (mount,) = init["volumeMounts"]
+    assert volumes[mount["name"]]["hostPath"] == {"path": "/proc", "type": "Directory"}
+    assert mount["mountPath"] == args.host_proc and mount["readOnly"] is True and "mountPropagation" not in mount
+    # privileged (mount and setns in the node's namespaces), as root: the image's user is 65532
+    security = init["securityContext"]
+    assert security["privileged"] is True and security["runAsUser"] == 0 and security["readOnlyRootFilesystem"]
+    assert {"cpu", "memory"} <= init["resources"]["limits"].keys()
+    # the agent itself is unchanged by the component
+    assert agent == container(find(render("overlays/default"), "DaemonSet", "podmeter-agent"))
+    assert not container(find(render("overlays/default"), "DaemonSet", "podmeter-agent"))["securityContext"].get(
+        "privileged")
+    # an overlay's image applies to the init container too (it is copied from the agent's before)
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": ["../component"],
+        "images": [{"name": "ghcr.io/podmeter/podmeter", "newName": "registry.example.com/podmeter",
+                    "newTag": "9.9.9"}]}))
+    moved = find(kustomize(images), "DaemonSet", "podmeter-agent")
+    assert {c["image"] for c in pod_containers(moved)} == {"registry.example.com/podmeter:9.9.9"}
+
+
+@pytest.mark.parametrize(("kind", "name"), [("DaemonSet", "podmeter-agent"), ("Deployment", "podmeter-operator")])
+def test_probes_wait_for_the_process_to_listen(kind: str, name: str) -> None:
+    """A startup probe on /healthz whose first try comes after the process listens (the agent listens 1-2 s
+    after its start: tests/deploy/test_deploy_agent.py probes it on this schedule) gates the others, so a
+    start logs no "connection refused" Unhealthy event; then a minute before the container is restarted."""
+    cont = container(find(render("overlays/default"), kind, name))
+    startup = cont["startupProbe"]
+    assert startup["httpGet"] == cont["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert startup["initialDelaySeconds"] >= 5
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 60
+    for gated in ("readinessProbe", "livenessProbe"):  # they start once the startup probe has succeeded
+        assert "initialDelaySeconds" not in cont[gated], gated
+
+
+def test_both_workloads_log_json() -> None:
+    objects = render("overlays/default")
+    formats = {name: resolved_env(objects, container(find(objects, kind, name)))["PODMETER_LOG_FORMAT"]
+               for kind, name in (("DaemonSet", "podmeter-agent"), ("Deployment", "podmeter-operator"))}
+    assert formats == {"podmeter-agent": "json", "podmeter-operator": "json"}
 
 
 def test_the_operator_runs_two_unprivileged_replicas_with_leader_election() -> None:

@@ -137,12 +137,24 @@ class Replica:
         self.name, self.pod, self.topology, self.env = name, pod, topology, env
         self.ports = {p["name"]: p["containerPort"] for p in cont["ports"]}
         self.readiness = cont["readinessProbe"]["httpGet"]
+        self.startup = cont["startupProbe"]
+        self.log = log
         argv = [*container_filesystem(deployment), "nsenter", f"--net={pod.netns_path}", "--", "setpriv",
                 f"--reuid={pod_security['runAsUser']}", f"--regid={pod_security['runAsGroup']}", "--clear-groups",
                 "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--",
                 sys.executable, "-m", "podmeter", *cont["args"]]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd="/")
+        self.started = time.monotonic()
+
+    def first_probe(self) -> int:
+        """The kubelet's first probe of the new container: the startup probe, once its initial delay is over
+        (a failure would be an Unhealthy event)."""
+        time.sleep(max(0.0, self.startup["initialDelaySeconds"] - (time.monotonic() - self.started)))
+        return self.http(self.startup["httpGet"]["path"], self.startup["httpGet"]["port"])[0]
+
+    def log_lines(self) -> list[str]:
+        return [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
 
     def http(self, path: str, port: str = "metrics") -> tuple[int, str]:
         """From the node, to the pod's IP (as a kubelet probe or Prometheus would)."""
@@ -271,6 +283,8 @@ def test_two_operator_replicas_elect_one_leader_that_writes_the_status(topology:
             return "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted(tmp_path.glob("operator-*.log")))
 
         for replica in running:
+            assert replica.first_probe() == 200, f"{replica.name}: the first startup probe failed: {logs()}"
+        for replica in running:
             path = replica.readiness["path"]
             wait_for(lambda r=replica, p=path: r.proc.poll() is not None or r.http(p)[0] == 200,
                      timeout=30, what=f"{replica.name} ready", describe=logs)
@@ -308,6 +322,21 @@ def test_two_operator_replicas_elect_one_leader_that_writes_the_status(topology:
         (other,) = [r for r in running if r is not leader]
         wait_for(other.leads, timeout=10, what="the other replica leading", describe=logs)
         assert time.monotonic() - stopped < float(other.env.get("PODMETER_LEASE_DURATION", "15"))
+        # one change of holder, counted as client-go counts it (kubectl get lease shows it)
+        lease_path = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases/{lease_name}"
+        status, lease = cluster.call("GET", lease_path)
+        assert status == 200 and lease["spec"]["holderIdentity"] == other.name
+        assert lease["spec"]["leaseTransitions"] == 1
+
+        # every line either replica logged is a JSON object, as the manifest's PODMETER_LOG_FORMAT asks
+        assert other.env["PODMETER_LOG_FORMAT"] == "json"
+        for replica in running:
+            lines = replica.log_lines()
+            assert lines, replica.name
+            for line in lines:
+                record = json.loads(line)
+                assert {"ts", "level", "logger", "msg"} <= record.keys(), line
+            assert any(json.loads(line)["msg"].startswith("leader election:") for line in lines), replica.name
 
         # the RBAC allows every request the replicas made (and the reads of this test, which it allows too)
         made = {request_attributes(r["method"], r["path"], r["query"]) for r in cluster.requests()}

@@ -74,6 +74,38 @@ def container(workload: Obj, name: str | None = None) -> Obj:
     return dict(next(c for c in containers if c["name"] == name))
 
 
+def pod_containers(workload: Obj) -> list[Obj]:
+    """Every container of the pod template, init containers first (the order the kubelet starts them in)."""
+    spec = workload["spec"]["template"]["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def runtime_refusal(propagation: str | None, host_path: str, mountinfo: str) -> str | None:
+    """Why the container runtime refuses to create a container that mounts the hostPath ``host_path`` with
+    ``mountPropagation`` ``propagation``, on a node whose mounts are ``mountinfo`` (a /proc/PID/mountinfo
+    text); None when it accepts. containerd's CRI rule (CRI-O's is the same), with its words: the mount that
+    holds the path (the longest mount point above it) must be shared for ``Bidirectional``, shared or a
+    slave for ``HostToContainer``; ``None`` (private, the default) asks nothing of it."""
+    if propagation in (None, "None"):
+        return None
+    holding, optional = "", ""
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        point = fields[4]
+        inside = host_path == point or host_path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(holding):
+            holding, optional = point, " ".join(fields[6:fields.index("-", 6)])
+    tags = optional.split()
+    if propagation == "Bidirectional":
+        if not any(t.startswith("shared:") for t in tags):
+            return f"path {host_path!r} is mounted on {holding!r} but it is not a shared mount"
+        return None
+    assert propagation == "HostToContainer", propagation
+    if not any(t.startswith(("shared:", "master:")) for t in tags):
+        return f"path {host_path!r} is mounted on {holding!r} but it is not a shared or slave mount"
+    return None
+
+
 def env_map(cont: Obj) -> dict[str, Obj]:
     """Container env by name: each entry as in the manifest (``value`` or ``valueFrom``)."""
     return {e["name"]: e for e in cont.get("env", [])}
@@ -146,12 +178,13 @@ def authorized(allowed: set[Grant], attributes: tuple[str, str, str, str, str]) 
 STASH = Path("/var/tmp/podmeter-deploy-stash")  # outside every emptyDir path of the manifests
 
 
-def container_filesystem(workload: Obj) -> list[str]:
-    """argv prefix that gives a process the container's file system view, as far as it matters here: with
-    ``readOnlyRootFilesystem`` a private mount namespace whose root mount is read-only, and a tmpfs at the
-    mount path of each ``emptyDir`` volume. (hostPath volumes are translated by the callers.)"""
+def container_filesystem(workload: Obj, cont: Obj | None = None) -> list[str]:
+    """argv prefix that gives a process the file system view of the workload's container (``cont``, default
+    its only one), as far as it matters here: with ``readOnlyRootFilesystem`` a private mount namespace whose
+    root mount is read-only, and a tmpfs at the mount path of each ``emptyDir`` volume. (hostPath volumes
+    are translated by the callers.)"""
     spec = workload["spec"]["template"]["spec"]
-    cont = container(workload)
+    cont = container(workload) if cont is None else cont
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
     steps = []
     if cont.get("securityContext", {}).get("readOnlyRootFilesystem"):

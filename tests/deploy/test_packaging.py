@@ -27,7 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "podmeter"
-PRODUCT_COMMANDS = ("agent", "operator", "observe", "inspect", "doctor", "demo")
+PRODUCT_COMMANDS = ("agent", "operator", "observe", "inspect", "doctor", "demo", "bpffs")
 LAB_CLI = ("podmeter.cli.lab", "podmeter.cli.apiserver", "podmeter.cli.node")
 # What the product must never load: the lab, and the packages only the lab needs (matplotlib brings numpy
 # and PIL). pyyaml is the lab's too, but also lightkube's (it reads kubeconfigs with it), so it is in the

@@ -8,7 +8,17 @@ from hypothesis import strategies as st
 
 from flow_support import FROM, TO, drain_of, drops_of, pod
 from podmeter.model.datapath import Direction
-from podmeter.model.drops import ConnectionKey, DropDrain, DropFlowKey, DropLedger, Retransmits, TcpEvent, name_drops
+from podmeter.model.drops import (
+    LIFECYCLE_REASONS,
+    ConnectionKey,
+    DropDrain,
+    DropFlowKey,
+    DropKey,
+    DropLedger,
+    Retransmits,
+    TcpEvent,
+    name_drops,
+)
 from podmeter.model.endpoints import AddressBook
 from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowFilter, FlowRecord
 from podmeter.model.flows import TCP, UDP, FlowCounts, Observation
@@ -67,6 +77,33 @@ def test_a_thousand_pods_leave_nothing() -> None:
     ledger.expire(now=2)
     assert ledger.series == {} and ledger.owners == {}
     assert ledger.node_drops == {(IN, "NETFILTER_DROP"): 1000}
+
+def test_lifecycle_reasons_are_counted_apart_from_the_drops_with_the_same_series() -> None:
+    """QUEUE_PURGE and the other reasons of a socket's queues freed as it closes are no loss: they go to the
+    lifecycle counts of the pod and the node, never to its drops (nor their bytes to Retina's)."""
+    ledger = DropLedger(grace=10)
+    assert ledger.lifecycle == LIFECYCLE_REASONS  # the default
+    a = pod("a", "10.0.0.1")
+    ledger.assign("10.0.0.1", a, now=0)
+    ledger.add(DropDrain(
+        [(DropKey("10.0.0.1", IN, "QUEUE_PURGE"), 4), (DropKey("10.0.0.1", IN, "SOCKET_CLOSE"), 1),
+         (DropKey("10.0.0.1", OUT, "NETFILTER_DROP"), 2), (DropKey("10.0.0.9", IN, "QUEUE_PURGE"), 3)],
+        drop_bytes=[(DropKey("10.0.0.1", IN, "QUEUE_PURGE"), 400), (DropKey("10.0.0.1", OUT, "NETFILTER_DROP"), 56)]))
+    series = ledger.series[a.uid]
+    assert series.drops == {(OUT, "NETFILTER_DROP"): 2} and series.drop_bytes == {(OUT, "NETFILTER_DROP"): 56}
+    assert series.lifecycle == {(IN, "QUEUE_PURGE"): 4, (IN, "SOCKET_CLOSE"): 1}
+    assert ledger.node_drops == {(OUT, "NETFILTER_DROP"): 2}
+    assert ledger.node_lifecycle == {(IN, "QUEUE_PURGE"): 7, (IN, "SOCKET_CLOSE"): 1}
+    assert ledger.unattributed == 3
+    ledger.release(["10.0.0.1"], now=1)
+    assert ledger.expire(now=11) == 1 and ledger.series == {}  # the drop series' lifecycle, lifecycle counts too
+    assert ledger.node_lifecycle == {(IN, "QUEUE_PURGE"): 7, (IN, "SOCKET_CLOSE"): 1}
+
+    everything = DropLedger(grace=10, lifecycle=frozenset())  # --drops-include-lifecycle: drops as before
+    everything.assign("10.0.0.1", a, now=0)
+    everything.add(drain_of(("10.0.0.1", IN, "QUEUE_PURGE", 4)))
+    assert drops_of(everything) == {"a": {(IN, "QUEUE_PURGE"): 4}} and everything.series[a.uid].lifecycle == {}
+    assert everything.node_drops == {(IN, "QUEUE_PURGE"): 4} and everything.node_lifecycle == {}
 
 PODS_ = [pod(f"p{i}", "10.9.9.9") for i in range(2)]
 

@@ -19,11 +19,13 @@ from podmeter.adapters.datapath.ebpf.drops import DropReasons, plan
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.adapters.flow_http import BadQuery, parse_query
 from podmeter.adapters.metrics.pod_drops import PodDropExposition
+from podmeter.adapters.metrics.retina import render_remote
 from podmeter.model.datapath import Direction
 from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Delete, Replace, Upsert
 from podmeter.model.drops import HOOKS, DropDrain, DropFlowKey, DropKey, DropLedger, TcpEvent, name_drops
 from podmeter.model.endpoints import AddressBook
-from podmeter.model.flows import UDP, FlowCounts
+from podmeter.model.flows import TCP, UDP, FlowCounts
+from podmeter.model.retina_flows import WorkloadFlowsAndRetina
 from podmeter.runtime.agent import Agent, AgentSettings
 from podmeter.runtime.ticks import Tick
 
@@ -46,6 +48,11 @@ class FakeDrops:
 
     def drop(self, ip: str, direction: Direction, reason: str, packets: int) -> None:
         self.pending.drops.append((DropKey(ip, direction, reason), packets))
+        self.pending.drop_bytes.append((DropKey(ip, direction, reason), packets * 60))
+
+    def flow(self, source: str, destination: str, reason: str, packets: int) -> None:
+        key = DropFlowKey(source, destination, 40000, 80, TCP, True, True, reason)
+        self.pending.flows.append((key, FlowCounts(packets, packets * 60, time.monotonic_ns(), time.monotonic_ns(), 0)))
 
     def drain_drops(self) -> DropDrain:
         taken, self.pending = self.pending, DropDrain()
@@ -54,10 +61,10 @@ class FakeDrops:
     def drops_lost(self) -> Mapping[str, int]:
         return self.lost
 
-def agent_with(drops: FakeDrops) -> Agent:
+def agent_with(drops: FakeDrops, **settings: bool) -> Agent:
     datapath = MemoryDatapath()
-    agent = Agent(AgentSettings(node_name="node-a"), connection=None, datapath=datapath,  # type: ignore[arg-type]
-                  flows=datapath, drops=drops)
+    agent = Agent(AgentSettings(node_name="node-a", **settings), connection=None,  # type: ignore[arg-type]
+                  datapath=datapath, flows=datapath, drops=drops)
     agent.apply_batch([Replace(PODS, []), Replace(NAMESPACES, []), Replace(CONFIGURATIONS, [])])
     return agent
 
@@ -106,6 +113,66 @@ def test_drops_counted_before_the_agent_was_ready_are_credited_to_nobody() -> No
     assert agent.ready.is_set()
     assert drops_of(agent.drop_ledger) == {"p": {}}
     assert agent.drop_ledger.unattributed == 3
+
+@pytest.mark.parametrize("include", [False, True], ids=["default", "drops-include-lifecycle"])
+def test_queue_purge_is_kept_out_of_the_drop_series_and_the_dropped_flows(include: bool) -> None:
+    """Through the agent's drain: a connection closed with unread data (QUEUE_PURGE at both ends) next to a
+    real loss (NETFILTER_DROP). By default the purge is in the lifecycle series only: not in the drop
+    series, not in Retina's (local and remote), not a dropped flow; --drops-include-lifecycle shows it as
+    a drop, as before."""
+    drops = FakeDrops()
+    agent = agent_with(drops, retina_remote=True, drops_include_lifecycle=include)
+    agent.apply_batch([Upsert(PODS, pod("client", "10.0.0.1")), Upsert(PODS, pod("server", "10.0.0.2"))])
+    drops.drop("10.0.0.1", OUT, "QUEUE_PURGE", 3)
+    drops.drop("10.0.0.2", IN, "QUEUE_PURGE", 3)
+    drops.flow("10.0.0.1", "10.0.0.2", "QUEUE_PURGE", 3)
+    drops.drop("10.0.0.1", OUT, "NETFILTER_DROP", 2)
+    drops.drop("10.0.0.2", IN, "NETFILTER_DROP", 2)
+    drops.flow("10.0.0.1", "10.0.0.2", "NETFILTER_DROP", 2)
+    agent.apply_batch([Tick.DRAIN])
+    assert agent.drops is not None
+
+    text = PodDropExposition(agent.drop_ledger, lambda: dict.fromkeys(HOOKS, True), retina_compat=True).render()
+    samples = [line for line in text.decode().splitlines() if not line.startswith("#")]
+    flows = agent.workload_flows
+    assert isinstance(flows, WorkloadFlowsAndRetina)
+    remote = [line for line in render_remote(flows.retina, flows.retina_drops).decode().splitlines()
+              if line.startswith("networkobservability_adv_drop_count")]
+    dropped = [record for _, record in agent.flow_feed.ring.after(0) if record.verdict == "dropped"]
+    lifecycle = {'podmeter_pod_lifecycle_drops_total{namespace="default",pod="client",direction="egress",'
+                 'reason="QUEUE_PURGE"} 3',
+                 'podmeter_pod_lifecycle_drops_total{namespace="default",pod="server",direction="ingress",'
+                 'reason="QUEUE_PURGE"} 3',
+                 'podmeter_node_lifecycle_drops_total{direction="egress",reason="QUEUE_PURGE"} 3',
+                 'podmeter_node_lifecycle_drops_total{direction="ingress",reason="QUEUE_PURGE"} 3'}
+    as_drops = {'podmeter_pod_drops_total{namespace="default",pod="client",direction="egress",reason="QUEUE_PURGE"} 3',
+                'podmeter_pod_drops_total{namespace="default",pod="server",direction="ingress",reason="QUEUE_PURGE"} 3',
+                'podmeter_node_drops_total{direction="ingress",reason="QUEUE_PURGE"} 3'}
+    # The real loss is shown either way.
+    assert 'podmeter_pod_drops_total{namespace="default",pod="server",direction="ingress",reason="NETFILTER_DROP"} 2' \
+        in samples
+    assert any('reason="IPTABLE_RULE_DROP"' in line and line.startswith("networkobservability_adv_drop_count")
+               for line in samples)
+    assert any('reason="IPTABLE_RULE_DROP"' in line for line in remote)
+    purges = [line for line in samples if "QUEUE_PURGE" in line]
+    if not include:
+        assert set(purges) == lifecycle
+        assert not [line for line in remote if "QUEUE_PURGE" in line]
+        assert [(r.drop_reason, r.packets) for r in dropped] == [("NETFILTER_DROP", 2)]
+    else:
+        assert as_drops <= set(purges) and not lifecycle & set(purges)
+        assert not [line for line in purges if "lifecycle" in line]
+        assert any(line.startswith("networkobservability_adv_drop_count") for line in purges)  # Retina's local
+        assert [line for line in remote if "QUEUE_PURGE" in line]
+        assert sorted((r.drop_reason or "", r.packets) for r in dropped) == [("NETFILTER_DROP", 2), ("QUEUE_PURGE", 3)]
+
+def test_the_agent_flag_sets_the_setting_and_defaults_to_apart() -> None:
+    from podmeter.cli.main import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["agent", "--node-name", "n"])
+    assert args.drops_include_lifecycle is AgentSettings.drops_include_lifecycle is False
+    assert parser.parse_args(["agent", "--node-name", "n", "--drops-include-lifecycle"]).drops_include_lifecycle
 
 def test_an_agent_without_drop_tracing_exports_that_it_is_off() -> None:
     datapath = MemoryDatapath()

@@ -74,6 +74,51 @@ async def test_leader_killed_other_takes_over_within_lease_duration(
     assert (body["spec"]["holderIdentity"], body["spec"]["leaseTransitions"]) == ("b", 1)
 
 
+def lease_spec(server: LabServer) -> dict[str, Any]:
+    status, _, body = server.request("GET", "/apis/coordination.k8s.io/v1/namespaces/default/leases/podmeter-operator")
+    assert status == 200, body
+    spec: dict[str, Any] = body["spec"]
+    return spec
+
+
+async def lead_until_stopped(candidate: LeaderElector) -> asyncio.Task[None]:
+    """Run ``candidate``'s campaign until it leads; cancelling the task is the clean exit of SIGTERM."""
+    task = asyncio.create_task(candidate.run())
+    deadline = time.monotonic() + LEASE + 2
+    while not candidate.is_leader:
+        assert time.monotonic() < deadline and not task.done()
+        await asyncio.sleep(RETRY / 2)
+    return task
+
+
+async def stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def test_every_takeover_counts_in_lease_transitions_also_after_a_release(
+    client: AsyncClient, lab_apiserver: LabServer
+) -> None:
+    """Rolling updates: each leader empties the Lease on its way out and the other replica takes it at
+    once. ``leaseTransitions`` counts each of those takeovers, as client-go's does (it stayed 0)."""
+    a, b = elector(client, "a"), elector(client, "b")
+    task = await lead_until_stopped(a)
+    assert (lease_spec(lab_apiserver)["holderIdentity"], lease_spec(lab_apiserver)["leaseTransitions"]) == ("a", 0)
+    for handover, (old, new) in enumerate([(a, b), (b, a), (a, b)], start=1):
+        await stop(task)  # SIGTERM: the leader releases the Lease
+        released = lease_spec(lab_apiserver)
+        assert (released["holderIdentity"], released["leaseTransitions"]) == ("", handover - 1)
+        assert not old.is_leader
+        task = await lead_until_stopped(new)  # at once: no lease duration to wait out
+        spec = lease_spec(lab_apiserver)
+        assert (spec["holderIdentity"], spec["leaseTransitions"]) == (new.identity, handover)
+    for _ in range(3):  # renewals are not transitions
+        await asyncio.sleep(RETRY)
+    assert lease_spec(lab_apiserver)["leaseTransitions"] == 3
+    await stop(task)
+
+
 MC_PATH = "/apis/podmeter.io/v1alpha1/metricsconfigurations"
 
 

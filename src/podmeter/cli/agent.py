@@ -45,8 +45,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--bpffs", default="/sys/fs/bpf/podmeter", help="pin directory of the eBPF maps")
     p.add_argument("--filter-map-size", type=_positive, default=65536, help="filter map max_entries")
     p.add_argument("--interface", action="append", default=[], metavar="NAME",
-                   help="also attach to this interface, whatever its kind (repeatable); pod links (a veth or "
-                        "netkit whose peer is in another network namespace) are found by themselves")
+                   help="also attach to this interface, whatever its kind and whatever it carries (repeatable); "
+                        "pod links (a veth or netkit whose peer is in another network namespace, carrying an IP "
+                        "of one of this node's pods) are found by themselves")
     p.add_argument("--interface-pattern", action="append", default=[], metavar="GLOB",
                    help="attach to the links whose names match this glob instead of finding pod links by "
                         "what they are (repeatable; e.g. 'eni*'; default: none, pod links are found by "
@@ -75,6 +76,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--drop-map-size", type=_non_negative, default=DEFAULT_DROP_MAP_SIZE,
                    help="max_entries of each kernel drop and TCP map: drops by pod, direction and reason, and "
                         "dropped flows, between two drains; 0 turns drops and TCP health off (default 16384)")
+    p.add_argument("--drops-include-lifecycle", action="store_true",
+                   default=AgentSettings.drops_include_lifecycle,
+                   help="count drops whose reason is a socket's lifecycle, not a loss (QUEUE_PURGE, SOCKET_CLOSE, "
+                        "UNIX_DISCONNECT: queued data freed as a socket closes) as drops, in the drop series and "
+                        "dropped flows; default: apart, in podmeter_pod_lifecycle_drops_total")
     p.add_argument("--retina-compat", nargs="?", const=LOCAL, type=retina_context, metavar="local|remote",
                    help="also export Retina's networkobservability_adv_forward_* and _drop_* series: per pod "
                         "(local, the flag alone) or per flow (remote, as Retina's pod-level dashboards query them)")
@@ -153,7 +159,8 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
                              flow_buffer=args.flow_buffer, flow_series_limit=args.flow_series_limit,
                              # the peers the Hubble API announces to Relay; on a local address only this node
                              watch_nodes=hubble is not None and not hubble.address.local,
-                             retina_remote=args.retina_compat == REMOTE)
+                             retina_remote=args.retina_compat == REMOTE,
+                             drops_include_lifecycle=args.drops_include_lifecycle)
     datapath = opened.datapath
     agent = Agent(settings, connection, datapath, opened.flows, drops.source)
     agent.links = opened.links
@@ -202,10 +209,14 @@ async def _serve(args: argparse.Namespace, connection: Any, opened: OpenDatapath
         loop.add_signal_handler(sig, stop.set)
     await agent.start()
     failed = asyncio.ensure_future(agent.supervisor.failed.wait())
-    await asyncio.wait([asyncio.ensure_future(stop.wait()), failed], return_when=asyncio.FIRST_COMPLETED)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+    crashed = failed.done()
+    for waiter in (stopped, failed):  # the one still waiting is not left pending
+        waiter.cancel()
     log.info("stopping: pinned state stays for the next agent")
     if observer is not None:
         await observer.stop()
     await agent.stop()
     await runner.cleanup()
-    return 1 if failed.done() else 0
+    return 1 if crashed else 0

@@ -18,7 +18,8 @@ from typing import Any
 from podmeter.cli.parsing import Parser, VersionAction, give_every_default_a_help, use_podmeter_help, walk
 
 # Subcommand modules; each defines ``register(subparsers) -> None`` and sets ``func`` on its parser.
-COMMANDS = ("agent", "operator", "observe", "apiserver", "node", "lab", "inspect", "doctor", "demo", "completion")
+COMMANDS = ("agent", "operator", "observe", "apiserver", "node", "lab", "inspect", "doctor", "demo", "bpffs",
+            "completion")
 # The lab's commands: they import podmeter.lab, which is only usable with the `lab` extra installed
 # (and is not in the image at all). The product's commands never import it (tests/deploy/test_packaging.py).
 LAB_COMMANDS = frozenset({"apiserver", "node", "lab"})

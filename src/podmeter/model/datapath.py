@@ -12,8 +12,8 @@ kernel and userspace out of sync: failure mode F6 in docs/design.md).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -57,6 +57,17 @@ class BatchResult:
 
     applied: int
     error: DatapathError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCounts:
+    """What a datapath that attaches to the node's links found: ``seen``, the links that could be a pod's (a
+    veth or netkit whose peer is in another network namespace); ``attached``, the links its programs are
+    attached to; ``skipped``, the links seen that they are not attached to, by reason."""
+
+    seen: int = 0
+    attached: int = 0
+    skipped: Mapping[str, int] = field(default_factory=dict)
 
 
 class Datapath(Protocol):

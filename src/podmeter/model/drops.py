@@ -9,7 +9,10 @@ The datapath counts, for observed IPs only (docs/drops.md):
 The agent drains everything each flow interval (:class:`DropDrain`: read and deleted, so amounts are
 deltas) and at every change of who holds an address, once more (right after the filter write). So what a
 drain takes was counted while the IP had the owner it had at the previous drain: :class:`DropLedger`
-credits it to that owner if the IP changed hands since, else to its owner now. The ledger's series live
+credits it to that owner if the IP changed hands since, else to its owner now. Drops whose reason is
+lifecycle, not loss (:data:`LIFECYCLE_REASONS`: a socket's queues freed as it closes) are counted apart,
+in their own series, and make no dropped-flow records, unless the agent is told to show them as drops
+(``--drops-include-lifecycle``). The ledger's series live
 as the per-pod traffic series do (one lifecycle for both, ``model.pod_series``): a series exists while its
 pod holds an observed IP, then ``grace`` seconds more, then it is gone (its counts stay in the node
 totals); a pod observed again starts from zero.
@@ -40,6 +43,15 @@ HOOK_RETRANSMITS = "tcp_retransmit_skb"
 HOOK_RESETS_SENT = "tcp_send_reset"
 HOOK_RESETS_RECEIVED = "tcp_receive_reset"
 HOOKS = (HOOK_DROPS, HOOK_RETRANSMITS, HOOK_RESETS_SENT, HOOK_RESETS_RECEIVED)
+
+# Reasons of ``enum skb_drop_reason`` (as the kernel names them) that are a socket's lifecycle, not a loss:
+# packets the network delivered to a socket, still queued when the kernel frees the socket's queues as it
+# closes or disconnects. QUEUE_PURGE: a queue freed in bulk (on pods' traffic: the receive queue of a TCP
+# connection disconnected with unread data, e.g. one its listener closed before accepting it);
+# SOCKET_CLOSE: a socket close()d with data queued; UNIX_DISCONNECT: a Unix socket's receive queue emptied
+# as it disconnects. Counted apart (:attr:`DropLedger.lifecycle`), out of the drop series and the
+# dropped-flow records (docs/drops.md).
+LIFECYCLE_REASONS = frozenset({"QUEUE_PURGE", "SOCKET_CLOSE", "UNIX_DISCONNECT"})
 
 
 class TcpEvent(enum.StrEnum):
@@ -127,6 +139,7 @@ class DropSeries:
     workload_name: str = ""
     drops: dict[tuple[Direction, str], int] = field(default_factory=dict)
     drop_bytes: dict[tuple[Direction, str], int] = field(default_factory=dict)  # for Retina's adv_drop_bytes
+    lifecycle: dict[tuple[Direction, str], int] = field(default_factory=dict)  # drops of a lifecycle reason
     tcp: dict[TcpEvent, int] = field(default_factory=dict)
     ips: set[str] = field(default_factory=set)
     ended_at: float | None = None
@@ -143,16 +156,21 @@ class DropLedger:
       split: its owner there is None (its events go to the node only). The agent drains at every change
       of hands, so that happens only for an address freed without one (interest removed) and reused
       within the same flow interval;
-    * ``node_drops`` and ``node_tcp`` hold every amount ever added, credited to a pod or not (an IP nobody
-      owned at the drain: it left the filter between the count and the drain), so they never decrease;
+    * ``node_drops``, ``node_lifecycle`` and ``node_tcp`` hold every amount ever added, credited to a pod or
+      not (an IP nobody owned at the drain: it left the filter between the count and the drain), so they
+      never decrease;
+    * a drop whose reason is in ``lifecycle`` goes to ``lifecycle`` counts (the series' and
+      ``node_lifecycle``), never to ``drops`` counts, and the other way round; its bytes are not kept;
     * a series exists iff its pod holds an observed IP, or lost its last one less than ``grace`` ago
       (the lifecycle of :class:`~podmeter.model.pod_series.SeriesBook`, shared with the traffic ledger).
     """
 
-    def __init__(self, grace: float) -> None:
+    def __init__(self, grace: float, lifecycle: frozenset[str] = LIFECYCLE_REASONS) -> None:
+        self.lifecycle = lifecycle  # reasons counted apart (empty: every reason is a drop)
         self.owners: dict[str, str] = {}
         self.previous: dict[str, tuple[str | None, float]] = {}
         self.node_drops: dict[tuple[Direction, str], int] = {}
+        self.node_lifecycle: dict[tuple[Direction, str], int] = {}
         self.node_tcp: dict[TcpEvent, int] = {}
         self.unattributed = 0  # events of IPs no pod owned at their drain
         self._book: SeriesBook[DropSeries] = SeriesBook(grace, _new_series)
@@ -185,17 +203,23 @@ class DropLedger:
     def add(self, drain: DropDrain, *, credit: bool = True) -> None:
         """Credit one drain to the owners its IPs had at the previous drain (:attr:`previous`, for those
         that changed hands since), else now. ``credit`` False: to the node totals only (what it holds may
-        span a change of owner whose drain failed)."""
+        span a change of owner whose drain failed). Reasons of :attr:`lifecycle` are counted apart."""
+        lifecycle = self.lifecycle
         for (ip, direction, reason), packets in drain.drops:
             key = (direction, reason)
-            self.node_drops[key] = self.node_drops.get(key, 0) + packets
+            apart = reason in lifecycle
+            node = self.node_lifecycle if apart else self.node_drops
+            node[key] = node.get(key, 0) + packets
             series = self._owner_series(ip) if credit else None
             if series is None:
                 self.unattributed += packets
             else:
-                series.drops[key] = series.drops.get(key, 0) + packets
+                counts = series.lifecycle if apart else series.drops
+                counts[key] = counts.get(key, 0) + packets
         # Bytes go to the owner their packets went to (only packets are counted as unattributed).
         for (ip, direction, reason), size in drain.drop_bytes:
+            if reason in lifecycle:
+                continue
             series = self._owner_series(ip) if credit else None
             if series is not None:
                 series.drop_bytes[(direction, reason)] = series.drop_bytes.get((direction, reason), 0) + size

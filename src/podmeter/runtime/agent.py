@@ -42,9 +42,10 @@ from podmeter.adapters.metrics.agent_state import AgentSnapshot, FlowSnapshot
 from podmeter.model.configuration import MetricsConfiguration
 from podmeter.model.datapath import Datapath
 from podmeter.model.deltas import Collection, Delta, Replace
-from podmeter.model.drops import DropLedger, DropSource
+from podmeter.model.drops import LIFECYCLE_REASONS, DropLedger, DropSource
 from podmeter.model.flow_series import WorkloadFlows
 from podmeter.model.flows import FlowSource
+from podmeter.model.interest import holds_address
 from podmeter.model.records import Node, Pod
 from podmeter.model.retina_flows import WorkloadFlowsAndRetina
 from podmeter.model.store import Store
@@ -69,6 +70,7 @@ REQUIRED = frozenset(kind.collection for kind in KINDS)
 NODES_HINT = ("the Hubble API announces this node only; grant the agent list and watch on nodes "
               "(deploy/base/agent-rbac.yaml) for Hubble Relay to find the others")
 MAX_BATCH = 512  # deltas applied between two flushes at most (bounds the latency of a flush)
+LINKS_POLL = 0.02  # seconds: how often the first push looks again whether the pods' links are attached
 
 
 @dataclass
@@ -83,6 +85,9 @@ class AgentSettings:
     flow_series_idle: float = 300.0  # a workload pair's series goes after this long without traffic
     watch_nodes: bool = False  # the cluster's nodes, for the Hubble API's peer list (on with --hubble-listen)
     retina_remote: bool = False  # Retina's remote-context series too (--retina-compat=remote; model.retina_flows)
+    # Drops of a lifecycle reason (a socket's queues freed as it closes: model.drops.LIFECYCLE_REASONS) shown
+    # as drops, in the drop series and records (--drops-include-lifecycle); off: counted apart
+    drops_include_lifecycle: bool = False
     reflector: Callable[[ResourceKind[Any]], ReflectorSettings] = field(
         default=lambda kind: ReflectorSettings()
     )
@@ -108,7 +113,8 @@ class Agent:
         # With Retina's remote context, one table feeds both: the drains see one WorkloadFlows as ever.
         self.workload_flows = (WorkloadFlowsAndRetina if settings.retina_remote and flows else WorkloadFlows)(
             settings.node_name, settings.flow_series_limit, settings.flow_series_idle)
-        self.drop_ledger = DropLedger(settings.series_grace)  # per-pod drops and TCP health (runtime.drop_drain)
+        self.drop_ledger = DropLedger(  # per-pod drops and TCP health (runtime.drop_drain)
+            settings.series_grace, frozenset() if settings.drops_include_lifecycle else LIFECYCLE_REASONS)
         self.drops = (DropDrainer(drops, self.drop_ledger, settings.node_name, self.flow_feed, [self.view.cluster],
                                   annotate_flows=flows is not None) if drops else None)
         self.flows = (FlowDrainer(flows, settings.node_name, self.flow_feed, self.workload_flows, [self.view.cluster],
@@ -128,6 +134,8 @@ class Agent:
         # move nothing in the view or the datapath, so they skip the writer's queue.
         self.nodes: Store[Node] = Store(NODES.collection)
         self._nodes_changed: list[Callable[[Node | None, Node | None], None]] = []
+        self._pods_changed = True  # the node's pod IPs are to be computed again and given to links
+        self._pod_ips: frozenset[str] | None = None  # the IPs last given to links
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -202,6 +210,7 @@ class Agent:
         holders_before = self._drain_before_renames(items)
         for item in items:
             self._apply(item)
+        self._give_pod_ips()  # before the filter write: the link attaches while the IP enters the filter
         if self.view.interest != interest:
             config = self.view.configuration
             log.info("MetricsConfiguration %s", f"applied: {config.interest}" if config else "removed")
@@ -243,8 +252,23 @@ class Agent:
                 self._drain()
         elif not isinstance(item, Tick):
             self.view.apply(item)
+            self._pods_changed = self._pods_changed or item.collection is PODS.collection
             if isinstance(item, Replace):
                 self.synced.add(item.collection)
+
+    def _give_pod_ips(self) -> None:
+        """Tell the links which IPs this node's pods hold, observed or not: the links that carry them are
+        the pods' links. Not only the observed pods': a flow from an unobserved pod to an observed one is
+        seen on the unobserved pod's link, and a pod that becomes observed is then counted at once."""
+        if self.links is None or not self._pods_changed:
+            return
+        self._pods_changed = False
+        node = self.settings.node_name
+        ips = frozenset(ip for pod in self.view.pods.values() if pod.node_name == node and holds_address(pod)
+                        for ip in pod.ips)
+        if ips != self._pod_ips:
+            self._pod_ips = ips
+            self.links.set_pod_ips(ips)
 
     def _drain(self, before_change: bool = False, pods: Iterable[Pod] | None = None) -> None:
         """Drops first: the retransmits they hold go on the records of the flow drain that follows. A drain
@@ -258,7 +282,7 @@ class Agent:
 
     def _push(self) -> None:
         if not self.ready.is_set():
-            if not self.synced >= REQUIRED:
+            if not self.synced >= REQUIRED or not self._links_settled():
                 return
             if self.drops is not None:  # what was counted before anyone owned an IP: node totals only
                 self.drops.drain(self.view.pods.values())
@@ -272,6 +296,15 @@ class Agent:
         if not pushed.ok or self.writer.dirty:
             self._schedule_retry()
         self._settle(pushed)
+
+    def _links_settled(self) -> bool:
+        """Whether the links of the pods listed are attached. The first push waits for it, so that what
+        it writes is counted from then on: the links are the pods' only once their IPs are known, and a
+        predecessor's TCX links died with it. Looked at again every LINKS_POLL seconds until then."""
+        if self.links is None or self.links.settled():
+            return True
+        self._schedule_retry(LINKS_POLL)
+        return False
 
     def _resync(self) -> None:
         self._settle(self.writer.resync())
@@ -294,11 +327,12 @@ class Agent:
             self.ledger.assign(ip, owner, kernel, now)
             self.drop_ledger.assign(ip, owner, now)
 
-    def _schedule_retry(self) -> None:
+    def _schedule_retry(self, delay: float | None = None) -> None:
         if self._retry_scheduled:
             return
         self._retry_scheduled = True
-        asyncio.get_running_loop().call_later(self.settings.retry_interval, self.queue.put_nowait, Tick.RETRY)
+        asyncio.get_running_loop().call_later(self.settings.retry_interval if delay is None else delay,
+                                              self.queue.put_nowait, Tick.RETRY)
 
     # --- views for the HTTP endpoints ------------------------------------------------------------
 
@@ -333,6 +367,7 @@ class Agent:
             unusable_pod_ips=sum(len(p.unusable_ips) for p in view.pods.values()),
             task_failures=dict(self.task_failures),
             pods_without_link=None if (unlinked := self.pods_without_link()) is None else len(unlinked),
+            links=self.links.link_counts() if self.links is not None else None,
         )
 
     def _flow_snapshot(self) -> FlowSnapshot | None:

@@ -8,14 +8,27 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from podmeter.adapters.datapath.memory import MemoryDatapath
-from podmeter.model.datapath import Datapath
+from podmeter.model.datapath import Datapath, LinkCounts
 from podmeter.model.flows import FlowSource
 
 log = logging.getLogger("podmeter.datapath")
 
 
 class PodLinks(Protocol):
-    """Which pod IPs reach a link the datapath counts on (the eBPF attach manager)."""
+    """The links the datapath counts on (the eBPF attach manager): which they are, which pod IPs reach none."""
+
+    def set_pod_ips(self, ips: Iterable[str]) -> None:
+        """The IPs of every pod of this node, whole, each time they change: the links that carry them are
+        the pods' links, the only ones counted on (cheap and thread-safe: the work is the manager's)."""
+        ...
+
+    def settled(self) -> bool:
+        """Whether the links of the pod IPs last given are attached (the agent's first write waits for it)."""
+        ...
+
+    def link_counts(self) -> LinkCounts:
+        """The links seen, attached and skipped (cheap: called at every scrape)."""
+        ...
 
     def unlinked(self, ips: Iterable[str]) -> frozenset[str]:
         """The IPs among ``ips`` that reach no counted link (cheap: called at every scrape)."""
@@ -51,12 +64,14 @@ def open_datapath(kind: str, bpffs: str, filter_map_size: int, interfaces: tuple
         return OpenDatapath(memory, memory)
     if kind != "ebpf":
         raise ValueError(f"--datapath must be ebpf or memory, not {kind!r}")
-    from podmeter.adapters.datapath.ebpf import AttachManager, EbpfDatapath, InterfaceRule
+    from podmeter.adapters.datapath.ebpf import AttachManager, EbpfDatapath, InterfaceRule, LinkSelection
 
     datapath = EbpfDatapath.open(bpffs, filter_size=filter_map_size, flow_size=flow_map_size)
     assert datapath.programs is not None, "EbpfDatapath.open loads the programs"
     rule = InterfaceRule(patterns or (), interfaces)  # no patterns: pod links found by what they are
-    manager = AttachManager(datapath.programs, rule=rule)
+    # Only the links that carry this node's pods (the agent gives their IPs): other programs' veths are
+    # not the agent's to count on. Patterns and names given are attached whatever they carry.
+    manager = AttachManager(datapath.programs, rule=rule, selection=LinkSelection.PODS)
     try:
         manager.start()
     except BaseException:

@@ -3,9 +3,11 @@
 Runs in the agent's writer task, at the same moments as the flow drain and just before it: every
 ``--flow-interval`` and right after any change of who holds an address. So each event is credited to the
 pod that held the IP while it was counted (``model.drops.DropLedger`` remembers the owner an IP lost
-since the last drain), dropped flows reach ``podmeter
-observe`` as records with verdict ``dropped``, and the retransmits drained here are put on the flow
-records of the drain that follows (:meth:`DropDrainer.annotate`, which the flow drainer calls).
+since the last drain), dropped flows reach ``podmeter observe`` as records with verdict ``dropped``, and
+the retransmits drained here are put on the flow records of the drain that follows
+(:meth:`DropDrainer.annotate`, which the flow drainer calls). Drops of the ledger's lifecycle reasons
+(``model.drops.LIFECYCLE_REASONS`` unless the agent runs with ``--drops-include-lifecycle``) are counted
+apart by the ledger and make no records.
 
 :func:`open_drops` opens the kernel side next to the agent's eBPF datapath. It never fails the agent: a
 kernel without the tracepoints or BTF gets a notice in the log, ``podmeter_drop_tracing_enabled`` 0 for
@@ -88,7 +90,8 @@ def _off(notice: str, level: int) -> DropTracing:
 
 
 class DropDrainer:
-    """Drains ``source`` into ``ledger`` (per-pod series) and ``feed`` (records with verdict dropped).
+    """Drains ``source`` into ``ledger`` (per-pod series) and ``feed`` (records with verdict dropped, but
+    none of a reason the ledger counts apart: :attr:`DropLedger.lifecycle`).
 
     ``annotate_flows``: keep the drained retransmits for :meth:`annotate` (only when a flow drain follows;
     otherwise they would wait for nothing).
@@ -120,11 +123,13 @@ class DropDrainer:
         if not drained:
             return
         self.ledger.add(drained, credit=credit)
-        if drained.flows:
+        lifecycle = self.ledger.lifecycle
+        flows = [entry for entry in drained.flows if entry[0].reason not in lifecycle] if lifecycle else drained.flows
+        if flows:
             published = self.others[0] if self.others else None
             names = ChainedNames(AddressBook(pods, published), *self.others)
             wall_offset = time.time() - time.monotonic()
-            records = name_drops(drained.flows, names, self.node, wall_offset)
+            records = name_drops(flows, names, self.node, wall_offset)
             self.feed.publish(records)
             if self.series is not None:
                 self.series(records, time.monotonic())

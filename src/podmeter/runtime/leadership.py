@@ -20,11 +20,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Protocol
 
-from podmeter.model.lease import LeaseConflict, LeaseRecord
+from podmeter.model.lease import LeaseConflict, LeaseRecord, acquired, created, released, renewed
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +124,7 @@ class LeaderElector:
         now, wall = self._clock(), datetime.now(UTC)
         record = await self._store.get()
         if record is None:
-            self._wrote(await self._store.create(LeaseRecord(self.identity, int(self.lease_duration), wall, wall)),
-                        now)
+            self._wrote(await self._store.create(created(self.identity, int(self.lease_duration), wall)), now)
             self.transitions_seen += 1
             return
         self._observe(record, now)  # a record we did not write ends our leadership here, before any write
@@ -135,14 +133,10 @@ class LeaderElector:
         # misconfigured leaseDurationSeconds cannot stop leader-only work for longer than that.
         if not renewing and record.holder and now - self._observed_at < self.lease_duration:
             return
-        new = replace(
-            record,
-            holder=self.identity,
-            duration_s=int(self.lease_duration),
-            renew_time=wall,
-            acquire_time=record.acquire_time if renewing else wall,
-            transitions=record.transitions + (1 if record.holder not in ("", self.identity) else 0),
-        )
+        # Renewing keeps the record's acquisition and transitions; anything else is an acquisition, which
+        # counts one more transition (client-go's leaseTransitions), even over an emptied Lease.
+        duration = int(self.lease_duration)
+        new = renewed(record, duration, wall) if renewing else acquired(record, self.identity, duration, wall)
         self._wrote(await self._store.update(new), now)
         self.transitions_seen += not renewing
 
@@ -158,4 +152,4 @@ class LeaderElector:
     async def _release(self) -> None:
         record = await self._store.get()
         if record is not None and record.holder == self.identity and record.resource_version == self._written_version:
-            await self._store.update(replace(record, holder="", renew_time=datetime.now(UTC)))
+            await self._store.update(released(record, datetime.now(UTC)))

@@ -14,6 +14,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from podmeter.adapters.metrics.families import by_one, counter, gauge, labelled_gauge
+from podmeter.model.datapath import LinkCounts
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class AgentSnapshot:
     task_failures: Mapping[str, int] = field(default_factory=dict)  # task name
     flows: FlowSnapshot | None = None  # None: the datapath aggregates no flows
     pods_without_link: int | None = None  # observed pods whose IPs reach no counted link; None: no links
+    links: LinkCounts | None = None  # the node's links seen, attached, skipped; None: no links (memory)
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,19 @@ class AgentStateCollector(Collector):
             yield gauge("podmeter_pods_without_link",
                         "Observed pods whose IPs reach no link the datapath is attached to (not counted).",
                         s.pods_without_link)
+        if s.links is not None:
+            yield from link_families(s.links)
         yield from watch_families(s.watch_events, s.relists, s.decode_errors, s.store_objects, s.watch_failures)
         if s.flows is not None:
             yield from flow_families(s.flows)
+
+
+def link_families(links: LinkCounts) -> Iterator[Metric]:
+    yield gauge("podmeter_links_seen", "Links that could be a pod's: a veth or netkit whose peer is in another "
+                "network namespace.", links.seen)
+    yield gauge("podmeter_links_attached", "Links the counting programs are attached to.", links.attached)
+    yield labelled_gauge("podmeter_links_skipped", "Links seen that the counting programs are not attached to, by "
+                         "reason (no_pod: it carries no IP of this node's pods).", "reason", links.skipped)
 
 
 def flow_families(f: FlowSnapshot) -> Iterator[Metric]:

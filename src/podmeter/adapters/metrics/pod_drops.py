@@ -10,6 +10,10 @@ Series (docs/metrics.md, docs/drops.md):
   received (ingress);
 * ``podmeter_node_drops_total{direction,reason}``: every drop of an observed IP on this node, including
   pods whose series are gone;
+* ``podmeter_pod_lifecycle_drops_total{namespace,pod,direction,reason}`` and
+  ``podmeter_node_lifecycle_drops_total{direction,reason}``: the same for the reasons that are a socket's
+  lifecycle, not a loss (``model.drops.LIFECYCLE_REASONS``: queued data freed as a socket closes), which
+  the two series above and Retina's leave out (unless ``--drops-include-lifecycle``: then these are empty);
 * ``podmeter_drops_lost_total{map}``: events not counted because a kernel map was full;
 * ``podmeter_drop_tracing_enabled{hook}``: 1 while the hook is attached, 0 when it is off (a kernel
   without the tracepoint or BTF, the memory datapath, ``--drop-map-size 0``);
@@ -41,6 +45,10 @@ _HEADERS = {
     "podmeter_pod_tcp_retransmits_total": ("counter", "TCP segments an observed pod's sockets retransmitted."),
     "podmeter_pod_tcp_resets_total": ("counter", "TCP resets an observed pod sent (egress) and received (ingress)."),
     "podmeter_node_drops_total": ("counter", "Dropped packets of observed IPs on this node, by direction and reason."),
+    "podmeter_pod_lifecycle_drops_total": (
+        "counter", "Packets of an observed pod freed with a socket's queues as it closed (lifecycle, not loss)."),
+    "podmeter_node_lifecycle_drops_total": (
+        "counter", "Packets of observed IPs on this node freed with a socket's queues as it closed."),
     "podmeter_drops_lost_total": ("counter", "Drop and TCP events not counted because a kernel map was full."),
     "podmeter_drop_tracing_enabled": ("gauge", "1 while the hook is attached; 0: drops or TCP health are off."),
     "podmeter_drop_drains_total": ("counter", "Drains of the kernel drop and TCP maps."),
@@ -70,12 +78,15 @@ class PodDropExposition:
     def render(self) -> bytes:
         lines: dict[str, list[str]] = {name: [] for name in _HEADERS}
         drops, retransmits = lines["podmeter_pod_drops_total"], lines["podmeter_pod_tcp_retransmits_total"]
-        resets = lines["podmeter_pod_tcp_resets_total"]
+        resets, lifecycle = lines["podmeter_pod_tcp_resets_total"], lines["podmeter_pod_lifecycle_drops_total"]
         for series in self._ledger.values():
             pod = self._pod_labels(series)
             for (direction, reason), packets in sorted(series.drops.items()):
                 drops.append(f'podmeter_pod_drops_total{{{pod},direction="{direction.value}",'
                              f'reason="{escape(reason)}"}} {packets}')
+            for (direction, reason), packets in sorted(series.lifecycle.items()):
+                lifecycle.append(f'podmeter_pod_lifecycle_drops_total{{{pod},direction="{direction.value}",'
+                                 f'reason="{escape(reason)}"}} {packets}')
             if self._retina:
                 self._retina_series(series, lines)
             retransmits.append(f"podmeter_pod_tcp_retransmits_total{{{pod}}} {series.tcp.get(TcpEvent.RETRANSMIT, 0)}")
@@ -85,6 +96,10 @@ class PodDropExposition:
         for (direction, reason), packets in sorted(self._ledger.node_drops.items()):
             lines["podmeter_node_drops_total"].append(
                 f'podmeter_node_drops_total{{direction="{direction.value}",reason="{escape(reason)}"}} {packets}')
+        for (direction, reason), packets in sorted(self._ledger.node_lifecycle.items()):
+            lines["podmeter_node_lifecycle_drops_total"].append(
+                f'podmeter_node_lifecycle_drops_total{{direction="{direction.value}",reason="{escape(reason)}"}} '
+                f"{packets}")
         for name, count in sorted((self._lost() if self._lost else {}).items()):
             lines["podmeter_drops_lost_total"].append(f'podmeter_drops_lost_total{{map="{name}"}} {count}')
         hooks = self._hooks()

@@ -4,11 +4,12 @@ Public API (see docs/datapath.md):
 * :class:`EbpfDatapath` — the ``Datapath`` over the pinned ``filter`` and ``counters`` maps, and the
   ``FlowSource`` over ``flows`` and ``flows_lost``; ``EbpfDatapath.open(bpffs, filter_size, flow_size=...)``
   for the agent, ``EbpfDatapath.open_pinned(bpffs)`` for readers;
-* :class:`AttachManager` — keeps the programs attached to the host side of every pod veth;
+* :class:`AttachManager` — keeps the programs attached to the host side of every pod veth (with
+  :attr:`LinkSelection.PODS`, only links that carry this node's pods' IPs);
 * :class:`DatapathSetupError` and subclasses — why the datapath cannot run, with what to do.
 """
 
-from podmeter.adapters.datapath.ebpf.attach import AttachManager, AttachMode, InterfaceRule
+from podmeter.adapters.datapath.ebpf.attach import AttachManager, AttachMode, InterfaceRule, LinkSelection
 from podmeter.adapters.datapath.ebpf.datapath import (
     DEFAULT_FILTER_SIZE,
     DEFAULT_FLOW_SIZE,
@@ -42,6 +43,7 @@ __all__ = [
     "InterfaceRule",
     "KernelTooOld",
     "LibbpfMissing",
+    "LinkSelection",
     "LoadFailed",
     "NotPrivileged",
     "ObjectMissing",

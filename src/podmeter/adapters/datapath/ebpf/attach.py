@@ -9,6 +9,14 @@ the override: given, the links whose names match are attached instead, whatever 
 explicitly (``--interface``) are attached in every case. ``pm_from_pod`` goes on tc ingress (packets
 leaving the pod), ``pm_to_pod`` on tc egress (packets entering it).
 
+A link the rule finds is only a **candidate**: other programs' network namespaces (Docker's containers, test
+veths) have the same links. With :attr:`LinkSelection.PODS` (the agent) a candidate is attached only while
+it carries an IP of one of this node's pods, which the agent hands over (:meth:`AttachManager.set_pod_ips`):
+its peer holds the IP (a pod's eth0 holds its own IP on routed and bridged CNIs alike), or the node routes
+the IP through it (a routed CNI's /32 route to ``caliXXX``). Candidates that carry none are skipped and
+counted (:meth:`AttachManager.link_counts`). :attr:`LinkSelection.CANDIDATES` attaches every candidate: a
+caller that knows no pod IPs. Patterns and explicit names are attached whatever they carry.
+
 The manager converges the attachments towards the links that exist: for a link, attached iff it
 exists and the rule selects it. It keeps its own table of links (ifindex -> name, kind, peer), read
 whole by a dump at start, on :meth:`AttachManager.sync`, every ``resync_interval`` seconds and whenever
@@ -39,6 +47,7 @@ import enum
 import errno
 import fnmatch
 import logging
+import math
 import os
 import select
 import socket
@@ -67,6 +76,7 @@ from podmeter.adapters.datapath.ebpf.libbpf import (
 )
 from podmeter.adapters.datapath.ebpf.links import (
     NETKIT_L3,
+    LinkChange,
     LinkInfo,
     NetlinkError,
     Rtnl,
@@ -76,6 +86,7 @@ from podmeter.adapters.datapath.ebpf.links import (
 )
 from podmeter.adapters.datapath.ebpf.loader import Program
 from podmeter.adapters.datapath.ebpf.netns import enter_netns
+from podmeter.model.datapath import LinkCounts
 
 log = logging.getLogger("podmeter.attach")
 
@@ -83,7 +94,15 @@ TC_HANDLE = 0x706D  # "pm": podmeter's cls_bpf filter handle
 TC_PRIORITY = 1  # first in line, so filters of other tools that end processing cannot hide packets
 ADDRESS_REFRESH = 5.0  # seconds: an IP no peer holds rereads every attached link's peer at most this often
 ASKED_FOR = 600.0  # seconds an IP asked about by unlinked() keeps being resolved on every full pass
+RECHECK_FIRST = 0.25  # seconds: a pod IP on no link, a candidate carrying none: look again this soon, then
+# twice as late each time up to ADDRESS_REFRESH (a pod's address or route may come after its link)
 _UNKNOWN = object()
+
+# Why a link seen (a veth or netkit whose peer is in another netns) is not attached: link_counts().skipped
+SKIPPED_NO_POD = "no_pod"  # it carries no IP of this node's pods (LinkSelection.PODS)
+SKIPPED_UPLINK = "uplink"  # it carries a default route of the node
+SKIPPED_NO_MATCH = "no_match"  # name patterns are given and its name matches none
+SKIPPED_FAILED = "attach_failed"  # selected, but the attach failed (in errors; retried)
 
 
 class AttachMode(enum.Enum):
@@ -92,13 +111,21 @@ class AttachMode(enum.Enum):
     TC = "tc"
 
 
+class LinkSelection(enum.Enum):
+    """Which candidates (links the rule finds by what they are) the manager attaches to."""
+
+    PODS = "pods"  # those that carry an IP of this node's pods (set_pod_ips): the agent's
+    CANDIDATES = "candidates"  # every one: a caller that knows no pod IPs (tests, tools)
+
+
 @dataclass(frozen=True, slots=True)
 class InterfaceRule:
     """Which links are the host side of a pod's link.
 
     Without ``patterns``: a veth or netkit whose peer is in another netns, unless it is an ``uplink``
     (carries a default route of the node). With ``patterns`` (globs): the links whose names match one,
-    whatever their kind or peer, instead. ``explicit`` names are selected in both cases."""
+    whatever their kind or peer, instead. ``explicit`` names are selected in both cases. A link found
+    without patterns is a candidate: with ``LinkSelection.PODS`` the manager also wants a pod IP on it."""
 
     patterns: tuple[str, ...] = ()
     explicit: tuple[str, ...] = ()
@@ -207,7 +234,9 @@ class AttachManager:
 
     All netlink and attach work happens on one worker thread (entered into ``netns`` if given, a path
     like ``/run/netns/NAME``). Invariant after each pass: ``attached()`` holds one entry per existing
-    selected link whose attach succeeded, and nothing else; failures are in ``errors``.
+    selected link whose attach succeeded, and nothing else; failures are in ``errors``. With
+    ``selection=LinkSelection.PODS`` a candidate is selected only while it carries one of the IPs last
+    given to :meth:`set_pod_ips` (none before the first call).
     """
 
     def __init__(
@@ -217,31 +246,46 @@ class AttachManager:
         mode: AttachMode = AttachMode.AUTO,
         netns: str | None = None,
         resync_interval: float = 30.0,
+        *,
+        selection: LinkSelection = LinkSelection.CANDIDATES,
     ) -> None:
         self.rule = rule or InterfaceRule()
         self.attacher = Attacher(programs, mode)
         self.netns = netns
         self.resync_interval = resync_interval
+        self.selection = selection
         self._errors: dict[str, str] = {}
         self._attached: dict[int, Attachment] = {}
         self._lock = threading.Condition()
         self._passes = 0  # full passes (dumps) done
         self._links: dict[int, LinkInfo] = {}  # the worker's table
         self._uplinks: frozenset[int] = frozenset()  # the worker's: links with a default route
-        self._peers: dict[int, frozenset[str]] = {}  # the worker's: attached ifindex -> its peer's addresses
+        self._peers: dict[int, frozenset[str]] = {}  # the worker's: attached link or candidate -> its peer's addresses
         self._peers_read = 0.0  # monotonic time the peers of every attached link were last read
         self._next_pass = 0.0
-        # Shared with callers of unlinked(), under the lock:
+        # The worker's, LinkSelection.PODS: the node's pod IPs, which candidates carry one, and when to look again.
+        self._pod_ips: frozenset[str] = frozenset()
+        self._pod_routes: dict[str, int | None] = {}  # pod IP no candidate's peer holds -> the link it is routed to
+        self._carrying: frozenset[int] = frozenset()
+        self._recheck_at = math.inf
+        self._recheck_delay = RECHECK_FIRST
+        # Shared with callers of unlinked(), set_pod_ips() and link_counts(), under the lock:
         self._placed: dict[str, str] = {}  # IP -> name of the attached link whose peer holds it
         self._routed: dict[str, str | None] = {}  # IP no peer holds -> attached link it is routed to, or None
         self._asked: dict[str, float] = {}  # IP -> when unlinked() was last asked about it (unplaced)
         self._pending: set[str] = set()  # asked about, not resolved yet
         self._resolving = False  # a resolve request is on its way to the worker
         self._resolved_at = 0.0  # monotonic time of the last resolve
+        self._offered: frozenset[str] | None = None  # pod IPs given to set_pod_ips, not taken by the worker yet
+        self._given = 0  # set_pod_ips() calls so far
+        self._taken = 0  # of them, the last the worker took (worker's) ...
+        self._acted = 0  # ... and the last whose links it attached and detached (settled())
+        self._counts = LinkCounts()
         self._stopping = False
         self._failure: BaseException | None = None
         self._on_failure: list[Callable[[BaseException], None]] = []  # watch()ers, told from the worker
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)  # a full pipe already holds a wake: never block a caller on it
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -304,6 +348,31 @@ class AttachManager:
         with self._lock:
             return dict(self._placed)
 
+    def set_pod_ips(self, ips: Iterable[str]) -> None:
+        """The IPs of every pod of this node, the whole set each time (thread-safe, no syscall but a wake).
+        With ``LinkSelection.PODS`` the worker then attaches the candidates that carry one of them, and
+        detaches those that carry none any more; with ``CANDIDATES`` or name patterns nothing changes."""
+        offered = frozenset(ips)
+        with self._lock:
+            self._offered = offered
+            self._given += 1
+            if self._by_pods:
+                self._wake(b"p")
+
+    def settled(self) -> bool:
+        """Whether the worker has acted on the pod IPs last given: the links that carry them attached (or
+        their failures in ``errors``), the others detached. Always true when no pod IP is needed
+        (``CANDIDATES``, or name patterns)."""
+        with self._lock:
+            return not self._by_pods or self._acted >= self._given
+
+    def link_counts(self) -> LinkCounts:
+        """The links seen (a veth or netkit whose peer is in another netns), how many links the programs
+        are attached to, and the links seen that are not attached, by reason (``SKIPPED_*``), as of the
+        worker's last pass or change."""
+        with self._lock:
+            return self._counts
+
     def unlinked(self, ips: Iterable[str]) -> frozenset[str]:
         """The IPs among ``ips`` that reach no attached link: no attached link's peer holds them, and the
         node does not route them through one. Cheap (no syscall; call it at every scrape): the answer is
@@ -326,11 +395,8 @@ class AttachManager:
                 if (verdict is _UNKNOWN or (verdict is None and stale)) and ip not in self._pending:
                     self._pending.add(ip)
                     new = True
-            wake = new and not self._resolving and self._thread is not None and not self._stopping
-            if wake:
+            if new and not self._resolving and self._wake(b"r"):
                 self._resolving = True
-        if wake:
-            os.write(self._wake_w, b"r")
         return frozenset(out)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -339,12 +405,14 @@ class AttachManager:
             return
         with self._lock:
             self._stopping = True
-        os.write(self._wake_w, b"q")
+        with contextlib.suppress(BlockingIOError):  # full: the worker has wakes to read, and sees _stopping
+            os.write(self._wake_w, b"q")
         if self._thread is not None:
             self._thread.join(timeout)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        self._closed = True
+        with self._lock:  # no _wake() after this: it writes under the lock and checks _closed
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._closed = True
 
     def __enter__(self) -> AttachManager:
         self.start()
@@ -352,6 +420,14 @@ class AttachManager:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def _wake(self, reason: bytes) -> bool:
+        """Wake the worker (the lock held): whether it runs to be woken."""
+        if self._thread is None or self._stopping or self._closed:
+            return False  # before start() the first pass takes what is asked; after stop() nobody will
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, reason)
+        return True
 
     # --- worker ---------------------------------------------------------------------------------
 
@@ -388,8 +464,9 @@ class AttachManager:
             self._forget(index)
 
     def _wait(self, events: socket.socket) -> None:
-        """Sleep until a link changes, a caller wakes the worker or the resync period ends; then converge."""
-        timeout = max(0.0, self._next_pass - time.monotonic())
+        """Sleep until a link changes, a caller wakes the worker, a recheck is due or the resync period
+        ends; then converge."""
+        timeout = max(0.0, min(self._next_pass, self._recheck_at) - time.monotonic())
         readable, _, _ = select.select([events.fileno(), self._wake_r], [], [], timeout)
         asked = os.read(self._wake_r, 4096) if self._wake_r in readable else b""
         found = read_changes(events) if events.fileno() in readable else []
@@ -398,29 +475,57 @@ class AttachManager:
         if b"s" in asked or found is None or time.monotonic() >= self._next_pass:
             self._full_pass()
             return
+        changed = self._take_changes(found)
+        read: set[int] = set()
+        if self._by_pods:
+            offered = b"p" in asked and self._take_offered()
+            recheck = time.monotonic() >= self._recheck_at
+            if recheck:
+                self._pod_routes.clear()  # a route may have come too
+            if changed or offered or recheck:
+                flipped, read = self._place_pods(changed, widen=offered or recheck,
+                                                 reset=offered or self._any_candidate(changed))
+                changed |= flipped
+        self._converge(changed)
+        self._reread_attached(changed & self._attached.keys() - read)
+        if b"r" in asked:
+            self._resolve(full=False)
+        self._publish_counts()
+
+    def _take_changes(self, found: list[LinkChange]) -> set[int]:
+        """Apply link notifications to the table; the indexes they name."""
         for change in found:
             if change.link is None:
                 self._links.pop(change.index, None)
+                self._peers.pop(change.index, None)
             else:
                 self._links[change.index] = change.link
-        changed = {change.index for change in found}
-        self._converge(changed)
-        if changed & self._attached.keys():  # an attached link changed (up, renamed...): its peer may too
-            try:
-                with Rtnl() as rtnl:
-                    self._read_peers(rtnl, changed & self._attached.keys())
-            except OSError as error:  # placements only: the next pass reads them again
-                log.warning("cannot read the peers of changed links: %s", error)
-            self._publish_placements()
-        if b"r" in asked:
-            self._resolve(full=False)
+        return {change.index for change in found}
+
+    def _reread_attached(self, indexes: set[int]) -> None:
+        """An attached link changed (up, renamed...): its peer may have too."""
+        if not indexes:
+            return
+        try:
+            with Rtnl() as rtnl:
+                self._read_peers(rtnl, indexes)
+        except OSError as error:  # placements only: the next pass reads them again
+            log.warning("cannot read the peers of changed links: %s", error)
+        self._publish_placements()
 
     def _full_pass(self) -> None:
         self._links = read_links()
+        self._peers = {index: ips for index, ips in self._peers.items() if index in self._links}
         if self.rule.detects:
             self._uplinks = self._read_uplinks()
+        read: set[int] = set()
+        if self._by_pods:
+            self._take_offered()
+            self._pod_routes.clear()  # routes are not followed: looked up again on every dump
+            _, read = self._place_pods(set(self._links), widen=True, reset=False)
         self._converge(set(self._links) | set(self._attached))
-        self._resolve(full=True)
+        self._resolve(full=True, fresh=read)
+        self._publish_counts()
         wanted = {link.name for index, link in self._links.items() if self._selects(index, link)}
         self._next_pass = time.monotonic() + self.resync_interval
         with self._lock:
@@ -436,8 +541,20 @@ class AttachManager:
             log.warning("cannot read the default routes: %s", error)
             return self._uplinks
 
+    @property
+    def _by_pods(self) -> bool:
+        """Whether candidates need a pod IP to be attached (patterns given: nothing is detected)."""
+        return self.selection is LinkSelection.PODS and self.rule.detects
+
+    def _gated(self, index: int, link: LinkInfo) -> bool:
+        """A candidate that is attached only while it carries a pod IP: found by what it is, not named."""
+        return (self._by_pods and link.name not in self.rule.explicit
+                and self.rule.selects(link, uplink=index in self._uplinks))
+
     def _selects(self, index: int, link: LinkInfo) -> bool:
-        return self.rule.selects(link, uplink=index in self._uplinks)
+        if not self.rule.selects(link, uplink=index in self._uplinks):
+            return False
+        return index in self._carrying or not self._gated(index, link)
 
     def _converge(self, indexes: set[int]) -> None:
         """Attached iff the link exists and the rule selects it, for each of ``indexes``."""
@@ -474,14 +591,107 @@ class AttachManager:
         with self._lock:
             attachment = self._attached.pop(index)
             self._routed = {ip: name for ip, name in self._routed.items() if name != attachment.ifname}
-        if self._peers.pop(index, None):
+        if self._peers.get(index):  # kept: a candidate's peers say whether it carries a pod
             self._publish_placements()
         log.info("detached from %s (ifindex %d)", attachment.ifname, index)
+
+    def _publish_counts(self) -> None:
+        """What link_counts() and settled() answer (after each convergence)."""
+        skipped: dict[str, int] = {}
+        seen = 0
+        for index, link in self._links.items():
+            if link.peer_elsewhere:
+                seen += 1
+                reason = self._skipped(index, link)
+                if reason is not None:
+                    skipped[reason] = skipped.get(reason, 0) + 1
+        counts = LinkCounts(seen, len(self._attached), skipped)
+        with self._lock:
+            self._counts = counts
+            self._acted = self._taken
+
+    def _skipped(self, index: int, link: LinkInfo) -> str | None:
+        """Why a link seen is not attached (None: it is)."""
+        if index in self._attached:
+            return None
+        if self._selects(index, link):
+            return SKIPPED_FAILED
+        if self.rule.patterns:
+            return SKIPPED_NO_MATCH
+        return SKIPPED_UPLINK if index in self._uplinks else SKIPPED_NO_POD
+
+    # --- which candidates carry a pod (LinkSelection.PODS) -------------------------------------
+
+    def _any_candidate(self, indexes: set[int]) -> bool:
+        return any(self._gated(index, link) for index in indexes if (link := self._links.get(index)) is not None)
+
+    def _take_offered(self) -> bool:
+        """Take the pod IPs set_pod_ips() was last given; whether they differ from the ones in use."""
+        with self._lock:
+            offered, self._offered = self._offered, None
+            self._taken = self._given
+        if offered is None or offered == self._pod_ips:
+            return False
+        self._pod_ips = offered
+        self._pod_routes = {ip: oif for ip, oif in self._pod_routes.items() if ip in offered}
+        return True
+
+    def _place_pods(self, changed: set[int], widen: bool, reset: bool) -> tuple[set[int], set[int]]:
+        """Find the candidates that carry a pod IP (``_carrying``). The peers of the candidates among
+        ``changed`` are read again, and with ``widen`` (new pod IPs, a recheck) those of every candidate
+        that carries none: its pod's address may have come since. ``reset``: something changed, so a
+        recheck, if one is needed, comes soon again. Returns (the candidates whose verdict changed, the
+        links whose peers were read)."""
+        candidates = {index for index, link in self._links.items() if self._gated(index, link)}
+        idle = candidates - self._carrying if widen else set()
+        read = {index for index in candidates if index in changed or index in idle or index not in self._peers}
+        try:
+            with Rtnl() as rtnl:
+                self._read_peers(rtnl, read)
+                carrying, unplaced = self._carriers(rtnl, candidates)
+        except (OSError, ValueError) as error:  # keep the last verdicts; the next pass tries again
+            log.warning("cannot tell which links carry this node's pods: %s", error)
+            return set(), set()
+        flipped = set(carrying ^ self._carrying)
+        self._carrying = frozenset(carrying)
+        self._schedule_recheck(bool(unplaced) and bool(candidates - carrying), reset)
+        return flipped, read
+
+    def _carriers(self, rtnl: Rtnl, candidates: set[int]) -> tuple[set[int], set[str]]:
+        """(the candidates whose peer holds a pod IP or that the node routes one through, the pod IPs
+        on no candidate)."""
+        pods = self._pod_ips
+        carrying = {index for index in candidates if not self._peers.get(index, frozenset()).isdisjoint(pods)}
+        held = set().union(*(self._peers[index] for index in carrying))
+        unplaced: set[str] = set()
+        for ip in pods - held:
+            if ip not in self._pod_routes:
+                self._pod_routes[ip] = rtnl.route_link(ip)
+            oif = self._pod_routes[ip]
+            if oif in candidates:
+                carrying.add(oif)
+            else:
+                unplaced.add(ip)
+        return carrying, unplaced
+
+    def _schedule_recheck(self, needed: bool, reset: bool) -> None:
+        """While a pod IP is on no candidate and some candidate carries none, look again: its pod's
+        address (or route) may come after its link, with no link event. Soon after a change, then twice
+        as late each time, up to ADDRESS_REFRESH (cheap: only the idle candidates are read)."""
+        if not needed:
+            self._recheck_at, self._recheck_delay = math.inf, RECHECK_FIRST
+            return
+        now = time.monotonic()
+        if reset:
+            self._recheck_delay = RECHECK_FIRST
+        if reset or self._recheck_at == math.inf or now >= self._recheck_at:
+            self._recheck_at = now + self._recheck_delay
+            self._recheck_delay = min(2 * self._recheck_delay, ADDRESS_REFRESH)
 
     # --- which pod a link serves ----------------------------------------------------------------
 
     def _read_peers(self, rtnl: Rtnl, indexes: Iterable[int]) -> None:
-        """Read the addresses of the peers of these attached links (a pod's own IPs)."""
+        """Read the addresses of the peers of these links (a pod's own IPs)."""
         for index in indexes:
             link = self._links.get(index)
             if link is None or link.peer_netnsid is None or link.peer_index is None or link.peer_netnsid < 0:
@@ -499,10 +709,10 @@ class AttachManager:
         with self._lock:
             self._placed = placed
 
-    def _resolve(self, full: bool) -> None:
-        """Place the IPs unlinked() was asked about: read the peers (on a full pass all, else those never
-        read or empty, and all if an asked IP is still unplaced and the last read is ADDRESS_REFRESH old),
-        then look up the route of every IP still unplaced."""
+    def _resolve(self, full: bool, fresh: set[int] | None = None) -> None:
+        """Place the IPs unlinked() was asked about: read the peers (on a full pass all but ``fresh``, read
+        just now; else those never read or empty, and all if an asked IP is still unplaced and the last
+        read is ADDRESS_REFRESH old), then look up the route of every IP still unplaced."""
         now = time.monotonic()
         with self._lock:
             self._resolving = False
@@ -515,11 +725,11 @@ class AttachManager:
             with Rtnl() as rtnl:
                 attached = set(self._attached)
                 if full:
-                    self._read_peers(rtnl, attached)
+                    self._read_peers(rtnl, attached - (fresh or set()))
                     self._peers_read = now
                 else:
                     self._read_peers(rtnl, {i for i in attached if not self._peers.get(i)})
-                    held = {ip for ips in self._peers.values() for ip in ips}
+                    held = {ip for i in attached for ip in self._peers.get(i, ())}
                     if targets - held and now - self._peers_read >= ADDRESS_REFRESH:
                         self._read_peers(rtnl, attached)
                         self._peers_read = now

@@ -8,10 +8,11 @@ every message into objects; on a node with hundreds of veths and tens of changes
 of delete->unmapped latency). Here each message is walked with ``struct`` until what the attach rule
 needs is found, and nothing else is built.
 
-To tell which pod a link serves, two more questions, asked only for the links the manager attached to
-and the pod IPs it could not place: the addresses of a link's **peer**, read in the peer's own netns
-without entering it (``RTM_GETADDR`` with ``IFA_TARGET_NETNSID``), and the link the node **routes** an
-address through (``RTM_GETROUTE``). And the links that carry the node's default routes (a dump of the
+To tell which pod a link serves (and, with pod selection, whether a candidate carries a pod at all), two
+more questions, asked only for the links the manager attached to or weighs and the pod IPs it could not
+place: the addresses of a link's **peer**, read in the peer's own netns without entering it
+(``RTM_GETADDR`` with ``IFA_TARGET_NETNSID``), and the link the node **routes** an address through
+(``RTM_GETROUTE``). And the links that carry the node's default routes (a dump of the
 main table), which are the node's uplinks, never a pod's.
 
 Wire layout (``include/uapi/linux/netlink.h``, ``rtnetlink.h``, ``if_link.h``, ``if_addr.h``): a

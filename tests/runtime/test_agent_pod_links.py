@@ -1,0 +1,107 @@
+"""The agent tells its links which IPs this node's pods hold, and waits for their links before its first write.
+
+Without a kernel: a stand-in for the attach manager records what the agent's writer task gives it (the
+real manager on real links: tests/adapters/test_bpf_cni.py). The IPs are those of every pod of the node
+that holds its own, observed or not; the node's own address (host-network pods), finished pods and other
+nodes' pods are not pods' links' IPs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from factories import make_namespace, make_pod, with_changes
+from podmeter.adapters.datapath.memory import MemoryDatapath
+from podmeter.adapters.metrics.agent_state import AgentStateCollector
+from podmeter.model.datapath import LinkCounts
+from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Delete, Replace, Upsert
+from podmeter.runtime.agent import Agent, AgentSettings
+from podmeter.runtime.ticks import Tick
+
+
+class Links:
+    """What the agent sees of the attach manager."""
+
+    def __init__(self, settled: bool = True) -> None:
+        self.given: list[frozenset[str]] = []
+        self.attached = settled
+
+    def set_pod_ips(self, ips: Iterable[str]) -> None:
+        self.given.append(frozenset(ips))
+
+    def settled(self) -> bool:
+        return self.attached
+
+    def link_counts(self) -> LinkCounts:
+        return LinkCounts(seen=3, attached=2, skipped={"no_pod": 1})
+
+    def unlinked(self, ips: Iterable[str]) -> frozenset[str]:
+        return frozenset()
+
+    async def watch(self) -> None:
+        await asyncio.Event().wait()
+
+
+def agent_with(links: Links | None) -> Agent:
+    agent = Agent(AgentSettings(node_name="node-a"), connection=None, datapath=MemoryDatapath())  # type: ignore[arg-type]
+    agent.links = links
+    return agent
+
+
+LISTED = [Replace(NAMESPACES, []), Replace(CONFIGURATIONS, [])]
+
+
+def test_links_are_given_the_ips_of_every_pod_of_the_node_that_holds_its_own() -> None:
+    links = Links()
+    agent = agent_with(links)
+    agent.apply_batch([Replace(PODS, []), *LISTED])
+    assert links.given == [frozenset()]
+    web = make_pod("web", ips=("10.1.0.5",), observe=True)
+    db = make_pod("db", ips=("10.1.0.6", "fd00::6"))  # not observed: its link is a pod's all the same
+    pods = [web, db,
+            make_pod("proxy", ips=("192.168.0.10",), host_network=True),  # the node's own address
+            make_pod("job", ips=("10.1.0.7",), phase="Succeeded"),  # finished: its IP may soon be another's
+            make_pod("away", ips=("10.2.0.5",), node="node-b"),
+            make_pod("pending", phase="Pending")]  # no IP yet
+    agent.apply_batch([Upsert(PODS, pod) for pod in pods])
+    assert links.given[-1] == {"10.1.0.5", "10.1.0.6", "fd00::6"}
+    told = len(links.given)
+    agent.apply_batch([Upsert(NAMESPACES, make_namespace("default", observe=True))])  # no pod changed
+    agent.apply_batch([Upsert(PODS, with_changes(web, labels=("app", "web2")))])  # the same IPs
+    assert len(links.given) == told  # nothing new to tell
+    agent.apply_batch([Delete(PODS, db.uid)])
+    assert links.given[-1] == {"10.1.0.5"}
+
+
+async def test_the_first_write_waits_for_the_links_of_the_pods_listed() -> None:
+    links = Links(settled=False)
+    agent = agent_with(links)
+    agent.apply_batch([Replace(PODS, [make_pod("web", ips=("10.1.0.5",), observe=True)]), *LISTED])
+    assert links.given == [frozenset({"10.1.0.5"})]
+    assert not agent.ready.is_set() and agent.datapath.contents() == set()  # not counted yet: nothing written
+    links.attached = True
+    tick = await asyncio.wait_for(agent.queue.get(), 5)  # the agent looks again by itself
+    assert tick is Tick.RETRY
+    agent.apply_batch([tick])
+    assert agent.ready.is_set() and agent.datapath.contents() == {"10.1.0.5"}
+
+
+def exposition(agent: Agent) -> str:
+    registry = CollectorRegistry()
+    registry.register(AgentStateCollector(agent.snapshot))
+    return generate_latest(registry).decode()
+
+
+def test_links_seen_attached_and_skipped_are_exported_with_links_only() -> None:
+    agent = agent_with(Links())
+    agent.apply_batch([Replace(PODS, []), *LISTED])
+    text = exposition(agent)
+    assert "podmeter_links_seen 3.0" in text
+    assert "podmeter_links_attached 2.0" in text
+    assert 'podmeter_links_skipped{reason="no_pod"} 1.0' in text
+    memory = agent_with(None)  # the memory datapath has no links
+    memory.apply_batch([Replace(PODS, []), *LISTED])
+    assert "podmeter_links_" not in exposition(memory)
