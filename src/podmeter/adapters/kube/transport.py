@@ -12,6 +12,7 @@ Both raise :class:`TransportError` for anything that is not an HTTP answer (refu
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import ssl
@@ -64,6 +65,9 @@ def make_transport(config: SingleConfig, request_timeout: float = 30.0) -> Trans
 
 
 # --- aiohttp -------------------------------------------------------------------------------------
+
+
+TLS_CLOSE_GRACE = 0.25  # seconds
 
 
 class _BearerToken:
@@ -154,6 +158,8 @@ class AiohttpTransport:
         if self._session is not None:
             await self._session.close()
             self._session = None
+            if self._ssl:  # TLS connections finish their close_notify after the session closes (aiohttp's
+                await asyncio.sleep(TLS_CLOSE_GRACE)  # documented graceful shutdown): give them the moment
 
 
 # --- httpx (lightkube's client) ---------------------------------------------------------------------
