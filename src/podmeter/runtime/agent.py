@@ -70,6 +70,7 @@ REQUIRED = frozenset(kind.collection for kind in KINDS)
 NODES_HINT = ("the Hubble API announces this node only; grant the agent list and watch on nodes "
               "(deploy/base/agent-rbac.yaml) for Hubble Relay to find the others")
 MAX_BATCH = 512  # deltas applied between two flushes at most (bounds the latency of a flush)
+LINKS_SETTLE_MAX = 15.0  # seconds the first push waits for the pods' links at most
 LINKS_POLL = 0.02  # seconds: how often the first push looks again whether the pods' links are attached
 
 
@@ -130,6 +131,7 @@ class Agent:
         self._reflectors: list[Reflector[Any]] = []
         self.supervisor = Supervisor()
         self._retry_scheduled = False
+        self._links_since: float | None = None  # when the first push began to wait for the pods' links
         # The cluster's nodes (settings.watch_nodes), applied on the event loop as their deltas come: they
         # move nothing in the view or the datapath, so they skip the writer's queue.
         self.nodes: Store[Node] = Store(NODES.collection)
@@ -302,6 +304,13 @@ class Agent:
         it writes is counted from then on: the links are the pods' only once their IPs are known, and a
         predecessor's TCX links died with it. Looked at again every LINKS_POLL seconds until then."""
         if self.links is None or self.links.settled():
+            return True
+        waited = time.monotonic() - self._links_since if self._links_since is not None else 0.0
+        if self._links_since is None:
+            self._links_since = time.monotonic()
+        elif waited > LINKS_SETTLE_MAX:  # a stuck attach never keeps the agent from being ready
+            log.warning("the pods' links are not all attached after %.0f s: ready anyway (podmeter_links_skipped "
+                        "and /debug/state say which failed)", waited)
             return True
         self._schedule_retry(LINKS_POLL)
         return False
