@@ -202,7 +202,8 @@ async def test_a_thousand_never_read_debug_flows_clients_are_bounded_and_give_th
         finally:
             for client in sockets:
                 client.close()
+        await asyncio.sleep(0.2)
         grown = await rss_mib() - before
-        assert grown < 100, f"{grown:.0f} MiB more after the stalled clients went"
+        assert grown < 25, f"{grown:.0f} MiB more after the stalled clients went"
         async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/debug/flows?last=3") as ok:
             assert ok.status == 200 and len((await ok.read()).splitlines()) == 3

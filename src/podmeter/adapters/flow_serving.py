@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from podmeter.adapters.memory import give_back
 from podmeter.model.flow_records import FlowRecord, FlowRing
 
 log = logging.getLogger("podmeter.flows")
@@ -46,6 +47,7 @@ FOLLOWER_IDLE = 60.0  # seconds without a record after which a follower yields i
 CHECK_PERIOD = 1.0  # seconds between two checks of a read's writes and its client
 SLICE_SECONDS = 0.002  # longest run of filter work before a reader lets the event loop run others
 ABANDON_GRACE = 1.0  # seconds an end through a stuck stream may take before its handler is cancelled
+GIVE_BACK_DELAY = 1.0  # seconds after a burst of reads ends before its memory is given back
 SLICE_CHECK = 32  # records between two looks at the clock
 SLICE_RECORDS = 512  # records of the past a reader filters before it lets the event loop run others
 
@@ -252,6 +254,7 @@ class FlowFeed:
         self.gaps = 0
         self.lost = 0  # records followers did not see (in gaps)
         self._readers: list[Reader] = []
+        self._busiest = 0  # the most reads open at once since the last burst ended
 
     @property
     def published(self) -> int:
@@ -311,3 +314,7 @@ class FlowFeed:
     def _close(self, reader: Reader) -> None:
         if reader in self._readers:
             self._readers.remove(reader)
+        self._busiest = max(self._busiest, len(self._readers) + 1)
+        if len(self._readers) <= self.max_per_client and self._busiest > 2 * self.max_per_client:
+            self._busiest = 0  # a burst of reads is over: what their answers held goes back to the system,
+            asyncio.get_running_loop().call_later(GIVE_BACK_DELAY, give_back)  # once the last of them closed
