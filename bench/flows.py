@@ -9,7 +9,12 @@ repetitions per run, medians of ``--runs`` interleaved runs):
 * ``ns_per_packet``: ``pm_from_pod`` of ``podmeter_noflows.bpf.o`` (the same source without flows);
 * ``ns_per_packet_bare``: ``pm_parse_only`` (the same parser, no map access).
 ``ns_per_packet_flows_unobserved`` (information): the flows program on a frame between two unobserved
-IPs (the counter miss, then both ends looked up in the filter, no flow).
+IPs (the counter miss, then both ends looked up in the filter, no flow). The filter holds the one observed
+IP, so each trie lookup visits one node: the cheapest miss.
+``ns_per_packet_flows_unobserved_near`` (information): the same on a frame between two unobserved IPs of
+the node's pod range (10.244.11.251 -> 10.244.11.252), in a program of its own whose filter holds the
+``LOCAL_PODS`` IPv4 addresses of :func:`node_pods` (10.244.8.0/22): what a packet between two unobserved
+pods of a node that observes others costs, each trie lookup walking down next to the observed IPs.
 
 Drain and name: ``flow_drain_ms_100k`` (target <= 250) is :func:`drain_and_name_100k` on a flows map
 holding 100,000 entries (written by a batch update; :func:`node_flows` says which: 1,000 local pods, the
@@ -67,6 +72,7 @@ RATIO_FLOWS = 1_000
 FULL_MAP, FULL_FLOWS, FULL_PACKETS = 64, 1_000, 10
 REPO = Path(__file__).resolve().parent.parent
 UNOBSERVED_FRAME = frames.udp_frame("10.255.255.254", PEER)
+NEAR_FRAME = frames.udp_frame("10.244.11.251", "10.244.11.252")  # in local_v4's /22, never one of its IPs
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ class Figures:
     ns_per_packet: float
     ns_per_packet_bare: float
     ns_per_packet_flows_unobserved: float
+    ns_per_packet_flows_unobserved_near: float
     flow_drain_ms_100k: float
     flow_drain_decode_ms_100k: float
     flow_name_ms_100k: float
@@ -122,13 +129,16 @@ class Unpinned:
 
 
 def per_packet(repeat: int, runs: int) -> dict[str, float]:
-    """Median ns per packet: flows hit, counting hit (no flows), parse only, flows program unobserved."""
+    """Median ns per packet: flows hit, counting hit (no flows), parse only, flows program unobserved
+    (a filter of one IP, and next to the node's pods in a filter of ``LOCAL_PODS`` IPs)."""
     with_flows = Unpinned.load(1024)
     counting = Unpinned.load(1024, name=NOFLOWS_OBJECT_NAME)
+    near = Unpinned.load(1024, filter_size=2 * LOCAL_PODS)
     bare = load(object_path(BARE_OBJECT_NAME), None, {}, [PARSE_ONLY])
     try:
         for loaded in (with_flows, counting):
             assert loaded.datapath.insert([POD]).error is None
+        assert near.datapath.insert([local_v4(n) for n in range(LOCAL_PODS)]).error is None
         hit = frames.udp_frame(POD, PEER)
         unobserved = UNOBSERVED_FRAME
         programs = {
@@ -136,6 +146,7 @@ def per_packet(repeat: int, runs: int) -> dict[str, float]:
             "counting": (counting.program, hit),
             "bare": (bare.programs[PARSE_ONLY], hit),
             "flows_unobserved": (with_flows.program, unobserved),
+            "flows_unobserved_near": (near.program, NEAR_FRAME),
         }
         for program, frame in programs.values():
             program.test_run(frame)  # creates the counter and flow entries: the runs measure the steady state
@@ -145,10 +156,12 @@ def per_packet(repeat: int, runs: int) -> dict[str, float]:
                 samples[name].append(program.test_run(frame, repeat).duration_ns)
         assert len(with_flows.datapath.read_flows()) == 1 and with_flows.datapath.flows_lost() == 0
         assert counting.datapath.flows_map is None
+        assert not near.datapath.read_flows() and not near.datapath.read_counters()
         return {name: float(statistics.median(values)) for name, values in samples.items()}
     finally:
         with_flows.close()
         counting.close()
+        near.close()
         bare.close()
 
 
@@ -380,8 +393,9 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> Figure
     progress("drain after 100,000 and 10,000,000 packets")
     few_ms, many_ms, wall_ms = drain_ratio(args.runs)
     lost, exact = lost_when_full()
-    return Figures(packet["flows"], packet["counting"], packet["bare"], packet["flows_unobserved"], drain["total"],
-                   drain["drain"], drain["name"], drain["kernel"], few_ms, many_ms, wall_ms, lost, exact)
+    return Figures(packet["flows"], packet["counting"], packet["bare"], packet["flows_unobserved"],
+                   packet["flows_unobserved_near"], drain["total"], drain["drain"], drain["name"], drain["kernel"],
+                   few_ms, many_ms, wall_ms, lost, exact)
 
 
 def main() -> int:
@@ -411,6 +425,8 @@ def print_table(fig: Figures, args: argparse.Namespace) -> None:
         ("ns/packet, parse only", f"{fig.ns_per_packet_bare:.0f}", "same frame"),
         ("ns/packet, flows added", f"{fig.flows_overhead_ns:.0f}", "flows - counting"),
         ("ns/packet, flows, both ends unobserved", f"{fig.ns_per_packet_flows_unobserved:.0f}", "no flow made"),
+        ("  ... next to 1,000 observed pods", f"{fig.ns_per_packet_flows_unobserved_near:.0f}",
+         f"{LOCAL_PODS:,} IPs in the filter"),
         ("drain + name 100,000 flows, ms", f"{fig.flow_drain_ms_100k:.1f}", "target <= 250"),
         ("  drain_flows(), ms", f"{fig.flow_drain_decode_ms_100k:.1f}", "flip + take + decode"),
         ("  address book + name_flows(), ms", f"{fig.flow_name_ms_100k:.1f}", f"{LOCAL_PODS:,} local pods"),
@@ -433,6 +449,7 @@ def summary(fig: Figures, args: argparse.Namespace) -> dict[str, object]:
         "ns_per_packet_bare": round(fig.ns_per_packet_bare, 1),
         "flows_overhead_ns": round(fig.flows_overhead_ns, 1),
         "ns_per_packet_flows_unobserved": round(fig.ns_per_packet_flows_unobserved, 1),
+        "ns_per_packet_flows_unobserved_near": round(fig.ns_per_packet_flows_unobserved_near, 1),
         "flow_drain_ms_100k": round(fig.flow_drain_ms_100k, 1),
         "flow_drain_decode_ms_100k": round(fig.flow_drain_decode_ms_100k, 1),
         "flow_name_ms_100k": round(fig.flow_name_ms_100k, 1),
