@@ -5,7 +5,7 @@ how an IPv4 client of a dual-stack ``[::]`` socket arrives (Python 3.11 does not
 servers and clients: the operator's app in this process on a dual-stack socket (clients 127.0.0.1, ::1),
 the agent as a real ``podmeter agent --datapath memory --listen [::]:PORT`` (asyncio makes that socket IPv6
 only: client ::1); and, where the machine has one, a client address of its own that is not loopback, which
-gets the 403 naming the flag. The operator's deprecated ``--debug-anywhere`` still opens its endpoints.
+gets the 403 naming the flag.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from podmeter.adapters.http import FORBIDDEN, is_loopback
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
 from podmeter.cli.main import build_parser
 from podmeter.cli.operator import debug_remote
-from podmeter.cli.parsing import walk
 from podmeter.runtime.operator import Operator, OperatorSettings
 from waiting import free_port, wait_for
 
@@ -123,14 +122,13 @@ async def test_the_operators_debug_endpoints(remote: bool) -> None:
         await asyncio.to_thread(check, port, OPERATOR_PATHS, remote, ("127.0.0.1", "::1"), own_address())
 
 
-def test_the_operator_takes_debug_remote_and_its_old_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_operator_takes_debug_remote_from_its_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     parse = build_parser("operator").parse_args
-    assert [debug_remote(parse(["operator", *flag])) for flag in ([], ["--debug-remote"], ["--debug-anywhere"])] \
-        == [False, True, True]
-    monkeypatch.setenv("PODMETER_DEBUG_ANYWHERE", "true")
+    assert [debug_remote(parse(["operator", *flag])) for flag in ([], ["--debug-remote"])] == [False, True]
+    monkeypatch.setenv("PODMETER_DEBUG_REMOTE", "true")
     assert debug_remote(build_parser("operator").parse_args(["operator"]))
-    operator = next(p for p in walk(build_parser("operator")) if p.prog == "podmeter operator")
-    assert "--debug-remote" in operator.format_help() and "--debug-anywhere" not in operator.format_help()
+    with pytest.raises(SystemExit):  # the pre-release alias is gone
+        parse(["operator", "--debug-anywhere"])
 
 
 @pytest.fixture

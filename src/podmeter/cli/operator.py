@@ -57,8 +57,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--listen", default="127.0.0.1:9979", help="HOST:PORT for /metrics, /healthz, /debug")
     p.add_argument("--debug-remote", action="store_true",
                    help="let /debug/identities answer clients that are not on loopback too (default: loopback only)")
-    # The flag's old name, kept working (hidden, with a warning): the agent's name is the operator's too.
-    p.add_argument("--debug-anywhere", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lease-namespace", default="kube-system", help="namespace of the leader-election Lease")
     p.add_argument("--lease-name", default="podmeter-operator", help="name of the leader-election Lease")
     p.add_argument("--holder-identity", default="",
@@ -99,11 +97,7 @@ def parse_range(text: str) -> tuple[int, int]:
 
 
 def debug_remote(args: argparse.Namespace) -> bool:
-    """``--debug-remote``, or its deprecated name ``--debug-anywhere`` (also ``PODMETER_DEBUG_ANYWHERE``)."""
-    if args.debug_anywhere:
-        log.warning("--debug-anywhere (PODMETER_DEBUG_ANYWHERE) is deprecated: use --debug-remote "
-                    "(PODMETER_DEBUG_REMOTE), the agent's flag")
-    return bool(args.debug_remote or args.debug_anywhere)
+    return bool(args.debug_remote)
 
 
 def label_filter(args: argparse.Namespace) -> LabelFilter:

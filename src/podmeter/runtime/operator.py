@@ -434,8 +434,6 @@ class Operator:
         sweep_due = listed = False
         while True:
             item = await queue.get()
-            if item is Tick.END:
-                return
             if item is Tick.SWEEP:
                 sweep_due = True
             elif item is Tick.SYNCED:

@@ -19,7 +19,6 @@ class Tick(enum.Enum):
     DRAIN = "drain"  # agent: drain the datapath's flows
     SWEEP = "sweep"  # operator: recompute identity references from the pod store
     SYNCED = "synced"  # operator: a (re)list was applied
-    END = "end"  # operator: the pod source ended
 
 
 async def every(period: float, queue: asyncio.Queue[Any], tick: Tick) -> None:
