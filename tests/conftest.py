@@ -19,7 +19,7 @@ os.environ.setdefault("PODMETER_ALLOW_PLAIN_HTTP_CREDENTIALS", "1")
 
 # Fixtures shared by many test files: the lab API server (in-process and as a subprocess), and the
 # kernel tests' pin directories and netns topologies.
-pytest_plugins = ["lab_server", "test_bpf_support"]
+pytest_plugins = ["lab_server", "bpf_support"]
 
 
 class ProcessInFastTests(RuntimeError):

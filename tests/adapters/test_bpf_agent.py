@@ -18,7 +18,7 @@ from lab_server import LabServer
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.model.datapath import Direction, Traffic
 from test_bpf_netns import udp_echo
-from test_bpf_support import Topology, needs_root
+from bpf_support import Topology, needs_root
 
 pytestmark = needs_root
 

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from agent_harness import AgentHarness, Cluster
+from bpf_support import Pod, Topology, needs_root, run, unique
 from lab_server import LabServer
 from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath, InterfaceRule, LinkSelection
 from podmeter.adapters.datapath.ebpf import links as nl
@@ -34,7 +35,6 @@ from podmeter.adapters.datapath.ebpf.links import LinkInfo, changes
 from podmeter.model.datapath import Direction, LinkCounts, Traffic
 from podmeter.runtime.datapaths import open_datapath as open_agent_datapath
 from test_bpf_netns import UDP_HEADERS, udp_echo
-from test_bpf_support import Pod, Topology, needs_root, run, unique
 from waiting import stop_process, wait_for
 
 Opener = Callable[..., EbpfDatapath]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from bpf_support import Pod, Topology, needs_root, run
 from flow_support import pod as flow_pod
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf.drops import (
@@ -41,7 +42,6 @@ from podmeter.model.datapath import Direction
 from podmeter.model.drops import HOOK_DROPS, HOOKS, LIFECYCLE_REASONS, DropDrain, DropLedger, TcpEvent
 from podmeter.model.flows import TCP, UDP
 from podmeter.runtime.drop_drain import DropDrainer
-from test_bpf_support import Pod, Topology, needs_root, run
 
 pytestmark = needs_root
 

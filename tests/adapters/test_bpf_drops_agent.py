@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from agent_harness import Cluster, wait_for
+from bpf_support import Topology, needs_root
 from lab_server import LabServer
 from test_bpf_drops import lossy_link, nft, routed_pod, send, udp_socket, unread, upload, warm
-from test_bpf_support import Topology, needs_root
 from waiting import stop_process
 
 pytestmark = needs_root

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from bpf_support import needs_root
 from podmeter.adapters.datapath.ebpf import (
     BpffsNotMounted,
     EbpfDatapath,
@@ -19,7 +20,6 @@ from podmeter.adapters.datapath.ebpf import (
     preflight,
 )
 from podmeter.adapters.datapath.ebpf.libbpf import Libbpf
-from test_bpf_support import needs_root
 
 MOUNTINFO = """\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw

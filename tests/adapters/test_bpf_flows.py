@@ -30,6 +30,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bpf_support import Pod, Topology, needs_root, run
 from podmeter.adapters.datapath.ebpf import EbpfDatapath, layout
 from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.adapters.datapath.ebpf.datapath import FlowMaps
@@ -41,7 +42,6 @@ from podmeter.model.datapath import Direction, Traffic
 from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, FlowCounts, FlowEntry, FlowKey, Observation
 from podmeter.model.records import canonical_ip
 from test_bpf_netns import Capture, Node, node  # noqa: F401  (node: the attached pods fixture, TCX and tc)
-from test_bpf_support import Pod, Topology, needs_root, run
 
 pytestmark = needs_root
 

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from bpf_support import needs_root
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf import frames as f
-from test_bpf_support import needs_root
 
 pytestmark = needs_root
 

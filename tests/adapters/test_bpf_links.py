@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from bpf_support import Topology, needs_root, run, unique
 from podmeter.adapters.datapath.ebpf import links
 from podmeter.adapters.datapath.ebpf.links import (
     LinkChange,
@@ -25,7 +26,6 @@ from podmeter.adapters.datapath.ebpf.links import (
     read_changes,
     read_links,
 )
-from test_bpf_support import Topology, needs_root, run, unique
 
 pytestmark = needs_root
 

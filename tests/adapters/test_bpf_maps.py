@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bpf_support import BPFFS, needs_root, remove_pin_dir, run, unique
 from core_harness import Core
 from factories import make_pod
 from podmeter.adapters.datapath.ebpf import (
@@ -25,7 +26,6 @@ from podmeter.adapters.datapath.ebpf import (
 from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.datapath import DatapathError, Direction, FilterFull, Traffic
-from test_bpf_support import BPFFS, needs_root, remove_pin_dir, run, unique
 
 pytestmark = needs_root
 

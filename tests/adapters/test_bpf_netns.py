@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from bpf_support import Pod, Topology, needs_root, run, unique
 from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath, InterfaceRule
 from podmeter.adapters.datapath.ebpf.netns import netns
 from podmeter.adapters.datapath.ebpf.preflight import BARE_OBJECT_NAME, object_path
 from podmeter.model.datapath import Direction, Traffic
-from test_bpf_support import Pod, Topology, needs_root, run, unique
 
 pytestmark = needs_root
 

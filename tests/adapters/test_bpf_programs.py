@@ -10,11 +10,11 @@ from collections.abc import Callable
 
 import pytest
 
+from bpf_support import needs_root
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.adapters.datapath.ebpf.loader import Program
 from podmeter.model.datapath import Direction, Traffic
-from test_bpf_support import needs_root
 
 pytestmark = needs_root
 

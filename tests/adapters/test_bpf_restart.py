@@ -19,7 +19,7 @@ from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatap
 from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.model.datapath import Direction, Traffic
 from test_bpf_netns import udp_echo
-from test_bpf_support import Topology, needs_root, run
+from bpf_support import Topology, needs_root, run
 
 pytestmark = needs_root
 

@@ -14,11 +14,11 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from agent_harness import AgentHarness, Cluster
+from bpf_support import needs_root
 from factories import pod_json
 from lab_server import LabServer
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
-from test_bpf_support import needs_root
 
 pytestmark = needs_root
 

@@ -22,12 +22,12 @@ import grpc
 import pytest
 
 from agent_harness import Cluster
+from bpf_support import Pod, Topology, needs_root
 from hubble_support import Certificates, Client, make_certificates
 from lab_server import LabServer
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf.netns import netns
 from podmeter.adapters.hubble.proto import flow_pb2, health_pb2, observer_pb2
-from test_bpf_support import Pod, Topology, needs_root
 from waiting import wait_for
 
 pytestmark = [needs_root, pytest.mark.skipif(not hasattr(EbpfDatapath, "drain_flows"),

@@ -21,13 +21,13 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deploy_support import DEPLOY
 from podmeter.adapters.metrics.agent_state import AgentSnapshot, AgentStateCollector, FlowSnapshot
 from podmeter.adapters.metrics.flow_traffic import render_workload_flows
 from podmeter.model.endpoints import AddressBook
 from podmeter.model.flow_records import name_flows
 from podmeter.model.flow_series import WorkloadFlows
 from podmeter.model.flows import TCP, FlowCounts, FlowKey, Observation
-from test_deploy_support import DEPLOY
 
 DASHBOARD = DEPLOY / "dashboards" / "pod-traffic.json"
 PAIR_PANELS = ("Top workload pairs by bytes/s (flows)", "Workload pairs, bytes in the range")

@@ -37,10 +37,8 @@ from typing import Any
 import pytest
 
 from agent_harness import Cluster, wait_for
-from lab_server import LabServer
-from podmeter.adapters.datapath.ebpf import EbpfDatapath
-from test_bpf_support import BPFFS, Topology, needs_root, remove_pin_dir, unique
-from test_deploy_support import (
+from bpf_support import BPFFS, Topology, needs_root, remove_pin_dir, unique
+from deploy_support import (
     Obj,
     authorized,
     container,
@@ -55,6 +53,8 @@ from test_deploy_support import (
     runtime_refusal,
     service_account_dir,
 )
+from lab_server import LabServer
+from podmeter.adapters.datapath.ebpf import EbpfDatapath
 
 pytestmark = [needs_kubectl, needs_root]
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from test_deploy_support import DEPLOY, ROOT, Obj, find, needs_kubectl, render
+from deploy_support import DEPLOY, ROOT, Obj, find, needs_kubectl, render
 
 pytestmark = needs_kubectl
 

@@ -20,9 +20,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from deploy_support import DEPLOY, Obj, find, needs_kubectl, render
 from podmeter.model.configuration import Interest, decode_configuration
 from podmeter.model.records import DecodeError
-from test_deploy_support import DEPLOY, Obj, find, needs_kubectl, render
 
 pytestmark = needs_kubectl
 

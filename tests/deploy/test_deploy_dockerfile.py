@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from test_deploy_support import ROOT, container, find, needs_kubectl, render
+from deploy_support import ROOT, container, find, needs_kubectl, render
 
 EM_BPF = 247
 

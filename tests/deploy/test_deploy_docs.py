@@ -13,10 +13,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from deploy_support import DEPLOY, OVERLAYS, ROOT, container, env_map, find, kustomize, needs_kubectl
 from podmeter.cli.main import build_parser
 from podmeter.model.configuration import decode_configuration
 from test_deploy_crd import admit
-from test_deploy_support import DEPLOY, OVERLAYS, ROOT, container, env_map, find, kustomize, needs_kubectl
 
 DOCS = ROOT / "docs"
 MINE = ("install.md", "configuration.md", "observing.md", "troubleshooting.md", "upgrade.md", "comparison.md")

@@ -14,11 +14,11 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from deploy_support import ROOT, Obj, container, find, kustomize, needs_kubectl
 from etcd_server import ETCD, EtcdServer, Pki, pki
 from lab_server import LabServer
 from test_deploy_docs import DOCS, yaml_blocks
 from test_deploy_manifests import parse_as_the_container, resolved_env
-from test_deploy_support import ROOT, Obj, container, find, kustomize, needs_kubectl
 from waiting import free_port, http_get, stop_process, wait_for
 
 __all__ = ["pki"]
@@ -81,7 +81,7 @@ def test_the_tls_example_mounts_what_its_flags_name(tmp_path: Path) -> None:
 
 
 def test_without_a_patch_the_component_uses_no_tls(tmp_path: Path) -> None:
-    from test_deploy_support import render
+    from deploy_support import render
 
     objects = render("overlays/etcd")
     args, _ = parse_as_the_container(objects, container(find(objects, "Deployment", "podmeter-operator")))

@@ -14,8 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from podmeter.cli.main import build_parser
-from test_deploy_support import (
+from deploy_support import (
     OVERLAYS,
     ROOT,
     Grant,
@@ -31,6 +30,7 @@ from test_deploy_support import (
     render_with,
     runtime_refusal,
 )
+from podmeter.cli.main import build_parser
 
 pytestmark = needs_kubectl
 

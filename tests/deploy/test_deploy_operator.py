@@ -32,9 +32,8 @@ import pytest
 import yaml
 
 from agent_harness import wait_for
-from podmeter.lab.apiserver.client import AdminClient
-from test_bpf_support import Pod, Topology, needs_root
-from test_deploy_support import (
+from bpf_support import Pod, Topology, needs_root
+from deploy_support import (
     Obj,
     authorized,
     container,
@@ -46,6 +45,7 @@ from test_deploy_support import (
     request_attributes,
     service_account_dir,
 )
+from podmeter.lab.apiserver.client import AdminClient
 from waiting import http_get, stop_process
 
 pytestmark = [needs_kubectl, needs_root]

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from factories import make_namespace, make_pod, with_changes
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
-from podmeter.model.datapath import LinkCounts
+from podmeter.model.datapath import Direction, LinkCounts, Traffic
 from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Delete, Replace, Upsert
 from podmeter.runtime.agent import Agent, AgentSettings
 from podmeter.runtime.ticks import Tick
@@ -25,9 +25,10 @@ from podmeter.runtime.ticks import Tick
 class Links:
     """What the agent sees of the attach manager."""
 
-    def __init__(self, settled: bool = True) -> None:
+    def __init__(self, settled: bool = True, inherited: frozenset[str] = frozenset()) -> None:
         self.given: list[frozenset[str]] = []
         self.attached = settled
+        self.adopted = inherited  # IPs on links a predecessor left attached
 
     def set_pod_ips(self, ips: Iterable[str]) -> None:
         self.given.append(frozenset(ips))
@@ -40,6 +41,9 @@ class Links:
 
     def unlinked(self, ips: Iterable[str]) -> frozenset[str]:
         return frozenset()
+
+    def inherited(self, ips: Iterable[str]) -> frozenset[str]:
+        return self.adopted.intersection(ips)
 
     async def watch(self) -> None:
         await asyncio.Event().wait()
@@ -105,3 +109,23 @@ def test_links_seen_attached_and_skipped_are_exported_with_links_only() -> None:
     memory = agent_with(None)  # the memory datapath has no links
     memory.apply_batch([Replace(PODS, []), *LISTED])
     assert "podmeter_links_" not in exposition(memory)
+
+
+def test_the_first_push_credits_a_predecessors_counters_to_pods_on_adopted_links_only() -> None:
+    """web's link was adopted (the same pod's): what the kernel counted before this agent is web's. db's
+    link is new: its IP may have been another pod's while no agent ran, so its counters are a base."""
+    links = Links(inherited=frozenset({"10.1.0.5"}))
+    agent = agent_with(links)
+    memory = agent.datapath
+    assert isinstance(memory, MemoryDatapath)
+    memory.entries |= {"10.1.0.5", "10.1.0.6"}  # pinned by a predecessor, with what its links counted
+    memory.count("10.1.0.5", Direction.EGRESS, 7, 700)
+    memory.count("10.1.0.6", Direction.EGRESS, 3, 300)
+    pods = [make_pod("web", ips=("10.1.0.5",), observe=True), make_pod("db", ips=("10.1.0.6",), observe=True)]
+    agent.apply_batch([Replace(PODS, pods), *LISTED])
+    assert agent.ready.is_set()
+    memory.count("10.1.0.5", Direction.EGRESS, 1, 100)
+    memory.count("10.1.0.6", Direction.EGRESS, 1, 100)
+    series = {s.name: value for s, direction, value in agent.ledger.series_values(memory.read_counters())
+              if direction is Direction.EGRESS}
+    assert series == {"web": Traffic(8, 800), "db": Traffic(1, 100)}

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from agent_harness import AgentHarness, Cluster
+from bpf_support import Topology, needs_root
 from lab_server import LabServer
 from podmeter.adapters.datapath.ebpf import AttachManager, EbpfDatapath
 from test_bpf_netns import UDP_HEADERS, udp_echo
-from test_bpf_support import Topology, needs_root
 from test_metrics_agent import pod_value, scrape
 
 pytestmark = needs_root

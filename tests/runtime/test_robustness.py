@@ -30,6 +30,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_harness import AgentHarness, Cluster
+from bpf_support import Topology, needs_root
 from core_harness import Core
 from factories import namespace_json, pod_json
 from lab_server import LabServer, lab_apiserver
@@ -47,7 +48,6 @@ from podmeter.model.lease import LeaseRecord
 from podmeter.model.records import decode_namespace, decode_pod
 from podmeter.runtime.leadership import LeaderElector
 from podmeter.runtime.supervision import Supervisor
-from test_bpf_support import Topology, needs_root
 from waiting import wait_for
 
 __all__ = ["lab_apiserver"]
