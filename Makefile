@@ -37,14 +37,11 @@ lint: setup
 test: lint
 	$(VENV)/bin/pytest -q
 
-# The fast tier: model, property, decoder and reflector-rule tests, in seconds, without root. It starts no
-# process: with PODMETER_FAST_TESTS=1, tests/conftest.py makes every subprocess/fork fail the test.
-FAST_TESTS := tests/model tests/adapters/test_reflector_rules.py tests/lab/test_apiserver_units.py \
-	tests/lab/test_lab_scenario.py
-FAST_DESELECT := tests/lab/test_lab_scenario.py::test_podmeter_lab_refuses_a_bad_file_before_starting_anything
-
+# The fast tier: the tests marked `fast` (model, property, decoder and reflector-rule tests), in seconds,
+# without root. It starts no process: with PODMETER_FAST_TESTS=1, tests/conftest.py makes every
+# subprocess/fork fail the test.
 test-fast: setup
-	PODMETER_FAST_TESTS=1 $(VENV)/bin/pytest -q --timeout=60 $(FAST_TESTS) $(addprefix --deselect ,$(FAST_DESELECT))
+	PODMETER_FAST_TESTS=1 $(VENV)/bin/pytest -q --timeout=60 -m "fast and not process"
 
 lab: setup
 	$(VENV)/bin/podmeter lab

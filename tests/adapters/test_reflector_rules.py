@@ -36,6 +36,8 @@ from podmeter.model import deltas
 from podmeter.model.deltas import Delete, Delta, Replace, Upsert
 from podmeter.model.records import Pod
 
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
+
 _real_sleep = asyncio.sleep
 
 Verb = Literal["list", "watch"]

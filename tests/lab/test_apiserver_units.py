@@ -13,6 +13,8 @@ from podmeter.lab.apiserver.selectors import parse_field_selector, parse_label_s
 from podmeter.lab.apiserver.store import ADDED, DELETED, MODIFIED, Store
 from podmeter.lab.podgen import realistic_pod
 
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
+
 
 @pytest.mark.parametrize(
     ("selector", "labels", "expected"),

@@ -15,6 +15,8 @@ from podmeter.lab.scenario import (
     shipped_scenarios,
 )
 
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
+
 GOOD = """
 name: t
 duration: 10
@@ -94,6 +96,7 @@ def test_a_file_path_is_loaded(tmp_path: Path) -> None:
     assert load_scenario(str(path)).name == "t"
 
 
+@pytest.mark.process
 def test_podmeter_lab_refuses_a_bad_file_before_starting_anything(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -6,7 +6,11 @@ shrink (the peak restarts from what is left), and never for a table too small to
 
 from __future__ import annotations
 
+import pytest
+
 from podmeter.model.compaction import EMPTY_PEAK, MIN_PEAK, PeakTracker
+
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
 
 
 def test_the_peak_only_grows() -> None:

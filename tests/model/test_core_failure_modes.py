@@ -14,6 +14,8 @@ from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.configuration import Interest
 from podmeter.model.datapath import DatapathError
 
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
+
 
 def writer(capacity: int = 64) -> tuple[Core, MemoryDatapath]:
     datapath = MemoryDatapath(capacity)

@@ -8,6 +8,7 @@ reuse is constant), namespace and configuration flips, and drift injected into t
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -18,6 +19,8 @@ from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.configuration import Interest
 from podmeter.model.datapath import DatapathError
 from podmeter.model.records import Namespace, Pod
+
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
 
 IPS = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5", "fd00::1", "fd00::2", "fd00::3"]
 NAMESPACES = ["a", "b", "c"]

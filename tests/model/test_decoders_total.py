@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,8 @@ from hypothesis import strategies as st
 from podmeter.model.configuration import decode_configuration
 from podmeter.model.endpoint_slices import decode_slice, decode_slice_digest, identity_id
 from podmeter.model.records import DecodeError, decode_namespace, decode_pod
+
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "base"
 

@@ -3,6 +3,7 @@ reference written from the rules), dropped flows as records, retransmits on flow
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +23,8 @@ from podmeter.model.drops import (
 from podmeter.model.endpoints import AddressBook
 from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowFilter, FlowRecord
 from podmeter.model.flows import TCP, UDP, FlowCounts, Observation
+
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
 
 IN, OUT = Direction.INGRESS, Direction.EGRESS
 

@@ -14,6 +14,8 @@ from podmeter.model.endpoint_slices import ClusterEndpoints, PodSlice, decode_sl
 from podmeter.model.records import DecodeError
 from podmeter.model.store import Store
 
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
+
 addresses = st.one_of(st.ip_addresses(v=4), st.ip_addresses(v=6))
 
 

@@ -26,6 +26,8 @@ from podmeter.model.flows import ICMP, TCP, UDP
 from podmeter.model.records import Pod
 from podmeter.runtime.ticks import Tick
 
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
+
 
 def owned(pod: Pod, kind: str, name: str) -> Pod:
     return msgspec.structs.replace(pod, owner_kind=kind, owner_name=name)

@@ -20,6 +20,8 @@ from podmeter.model.identity import (
     make_key,
 )
 
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
+
 DEFAULT = LabelFilter()
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from podmeter.model.lease import LeaseConflict, LeaseRecord, acquired, created, released, renewed
 
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
+
 
 def test_a_lease_record_is_a_value_replaced_never_edited() -> None:
     now = datetime(2026, 1, 1, tzinfo=UTC)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +19,8 @@ from podmeter.model.deltas import PODS, Delete, Delta, Replace, Upsert
 from podmeter.model.records import Pod
 from podmeter.model.refs import Refs
 from podmeter.model.store import Store
+
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
 
 KEYS = ["10.0.0.1", "10.0.0.2", "fd00::1"]
 HOLDERS = ["u1", "u2", "u3", "u4"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +13,8 @@ from podmeter.model.identity import IdentityKey, LabelFilter, key_of_flat
 from podmeter.model.interest import holds_identity
 from podmeter.model.records import Pod
 from podmeter.runtime.operator import IdentityReconciler
+
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
 
 UIDS = [f"u{i}" for i in range(6)]
 LABELS = [("app", "a"), ("app", "b"), ("app", "a", "job-name", "j1"), ("app", "a", "job-name", "j2"), ()]

@@ -11,6 +11,8 @@ from factories import pod_json
 from podmeter.model.configuration import decode_configuration
 from podmeter.model.records import DecodeError, decode_namespace, decode_pod
 
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
+
 WIRE = Path(__file__).parents[1] / "data" / "wire"
 
 

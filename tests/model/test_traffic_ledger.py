@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -9,6 +10,8 @@ from factories import make_pod
 from podmeter.model.datapath import Direction, Traffic
 from podmeter.model.traffic import TrafficLedger
 from podmeter.model.workloads import workload_of
+
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
 
 IN, OUT = Direction.INGRESS, Direction.EGRESS
 

@@ -6,11 +6,15 @@ a change that renames nothing must not cost a drain.
 
 from __future__ import annotations
 
+import pytest
+
 from factories import make_namespace, make_pod, with_changes
 from podmeter.model.configuration import NO_CONFIGURATION, MetricsConfiguration
 from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, POD_SLICES, PODS, Delete, Replace, Upsert
 from podmeter.model.endpoint_slices import PodSlice, decode_slice
 from podmeter.model.view import NodeView
+
+pytestmark = pytest.mark.fast  # the pure tier: make test-fast
 
 
 def _slice(name: str, *pods: tuple[str, str]) -> PodSlice:
