@@ -11,14 +11,17 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from agent_harness import Cluster, wait_for
+from bpf_support import Topology, needs_root
 from lab_server import LabServer
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.model.datapath import Direction, Traffic
+from test_bpf_cni import get, metric
 from test_bpf_netns import udp_echo
-from bpf_support import Topology, needs_root
+from test_bpf_restart import Sender, needs_tcx
 
 pytestmark = needs_root
 
@@ -31,11 +34,13 @@ class Agents:
     def __init__(self, topology: Topology, server: LabServer, pins: Path, logs: Path) -> None:
         self.topology, self.server, self.pins, self.logs = topology, server, pins, logs
         self.running: list[subprocess.Popen[bytes]] = []
+        self.port = 0  # the last agent's HTTP port (in the host netns)
 
     def start(self) -> subprocess.Popen[bytes]:
+        self.port = free_port(self.topology)
         argv = ["nsenter", f"--net={self.topology.host_path}", "--", sys.executable, "-m", "podmeter",
                 "agent", "--node-name", "node-a", "--datapath", "ebpf", "--bpffs", str(self.pins),
-                "--filter-map-size", "64", "--listen", f"127.0.0.1:{free_port(self.topology)}"]
+                "--filter-map-size", "64", "--listen", f"127.0.0.1:{self.port}", "--metrics-min-interval", "0.1"]
         env = {**os.environ, "KUBECONFIG": str(self.server.kubeconfig)}
         log = open(self.logs / f"agent-{len(self.running)}.log", "wb")  # noqa: SIM115 (closed by the child)
         with log:
@@ -105,5 +110,65 @@ def test_agent_keeps_the_kernel_map_equal_to_desired_across_a_sigkill(
         second.send_signal(signal.SIGTERM)
         assert second.wait(20) == 0, agents.log()
         assert pinned(pin_dir)[0] == {web.ip, NEWCOMER}  # the pins outlive the agent
+    finally:
+        agents.kill_all()
+
+
+def attached(agents: Agents) -> float | None:
+    try:
+        return metric(get(agents.topology, f"http://127.0.0.1:{agents.port}/metrics").decode(),
+                      "podmeter_links_attached")
+    except OSError:
+        return None
+
+
+def pod_series(agents: Agents, metric: str) -> float | None:
+    """The agent's value of ``metric`` for shop/web's egress (None: no such series, or no answer)."""
+    try:
+        text = get(agents.topology, f"http://127.0.0.1:{agents.port}/metrics").decode()
+    except OSError:
+        return None
+    wanted = (metric + "{", 'namespace="shop"', 'pod="web"', 'direction="egress"')
+    for line in text.splitlines():
+        if all(part in line for part in wanted):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@needs_tcx
+def test_a_sigkilled_agent_loses_no_packet_of_the_gap(
+    topology: Topology, server: LabServer, pin_dir: Path, tmp_path: Path
+) -> None:
+    """UDP at 1,000 pps from a pod; SIGKILL the agent, 1 s without one, a new agent: every packet is in the
+    kernel's counters and in the pod's series of the new agent, once (the pinned links counted the gap,
+    and the new agent credits what it finds to the pod that holds the IP)."""
+    web = topology.add_pod()
+    cluster = Cluster(server)
+    with topology.in_host():
+        cluster.namespace("shop", observe=True)
+        cluster.pod("shop", "web", web.ip)
+    agents = Agents(topology, server, pin_dir, tmp_path)
+    try:
+        first = agents.start()
+        wait_for(lambda: pod_series(agents, "podmeter_pod_packets_total") is not None and attached(agents) == 1,
+                 30, "web's series and link", agents.log)
+        base = pinned(pin_dir)[1].get((web.ip, Direction.EGRESS), Traffic())  # the pod's own (ARP is not counted)
+        with Sender(topology, web) as sender:
+            time.sleep(0.5)
+            first.send_signal(signal.SIGKILL)
+            first.wait(10)
+            time.sleep(1.0)
+            agents.start()
+            wait_for(lambda: pod_series(agents, "podmeter_pod_packets_total") is not None, 30,
+                     "the new agent's series of web", agents.log)
+            time.sleep(0.5)
+            sender.stop()
+        time.sleep(0.1)  # the last datagrams cross the veth
+        expected = base + sender.expected()
+        assert sender.sent > 1500
+        assert pinned(pin_dir)[1][(web.ip, Direction.EGRESS)] == expected
+        wait_for(lambda: pod_series(agents, "podmeter_pod_packets_total") == expected.packets, 10,
+                 f"web's packets == {expected.packets}", agents.log)
+        assert pod_series(agents, "podmeter_pod_bytes_total") == expected.bytes
     finally:
         agents.kill_all()

@@ -290,7 +290,7 @@ class Agent:
                 self.drops.drain(self.view.pods.values())
             if self.flows is not None:  # a predecessor's entries: who held the IPs then is unknown
                 self.flows.drain((), named=False)
-            self._resync()  # the first push: adopt or clean what a predecessor pinned
+            self._resync(first=True)  # the first push: adopt or clean what a predecessor pinned
             self.ready.set()
             log.info("ready: %d pods, %d desired IPs", len(self.view.pods), len(self.view.desired))
             return
@@ -315,14 +315,20 @@ class Agent:
         self._schedule_retry(LINKS_POLL)
         return False
 
-    def _resync(self) -> None:
-        self._settle(self.writer.resync())
+    def _resync(self, first: bool = False) -> None:
+        self._settle(self.writer.resync(), inherit=first)
         self.last_resync = time.time()
 
-    def _settle(self, pushed: Pushed) -> None:
+    def _settle(self, pushed: Pushed, inherit: bool = False) -> None:
         """The ledger follows what the datapath did: IPs that left the filter close their owners' share
         with their last counters; then every IP whose holders changed goes to its new owner, with the
-        kernel's counters now as its base (at start: counters a predecessor left)."""
+        kernel's counters now as its base. ``inherit`` (the first push): for the IPs whose link a
+        predecessor left attached (the same pod's link, so the same pod), what the kernel counted is their
+        holders' (base zero), so a pod's series goes on from the kernel's count across a restart: the
+        packets of the gap (the pinned links counted them) are in it, and nothing the predecessor reported
+        is counted again (its series had the same value and restarts no lower). Other IPs may have
+        changed hands while no agent ran: their counters are a base, as always (F21). IPs the resync
+        removed were released with their final counters, unowned."""
         now = time.monotonic()
         if pushed.released:
             self.ledger.release(pushed.released, pushed.final, now)
@@ -331,9 +337,10 @@ class Agent:
         if not moved:
             return
         kernel = self.datapath.read_counters()
+        inherited = self.links.inherited(moved) if inherit and self.links is not None else frozenset()
         for ip in moved:
             owner = self.view.owner(ip)
-            self.ledger.assign(ip, owner, kernel, now)
+            self.ledger.assign(ip, owner, {} if ip in inherited else kernel, now)
             self.drop_ledger.assign(ip, owner, now)
 
     def _schedule_retry(self, delay: float | None = None) -> None:

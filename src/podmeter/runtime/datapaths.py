@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from podmeter.adapters.datapath.memory import MemoryDatapath
@@ -13,6 +14,8 @@ from podmeter.model.flows import FlowSource
 
 log = logging.getLogger("podmeter.datapath")
 
+LINK_PINS = "links"  # the directory of pinned TCX links inside the pin directory
+
 
 class PodLinks(Protocol):
     """The links the datapath counts on (the eBPF attach manager): which they are, which pod IPs reach none."""
@@ -20,6 +23,11 @@ class PodLinks(Protocol):
     def set_pod_ips(self, ips: Iterable[str]) -> None:
         """The IPs of every pod of this node, whole, each time they change: the links that carry them are
         the pods' links, the only ones counted on (cheap and thread-safe: the work is the manager's)."""
+        ...
+
+    def inherited(self, ips: Iterable[str]) -> frozenset[str]:
+        """The IPs among ``ips`` whose link a predecessor left attached (the same pod's): what the kernel
+        counted for them before this agent is their pods' (cheap: the manager's answer)."""
         ...
 
     def settled(self) -> bool:
@@ -71,7 +79,9 @@ def open_datapath(kind: str, bpffs: str, filter_map_size: int, interfaces: tuple
     rule = InterfaceRule(patterns or (), interfaces)  # no patterns: pod links found by what they are
     # Only the links that carry this node's pods (the agent gives their IPs): other programs' veths are
     # not the agent's to count on. Patterns and names given are attached whatever they carry.
-    manager = AttachManager(datapath.programs, rule=rule, selection=LinkSelection.PODS)
+    # TCX links pinned beside the maps: they outlive this process, so a restart counts every packet.
+    manager = AttachManager(datapath.programs, rule=rule, selection=LinkSelection.PODS,
+                            link_pins=Path(bpffs) / LINK_PINS)
     try:
         manager.start()
     except BaseException:

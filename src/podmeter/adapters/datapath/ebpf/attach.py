@@ -30,8 +30,11 @@ address no attached link's peer holds, the link the node routes it through. :met
 tells the agent which of its pods' IPs reach no attached link (the pods it cannot count).
 
 Mechanisms:
-* TCX (kernel >= 6.6): a BPF link per hook, placed before other programs of the hook; the link lives as
-  long as this process holds its fd, so a dead agent leaves nothing attached.
+* TCX (kernel >= 6.6): a BPF link per hook, placed before other programs of the hook. Without link pins
+  the link lives as long as this process holds its fd, so a dead process leaves nothing attached. With
+  ``link_pins`` (the agent's) each link is pinned (:mod:`.link_pins`) and outlives the process, SIGKILL
+  included: a successor adopts the pinned links of the links it attaches to, running its own programs in
+  them, and unpins the others once it knows the node's pods; stop() leaves them pinned.
 * clsact + cls_bpf (older kernels): a direct-action filter with podmeter's own handle and priority,
   replaced in place on restart (a filter outlives the process). The clsact qdisc is created if missing
   and never deleted, and only podmeter's own filter is ever removed: other tools' filters stay.
@@ -74,6 +77,7 @@ from podmeter.adapters.datapath.ebpf.libbpf import (
     TcOpts,
     libbpf,
 )
+from podmeter.adapters.datapath.ebpf.link_pins import LinkPins, pin_name
 from podmeter.adapters.datapath.ebpf.links import (
     NETKIT_L3,
     LinkChange,
@@ -151,6 +155,7 @@ class Attachment:
     ifname: str
     mode: AttachMode
     link_fds: list[int] = field(default_factory=list)
+    adopted: bool = False  # its TCX links were a predecessor's, pinned (a link that lived on: the same pod)
 
 
 def resolve_mode(mode: AttachMode) -> AttachMode:
@@ -162,14 +167,16 @@ def resolve_mode(mode: AttachMode) -> AttachMode:
 class Attacher:
     """Attaches and detaches the two programs on one interface with one mechanism."""
 
-    def __init__(self, programs: Programs, mode: AttachMode) -> None:
+    def __init__(self, programs: Programs, mode: AttachMode, link_pins: LinkPins | None = None) -> None:
         self.programs = programs
         self.mode = resolve_mode(mode)
+        self.link_pins = link_pins if self.mode is AttachMode.TCX else None  # a tc filter outlives us anyway
 
     def attach(self, ifindex: int, ifname: str) -> Attachment:
         try:
             if self.mode is AttachMode.TCX:
-                return Attachment(ifindex, ifname, self.mode, self._tcx_attach(ifindex))
+                fds, adopted = self._tcx_attach(ifindex)
+                return Attachment(ifindex, ifname, self.mode, fds, adopted)
             self._tc_attach(ifindex)
             return Attachment(ifindex, ifname, self.mode)
         except AttachError as error:
@@ -179,29 +186,52 @@ class Attacher:
 
     def detach(self, attachment: Attachment, exists: bool) -> None:
         """Detach from an interface; ``exists=False`` when it is gone (the kernel detached already)."""
-        for fd in attachment.link_fds:
-            os.close(fd)
-        attachment.link_fds.clear()
+        self.release(attachment)
+        if self.link_pins is not None:
+            for _, hook in self._hooks(BPF_TCX_INGRESS, BPF_TCX_EGRESS):
+                self.link_pins.unpin(attachment.ifindex, hook)
         if attachment.mode is AttachMode.TC and exists:
             for point in (BPF_TC_INGRESS, BPF_TC_EGRESS):
                 self._tc_detach(attachment.ifindex, point)
+
+    def release(self, attachment: Attachment) -> None:
+        """Close our fds of an attachment: a pinned link stays attached (for a successor), others detach."""
+        for fd in attachment.link_fds:
+            os.close(fd)
+        attachment.link_fds.clear()
+
+    def pin_names(self, attachment: Attachment) -> set[str]:
+        """The link pins an attachment holds (none without link pins)."""
+        if self.link_pins is None:
+            return set()
+        return {pin_name(attachment.ifindex, hook) for _, hook in self._hooks(BPF_TCX_INGRESS, BPF_TCX_EGRESS)}
 
     def _hooks(self, ingress: int, egress: int) -> list[tuple[Program, int]]:
         """Which program goes on which hook of the host-side veth."""
         return [(self.programs.from_pod, ingress), (self.programs.to_pod, egress)]
 
-    def _tcx_attach(self, ifindex: int) -> list[int]:
+    def _tcx_attach(self, ifindex: int) -> tuple[list[int], bool]:
+        """The link fds, and whether both were adopted from pins."""
         lib = libbpf()
         opts = LinkCreateOpts(ctypes.sizeof(LinkCreateOpts), BPF_F_BEFORE, 0)
         fds: list[int] = []
+        created = 0
         try:
             for program, hook in self._hooks(BPF_TCX_INGRESS, BPF_TCX_EGRESS):
-                fds.append(lib.call("bpf_link_create", program.fd, ifindex, hook, ctypes.byref(opts)))
+                fd = self.link_pins.adopt(ifindex, hook, program.fd) if self.link_pins is not None else None
+                if fd is None:
+                    fd = lib.call("bpf_link_create", program.fd, ifindex, hook, ctypes.byref(opts))
+                    fds.append(fd)
+                    created += 1
+                    if self.link_pins is not None:
+                        self.link_pins.pin(fd, ifindex, hook)
+                else:
+                    fds.append(fd)
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        return fds
+        return fds, created == 0 and self.link_pins is not None
 
     def _tc_attach(self, ifindex: int) -> None:
         if _has_legacy_ingress_qdisc(ifindex):
@@ -237,6 +267,10 @@ class AttachManager:
     selected link whose attach succeeded, and nothing else; failures are in ``errors``. With
     ``selection=LinkSelection.PODS`` a candidate is selected only while it carries one of the IPs last
     given to :meth:`set_pod_ips` (none before the first call).
+
+    With ``link_pins`` (a directory in a bpffs; TCX only) the links are pinned there and outlive the
+    manager; the pinned links that no attachment holds are unpinned once the node's pods are known (with
+    ``PODS``: after the first :meth:`set_pod_ips`), so until then a predecessor's links keep counting.
     """
 
     def __init__(
@@ -248,9 +282,10 @@ class AttachManager:
         resync_interval: float = 30.0,
         *,
         selection: LinkSelection = LinkSelection.CANDIDATES,
+        link_pins: str | os.PathLike[str] | None = None,
     ) -> None:
         self.rule = rule or InterfaceRule()
-        self.attacher = Attacher(programs, mode)
+        self.attacher = Attacher(programs, mode, LinkPins(link_pins) if link_pins is not None else None)
         self.netns = netns
         self.resync_interval = resync_interval
         self.selection = selection
@@ -271,6 +306,7 @@ class AttachManager:
         self._recheck_delay = RECHECK_FIRST
         # Shared with callers of unlinked(), set_pod_ips() and link_counts(), under the lock:
         self._placed: dict[str, str] = {}  # IP -> name of the attached link whose peer holds it
+        self._inherited: dict[int, set[str]] = {}  # attached link adopted from a predecessor's pins -> its pod IPs
         self._routed: dict[str, str | None] = {}  # IP no peer holds -> attached link it is routed to, or None
         self._asked: dict[str, float] = {}  # IP -> when unlinked() was last asked about it (unplaced)
         self._pending: set[str] = set()  # asked about, not resolved yet
@@ -295,6 +331,8 @@ class AttachManager:
 
     def start(self, timeout: float = 10.0) -> None:
         """Start following link events; returns after the first pass (raises if the worker failed)."""
+        if self.attacher.link_pins is not None:
+            self.attacher.link_pins.ensure()
         self._thread = threading.Thread(target=self._run, name="podmeter-attach", daemon=True)
         self._thread.start()
         self._wait_for_pass(1, timeout)
@@ -358,6 +396,14 @@ class AttachManager:
             self._given += 1
             if self._by_pods:
                 self._wake(b"p")
+
+    def inherited(self, ips: Iterable[str]) -> frozenset[str]:
+        """The IPs among ``ips`` whose link was adopted from a predecessor's pins: the same pod's link
+        (a pod keeps its sandbox's link for life), so what the predecessor counted for them is that pod's.
+        An IP on a link created now may have been another pod's while no agent ran."""
+        wanted = set(ips)
+        with self._lock:
+            return frozenset(ip for carried in self._inherited.values() for ip in carried & wanted)
 
     def settled(self) -> bool:
         """Whether the worker has acted on the pod IPs last given: the links that carry them attached (or
@@ -451,17 +497,36 @@ class AttachManager:
                 tell(error)
 
     def _abandon(self) -> None:
-        """After a failure: close TCX links (a tc filter left behind is replaced by the next start)."""
+        """After a failure: close TCX links (a tc filter left behind is replaced by the next start; a pinned
+        link is adopted by it)."""
         for index, attachment in list(self._attached.items()):
             with contextlib.suppress(OSError):
-                self.attacher.detach(attachment, exists=False)
+                self.attacher.release(attachment)
+                if self.attacher.link_pins is None:
+                    self.attacher.detach(attachment, exists=False)
             self._forget(index)
 
     def _detach_all(self) -> None:
+        """On stop: detach, except pinned links, which stay attached for the next agent to adopt."""
+        if self.attacher.link_pins is not None:
+            for index, attachment in list(self._attached.items()):
+                self.attacher.release(attachment)
+                self._forget(index)
+            return
         present = read_links()
         for index, attachment in list(self._attached.items()):
             self.attacher.detach(attachment, exists=index in present)
             self._forget(index)
+
+    def _prune_pins(self) -> None:
+        """Unpin (so detach) the pinned links no attachment holds: a predecessor's on links that carry no
+        pod any more, or are gone. Not before the node's pods are known: they may be any link's."""
+        pins = self.attacher.link_pins
+        if pins is None or (self._by_pods and self._taken == 0):
+            return
+        keep = set().union(*(self.attacher.pin_names(a) for a in self._attached.values()))
+        for name in pins.prune(keep):
+            log.info("unpinned the link %s: no pod link of this node holds it", name)
 
     def _wait(self, events: socket.socket) -> None:
         """Sleep until a link changes, a caller wakes the worker, a recheck is due or the resync period
@@ -487,6 +552,8 @@ class AttachManager:
                                                  reset=offered or self._any_candidate(changed))
                 changed |= flipped
         self._converge(changed)
+        if b"p" in asked:  # the node's pods may be known now: a predecessor's links they do not need go
+            self._prune_pins()
         self._reread_attached(changed & self._attached.keys() - read)
         if b"r" in asked:
             self._resolve(full=False)
@@ -524,6 +591,7 @@ class AttachManager:
             self._pod_routes.clear()  # routes are not followed: looked up again on every dump
             _, read = self._place_pods(set(self._links), widen=True, reset=False)
         self._converge(set(self._links) | set(self._attached))
+        self._prune_pins()
         self._resolve(full=True, fresh=read)
         self._publish_counts()
         wanted = {link.name for index, link in self._links.items() if self._selects(index, link)}
@@ -582,14 +650,23 @@ class AttachManager:
                 self._errors[link.name] = str(error)
             log.warning("%s", error)
             return
-        log.info("attached to %s (ifindex %d, %s)", link.name, index, attachment.mode.value)
+        log.info("attached to %s (ifindex %d, %s%s)", link.name, index, attachment.mode.value,
+                 ", adopted" if attachment.adopted else "")
         with self._lock:
+            if attachment.adopted:
+                self._inherited[index] = self._carried(index)
             self._errors.pop(link.name, None)
             self._attached[index] = attachment
+
+    def _carried(self, index: int) -> set[str]:
+        """The pod IPs a link carries: its peer's, and those the node routes through it."""
+        routed = {ip for ip, oif in self._pod_routes.items() if oif == index}
+        return set(self._peers.get(index, frozenset()) & self._pod_ips) | routed
 
     def _forget(self, index: int) -> None:
         with self._lock:
             attachment = self._attached.pop(index)
+            self._inherited.pop(index, None)
             self._routed = {ip: name for ip, name in self._routed.items() if name != attachment.ifname}
         if self._peers.get(index):  # kept: a candidate's peers say whether it carries a pod
             self._publish_placements()

@@ -163,6 +163,7 @@ _SIGNATURES: list[tuple[str, Any, list[Any]]] = [
         [c_int, c_void_p, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), POINTER(MapBatchOpts)],
     ),
     ("bpf_link_create", c_int, [c_int, c_int, c_int, POINTER(LinkCreateOpts)]),
+    ("bpf_link_update", c_int, [c_int, c_int, c_void_p]),
     ("bpf_tc_hook_create", c_int, [POINTER(TcHook)]),
     ("bpf_tc_attach", c_int, [POINTER(TcHook), POINTER(TcOpts)]),
     ("bpf_tc_detach", c_int, [POINTER(TcHook), POINTER(TcOpts)]),
