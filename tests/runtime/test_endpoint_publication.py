@@ -95,7 +95,7 @@ def _slice(name: str, version: int, pods: dict[str, str]) -> PodSlice:
 
 
 slice_steps = st.lists(st.tuples(
-    st.sampled_from(["s1", "s2", "s3"]), st.booleans(),
+    st.sampled_from(["pods-4-1", "pods-4-2", "pods-4-3"]), st.booleans(),
     st.dictionaries(st.sampled_from(["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]),
                     st.sampled_from(["a", "b", "c"]), max_size=3)), max_size=30)
 
