@@ -317,4 +317,6 @@ class FlowFeed:
         self._busiest = max(self._busiest, len(self._readers) + 1)
         if len(self._readers) <= self.max_per_client and self._busiest > 2 * self.max_per_client:
             self._busiest = 0  # a burst of reads is over: what their answers held goes back to the system,
-            asyncio.get_running_loop().call_later(GIVE_BACK_DELAY, give_back)  # once the last of them closed
+            loop = asyncio.get_running_loop()  # once the last of them closed, and once more for stragglers
+            loop.call_later(GIVE_BACK_DELAY, give_back)
+            loop.call_later(3 * GIVE_BACK_DELAY, give_back)

@@ -18,7 +18,7 @@ try:
 except (OSError, AttributeError):
     _LIBC = None
 
-MIN_PERIOD = 5.0  # seconds between two trims: each walks the heap
+MIN_PERIOD = 1.0  # seconds between two trims: each walks the heap (a few ms)
 _last = 0.0
 
 
