@@ -4,7 +4,9 @@ definitions (the generated stubs of ``podmeter.adapters.hubble.proto``), and a w
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.adapters.hubble.proto import (
     flow_pb2,
     health_pb2,
@@ -19,6 +22,7 @@ from podmeter.adapters.hubble.proto import (
     observer_pb2,
     observer_pb2_grpc,
 )
+from podmeter.adapters.hubble.server import HubbleServer, parse_listen
 
 __all__ = ["Certificates", "Client", "flow_pb2", "health_pb2", "make_certificates", "observer_pb2"]
 
@@ -114,3 +118,16 @@ def ports(responses: list[observer_pb2.GetFlowsResponse]) -> list[int]:
         elif kind is not None:
             out.append(getattr(l4, kind).type)
     return out
+
+
+@contextlib.asynccontextmanager
+async def serving(feed: FlowFeed, **options: Any) -> AsyncIterator[tuple[HubbleServer, Client]]:
+    """A Hubble server of node-a on a loopback port over ``feed``, and a client of it; both stopped after."""
+    server = HubbleServer(feed, "node-a", parse_listen("127.0.0.1:0"), **options)
+    await server.start()
+    client = Client(f"127.0.0.1:{server.port}")
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.stop(0)

@@ -17,9 +17,9 @@ import grpc
 import pytest
 from aiohttp import web
 
-from hubble_support import Client
+from hubble_support import Client, serving
 from podmeter.adapters.flow_http import flows_handler
-from podmeter.adapters.flow_serving import Busy, FlowFeed, Gap
+from podmeter.adapters.flow_serving import Busy, Encoded, FlowFeed, Gap
 from podmeter.adapters.hubble.filters import MAX_VALUES
 from podmeter.adapters.hubble.proto import flow_pb2, observer_pb2
 from podmeter.adapters.hubble.server import HubbleServer, parse_listen
@@ -56,14 +56,8 @@ class LoopLag:
 async def full() -> AsyncIterator[tuple[FlowFeed, HubbleServer, Client]]:
     feed = FlowFeed(8192)
     feed.publish(records(8192))
-    server = HubbleServer(feed, "node-a", parse_listen("127.0.0.1:0"))
-    await server.start()
-    client = Client(f"127.0.0.1:{server.port}")
-    try:
+    async with serving(feed) as (server, client):
         yield feed, server, client
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def test_a_wildcard_of_45_stars_neither_backtracks_nor_freezes_the_loop(full: Any) -> None:
@@ -211,3 +205,14 @@ async def test_a_thousand_never_read_debug_flows_clients_are_bounded_and_give_th
         assert grown < 25, f"{grown:.0f} MiB more after the stalled clients went"
         async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/debug/flows?last=3") as ok:
             assert ok.status == 200 and len((await ok.read()).splitlines()) == 3
+
+
+def test_encoded_bytes_are_made_once_and_bounded_whatever_the_churn() -> None:
+    made: list[float] = []
+    encoded = Encoded(lambda record: made.append(record.time) or str(record.time).encode(), 100)
+    batch = records(100)
+    assert [encoded(r) for r in batch] == [encoded(r) for r in batch] and len(made) == 100  # once each
+    for _ in range(10):  # churn: ten rings' worth of new records
+        for record in records(100, start=1000):
+            encoded(record)
+    assert len(encoded) == 100  # never more than its bound: what it keeps alive is at most a ring

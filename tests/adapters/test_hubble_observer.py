@@ -27,7 +27,7 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from factories import make_pod
-from hubble_support import Certificates, Client, make_certificates, ports
+from hubble_support import Certificates, Client, make_certificates, ports, serving
 from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.adapters.hubble.flows import WORLD_IDENTITY, pod_labels
 from podmeter.adapters.hubble.proto import flow_pb2, health_pb2, observer_pb2, peer_pb2, peer_pb2_grpc
@@ -85,14 +85,8 @@ def stamp(seconds: float) -> Timestamp:
 @pytest.fixture
 async def hubble() -> AsyncIterator[tuple[FlowFeed, HubbleServer, Client]]:
     feed = FlowFeed(100)
-    server = HubbleServer(feed, "node-a", parse_listen("127.0.0.1:0"), labels=lambda e: pod_labels(PODS, e))
-    await server.start()
-    client = Client(f"127.0.0.1:{server.port}")
-    try:
+    async with serving(feed, labels=lambda e: pod_labels(PODS, e)) as (server, client):
         yield feed, server, client
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 async def wait_until(condition: Callable[[], bool], timeout: float = 10.0,

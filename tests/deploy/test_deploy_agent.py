@@ -162,15 +162,7 @@ def bpffs_dir() -> Iterator[Path]:
         remove_pin_dir(path)
 
 
-@pytest.fixture
-def server(topology: Topology) -> Iterator[LabServer]:
-    with topology.in_host():  # its thread, and so its socket, lives in the test's "node" netns
-        lab = LabServer(process=False)
-        lab.start()
-    try:
-        yield lab
-    finally:
-        lab.stop()
+# ``server``: the lab API server in the test's "node" netns (tests/bpf_support.py).
 
 
 def test_the_agent_runs_as_the_daemonset_says(topology: Topology, bpffs_dir: Path, server: LabServer,

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from podmeter.adapters.flow_serving import Busy, FlowFeed, Gap, Reader
+from podmeter.adapters.flow_serving import Busy, Encoded, FlowFeed, Gap, Reader
 from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_records import VERDICTS, FlowFilter, FlowRecord
 
@@ -75,13 +75,13 @@ def parse_query(params: Mapping[str, str]) -> tuple[FlowFilter, int, bool]:
     return wanted, (0 if follow else DEFAULT_LAST) if last is None else last, follow
 
 
-ENCODED = 8192  # recent records' lines kept encoded: readers of the same records encode each once
+ENCODED = 8192  # recent records' lines kept encoded, at most the ring's
 
 
 def _line_encoder(labels: Labels | None) -> Callable[[FlowRecord], bytes]:
     """A record as one NDJSON line, with both ends' labels when ``labels`` is given."""
     if labels is None:
-        return _cached(lambda record: _encode(record.to_json()) + b"\n")
+        return lambda record: _encode(record.to_json()) + b"\n"
 
     def labelled(record: FlowRecord) -> bytes:
         out = record.to_json()
@@ -90,26 +90,7 @@ def _line_encoder(labels: Labels | None) -> Callable[[FlowRecord], bytes]:
             out[side]["labels"] = dict(zip(flat[::2], flat[1::2], strict=True))
         return _encode(out) + b"\n"
 
-    return labelled  # labels change with the cluster: never cached
-
-
-def _cached(encode: Callable[[FlowRecord], bytes]) -> Callable[[FlowRecord], bytes]:
-    # id(record) -> the record (kept alive, so the id is not reused while cached) and its line; oldest out.
-    lines: dict[int, tuple[FlowRecord, bytes]] = {}
-
-    def line(record: FlowRecord) -> bytes:
-        found = lines.get(id(record))
-        if found is not None and found[0] is record:
-            return found[1]
-        data = encode(record)
-        if len(lines) >= ENCODED:
-            del lines[next(iter(lines))]
-        lines[id(record)] = (record, data)
-        return data
-    return line
-
-
-_plain_line = _line_encoder(None)
+    return labelled
 
 
 def flows_handler(feed: FlowFeed, labels: Labels | None = None) -> Callable[[web.Request], Any]:
@@ -119,12 +100,14 @@ def flows_handler(feed: FlowFeed, labels: Labels | None = None) -> Callable[[web
     are missing; a stream the agent ends (its reader did not read, or yielded its slot) ends with a line
     ``{"error": "..."}`` when the reader can still read it."""
 
+    plain = Encoded(_line_encoder(None), min(ENCODED, feed.ring.capacity))  # labelled lines: never cached
+
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
             wanted, last, follow = parse_query(request.query)
         except BadQuery as exc:
             return web.Response(status=400, text=f"{exc}\n")
-        line = _line_encoder(labels) if labels is not None and _flag(request.query, "labels") else _plain_line
+        line = _line_encoder(labels) if labels is not None and _flag(request.query, "labels") else plain
         try:
             reader = feed.open(wanted, follow=follow, client=_connection(request))
         except Busy as exc:

@@ -65,6 +65,29 @@ class Gap:
     lost: int
 
 
+class Encoded:
+    """The bytes of recent records in one encoding, made once for every reader that sends them (a record
+    followed by ten clients is encoded once). Bounded by ``size``, the oldest out; it keeps a record alive
+    (so that its id is not reused while cached), so its size is at most the ring's."""
+
+    def __init__(self, encode: Callable[[FlowRecord], bytes], size: int) -> None:
+        self.encode, self.size = encode, size
+        self._bytes: dict[int, tuple[FlowRecord, bytes]] = {}
+
+    def __call__(self, record: FlowRecord) -> bytes:
+        found = self._bytes.get(id(record))
+        if found is not None and found[0] is record:
+            return found[1]
+        data = self.encode(record)
+        if len(self._bytes) >= self.size:
+            del self._bytes[next(iter(self._bytes))]
+        self._bytes[id(record)] = (record, data)
+        return data
+
+    def __len__(self) -> int:
+        return len(self._bytes)
+
+
 class Busy(Exception):
     """No slot for another read (the message says which bound, and what to do)."""
 
@@ -100,6 +123,7 @@ class Reader:
         self.last_sent = time.monotonic()
         self._writing_since: float | None = None
         self._ended = False
+        self._end_called = False
         self._wake = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
         self._task: asyncio.Task[object] | None = None
@@ -203,8 +227,6 @@ class Reader:
         with contextlib.suppress(Exception):
             await self.end(self.cut_off)
 
-    _end_called = False
-
     async def _watch(self) -> None:
         timeout = self.feed.write_timeout
         while True:
@@ -276,10 +298,6 @@ class FlowFeed:
         for reader in self._readers:
             if reader.following:
                 reader.woken()
-
-    def last(self, count: int, wanted: Selector) -> list[FlowRecord]:
-        """The last ``count`` matching records, at once (for callers off any client's path: tests, the lab)."""
-        return self.ring.last(count, wanted)  # type: ignore[arg-type]
 
     def open(self, selector: Selector, *, follow: bool, client: str = "") -> Reader:
         """A new read, holding its slot from now (so a refusal is an answer, never a stream cut after its

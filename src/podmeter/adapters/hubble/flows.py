@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from podmeter.adapters.flow_serving import Encoded
 from podmeter.adapters.hubble.proto import flow_pb2, observer_pb2
 from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
@@ -161,6 +162,9 @@ def summary(record: FlowRecord) -> str:
     return protocol_name(record.protocol)  # UDP, or the number of a protocol podmeter has no name for
 
 
+ENCODED = 4096  # recent records kept encoded (at most the ring's: see adapters.flow_serving.Encoded)
+
+
 class FlowMessages:
     """Turns records into ``GetFlowsResponse`` messages, and into their bytes once for every stream that sends
     them (a record followed by ten clients is encoded once). Both caches are bounded: the endpoint messages
@@ -168,12 +172,11 @@ class FlowMessages:
     drop their oldest."""
 
     CACHE = 4096
-    ENCODED = 4096
 
-    def __init__(self, labels: LabelSource = no_labels) -> None:
+    def __init__(self, labels: LabelSource = no_labels, encoded: int = ENCODED) -> None:
         self.labels = labels
         self._endpoints: dict[tuple[Endpoint | None, tuple[str, ...]], flow_pb2.Endpoint] = {}
-        self._encoded: dict[int, tuple[FlowRecord, bytes]] = {}  # id(record) -> the record (kept alive), bytes
+        self._encoded = Encoded(lambda record: self.response(record).SerializeToString(), encoded)
 
     def endpoint(self, end: FlowEnd) -> flow_pb2.Endpoint:
         labels = end_labels(end, self.labels)
@@ -216,14 +219,7 @@ class FlowMessages:
 
     def encoded(self, record: FlowRecord) -> bytes:
         """The serialized ``GetFlowsResponse`` of ``record``."""
-        found = self._encoded.get(id(record))
-        if found is not None and found[0] is record:
-            return found[1]
-        data = self.response(record).SerializeToString()
-        if len(self._encoded) >= self.ENCODED:
-            del self._encoded[next(iter(self._encoded))]
-        self._encoded[id(record)] = (record, data)
-        return data
+        return self._encoded(record)
 
     def response(self, record: FlowRecord) -> observer_pb2.GetFlowsResponse:
         flow = self.flow(record)

@@ -33,7 +33,7 @@ from grpc import aio
 from podmeter.adapters.flow_serving import Busy, FlowFeed, Gap, Reader
 from podmeter.adapters.hubble.access import ListenAddress, TlsFiles
 from podmeter.adapters.hubble.filters import BadFilter, UnsupportedFilter, selection
-from podmeter.adapters.hubble.flows import CLUSTER, FlowMessages, LabelSource, lost_message
+from podmeter.adapters.hubble.flows import CLUSTER, ENCODED, FlowMessages, LabelSource, lost_message
 from podmeter.adapters.hubble.proto import observer_pb2, relay_pb2
 from podmeter.adapters.hubble.streams import EndableStream
 from podmeter.model.flow_records import FlowRecord
@@ -58,7 +58,7 @@ class ObserverService:
         self.version = version
         self.started = time.monotonic()
         self.streams = 0  # GetFlows calls in progress
-        self.messages = FlowMessages(labels)  # shared by every stream: a record is encoded once
+        self.messages = FlowMessages(labels, min(ENCODED, feed.ring.capacity))  # shared: a record is encoded once
 
     def handlers(self) -> grpc.GenericRpcHandler:
         methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
