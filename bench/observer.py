@@ -2,11 +2,11 @@
 
     python -m bench.observer [--records 50000] [--batch 1000] [--followers 10]
 
-The agent's side runs in a child process, as in the agent: the flow feed (``runtime.flow_feed.FlowFeed``,
+The agent's side runs in a child process, as in the agent: the flow feed (``adapters.flow_serving.FlowFeed``,
 the default 8192-record ring) and the Hubble server (``adapters.hubble.server.HubbleServer``) in one
 grpc.aio event loop, on a loopback port. It publishes named flow records into the feed in drains of
-``--batch`` records, as fast as the followers' bounded queues take them (a drain waits until every
-follower's queue has room for it: the feed would cut a follower off otherwise), so the figure is what
+``--batch`` records, as fast as the followers read them (a drain waits until no follower's cursor would be
+lapped by it: the ring would overwrite records it has not read otherwise), so the figure is what
 the server can stream, not what the bench chose to send. Clients (this process) follow with GetFlows,
 ``follow: true``, as `hubble observe -f` does.
 
@@ -31,9 +31,9 @@ from typing import Any
 
 import msgspec
 from grpc import aio
-from podmeter.runtime.flow_feed import FOLLOWER_QUEUE, FlowFeed
 
 from bench.measure import json_line, rss_mib, table
+from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.adapters.hubble.flows import FlowMessages, pod_labels
 from podmeter.adapters.hubble.proto import observer_pb2, observer_pb2_grpc
 from podmeter.adapters.hubble.server import HubbleServer, parse_listen
@@ -97,14 +97,20 @@ async def serve(batch: int) -> None:
         if line[0] == "publish":
             total, started = int(line[1]), time.perf_counter()
             for _ in range(total // batch):
-                while any(f.queue.qsize() > FOLLOWER_QUEUE - batch for f in feed._followers):
-                    await asyncio.sleep(0.001)  # a drain waits until every follower has room for it
+                while any(lagging(feed, batch)):
+                    await asyncio.sleep(0.001)  # a drain waits until no follower would be lapped by it
                 feed.publish(drain)
                 await asyncio.sleep(0)
             say(published=total, seconds=time.perf_counter() - started)
         elif line[0] == "status":
-            say(rss_mib=rss_mib(), followers=feed.followers, cut_off=feed.slow_followers)
+            say(rss_mib=rss_mib(), followers=feed.followers, cut_off=feed.cut_off, gaps=feed.gaps)
     await server.stop(0)
+
+
+def lagging(feed: FlowFeed, batch: int) -> list[bool]:
+    """For each follower: whether one more drain of ``batch`` records would lap its cursor."""
+    room = feed.ring.capacity - batch
+    return [feed.ring.last_seq - r.cursor > room for r in feed._readers if r.following]
 
 
 # --- the clients (this process) ---------------------------------------------------------------------------
