@@ -1,7 +1,7 @@
 """The agent's Hubble API (``observer.Observer``, ``grpc.health.v1.Health``) over real gRPC, fed with flow records.
 
 A client built from the project's own definitions (the generated stubs) calls the server the agent runs
-(``adapters.hubble.server.HubbleServer`` on a ``runtime.flow_feed.FlowFeed`` the test publishes into), as
+(``adapters.hubble.server.HubbleServer`` on a ``adapters.flow_serving.FlowFeed`` the test publishes into), as
 `hubble observe`, `hubble status` and Hubble Relay call it: ``number=N`` returns the last N in order and
 ends, ``follow`` streams new flows, every filter kind, the flow message's fields, ServerStatus, GetNodes,
 the health check, a reader that stops reading is cut off and counted without the server's memory growing,
