@@ -66,6 +66,23 @@ def test_peers_agree_with_iproute2(topology: Topology) -> None:
     assert elsewhere == {pod.host_veth for pod in pods}
 
 
+def test_qdisc_kinds_agree_with_iproute2(topology: Topology) -> None:
+    """The one question the attach manager asks about qdiscs (is a legacy ``ingress`` in clsact's way?),
+    answered per interface as ``tc qdisc show dev`` answers it."""
+    plain, legacy, both = (topology.add_pod() for _ in range(3))
+    run("ip", "netns", "exec", topology.host, "tc", "qdisc", "add", "dev", legacy.host_veth, "ingress")
+    run("ip", "netns", "exec", topology.host, "tc", "qdisc", "add", "dev", both.host_veth, "root", "pfifo")
+    run("ip", "netns", "exec", topology.host, "tc", "qdisc", "add", "dev", both.host_veth, "clsact")
+    indexes = {row["ifname"]: row["ifindex"] for row in ip_rows(topology)}
+    with topology.in_host(), links.Rtnl() as rtnl:
+        mine = {pod.host_veth: rtnl.qdisc_kinds(indexes[pod.host_veth]) for pod in (plain, legacy, both)}
+    for pod in (plain, legacy, both):
+        rows = json.loads(run("ip", "netns", "exec", topology.host, "tc", "-j", "qdisc", "show", "dev", pod.host_veth))
+        assert mine[pod.host_veth] == {row["kind"] for row in rows}
+    assert "ingress" in mine[legacy.host_veth] and "ingress" not in mine[plain.host_veth]
+    assert {"pfifo", "clsact"} <= mine[both.host_veth]
+
+
 def test_notifications_describe_each_change(topology: Topology) -> None:
     name, peer = unique("pme"), unique("qe")
     with topology.in_host(), link_events() as events:

@@ -24,7 +24,7 @@ COMMANDS = ("agent", "operator", "observe", "apiserver", "node", "lab", "inspect
 # (and is not in the image at all). The product's commands never import it (tests/deploy/test_packaging.py).
 LAB_COMMANDS = frozenset({"apiserver", "node", "lab"})
 # What the `lab` extra of pyproject.toml brings, by import name (tests/deploy/test_packaging.py keeps them equal).
-LAB_REQUIRES = ("matplotlib", "rich", "yaml")
+LAB_REQUIRES = ("matplotlib", "rich", "yaml", "pyroute2")
 LAB_EXTRA_MISSING = "the lab needs the lab extra: pip install 'podmeter[lab]'"
 
 

@@ -59,8 +59,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pyroute2 import IPRoute
-
 from podmeter.adapters.datapath.ebpf import preflight
 from podmeter.adapters.datapath.ebpf.datapath import Programs
 from podmeter.adapters.datapath.ebpf.errors import AttachError
@@ -838,5 +836,5 @@ class AttachManager:
 
 
 def _has_legacy_ingress_qdisc(ifindex: int) -> bool:
-    with IPRoute() as ipr:  # in the calling thread's netns: the worker's
-        return any(q.get_attr("TCA_KIND") == "ingress" for q in ipr.get_qdiscs(index=ifindex))
+    with Rtnl() as rtnl:  # in the calling thread's netns: the worker's
+        return "ingress" in rtnl.qdisc_kinds(ifindex)

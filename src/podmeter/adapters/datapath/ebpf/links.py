@@ -43,6 +43,8 @@ RTM_NEWADDR = 20
 RTM_GETADDR = 22
 RTM_NEWROUTE = 24
 RTM_GETROUTE = 26
+RTM_NEWQDISC = 36
+RTM_GETQDISC = 38
 NLM_F_REQUEST = 0x1
 NLM_F_DUMP = 0x300
 NLM_F_DUMP_INTR = 0x10  # the table changed while it was being dumped: the dump may miss or repeat links
@@ -69,6 +71,7 @@ RTA_MULTIPATH = 9
 RTA_TABLE = 15
 RT_TABLE_MAIN = 254
 RTN_UNICAST = 1
+TCA_KIND = 1
 NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
 PEER_KINDS = frozenset({"veth", "netkit"})  # link kinds with a peer device, the host side of a pod
 
@@ -78,6 +81,7 @@ _ATTR = struct.Struct("=HH")  # rtattr: len, type
 _IFADDR = struct.Struct("=BBBBI")  # ifaddrmsg: family, prefixlen, flags, scope, index
 _RTMSG = struct.Struct("=BBBBBBBBI")  # rtmsg: family, dst_len, src_len, tos, table, protocol, scope, type, flags
 _NEXTHOP = struct.Struct("=HBBi")  # rtnexthop: len, flags, hops, ifindex
+_TCMSG = struct.Struct("=BxxxiIII")  # tcmsg: family, (pad), ifindex, handle, parent, info
 _U32 = struct.Struct("=I")
 _S32 = struct.Struct("=i")
 _IFINFO_SIZE = 16
@@ -408,6 +412,20 @@ class Rtnl:
                 if table == RT_TABLE_MAIN:
                     found.update(oifs)
         return frozenset(found)
+
+    def qdisc_kinds(self, index: int) -> frozenset[str]:
+        """The kinds of the qdiscs on interface ``index`` (``clsact``, ``ingress``, ``noqueue``, ...), as
+        ``tc qdisc show dev``: a dump the kernel filters by index (strict checking), filtered again here
+        for kernels that do not."""
+        payload = _TCMSG.pack(socket.AF_UNSPEC, index, 0, 0, 0)
+        kinds: set[str] = set()
+        for mtype, body in self.request(RTM_GETQDISC, NLM_F_DUMP, payload, "RTM_GETQDISC dump"):
+            if mtype != RTM_NEWQDISC or len(body) < _TCMSG.size or _TCMSG.unpack_from(body)[1] != index:
+                continue
+            for attribute, value in _attributes(body[_TCMSG.size:]):
+                if attribute == TCA_KIND:
+                    kinds.add(_string(value))
+        return frozenset(kinds)
 
 
 def _nexthops(data: memoryview) -> Iterator[int]:
