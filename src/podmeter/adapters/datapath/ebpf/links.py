@@ -33,6 +33,7 @@ import socket
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Self
 
 NLMSG_ERROR = 2
 NLMSG_DONE = 3
@@ -129,7 +130,7 @@ def _string(payload: memoryview) -> str:
     return bytes(payload).split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
-def _attributes(data: memoryview) -> Iterator[tuple[int, memoryview]]:
+def attributes(data: memoryview) -> Iterator[tuple[int, memoryview]]:
     offset, end = 0, len(data)
     while offset + _ATTR.size <= end:
         length, kind = _ATTR.unpack_from(data, offset)
@@ -157,14 +158,14 @@ def _link_info(payload: memoryview) -> tuple[str | None, int | None, bool | None
     """``IFLA_LINKINFO`` -> (kind, netkit mode, netkit primary)."""
     kind: str | None = None
     data: memoryview | None = None
-    for attribute, value in _attributes(payload):
+    for attribute, value in attributes(payload):
         if attribute == IFLA_INFO_KIND:
             kind = _string(value)
         elif attribute == IFLA_INFO_DATA:
             data = value
     mode, primary = None, None
     if kind == "netkit" and data is not None:
-        for attribute, value in _attributes(data):
+        for attribute, value in attributes(data):
             if attribute == IFLA_NETKIT_MODE:
                 mode = _u32(value)
             elif attribute == IFLA_NETKIT_PRIMARY and len(value) >= 1:
@@ -183,7 +184,7 @@ def _link(body: memoryview) -> tuple[int, LinkInfo]:
     netnsid: int | None = None
     peer: int | None = None
     seen_kind = False
-    for attribute, payload in _attributes(body[_IFINFO_SIZE:]):
+    for attribute, payload in attributes(body[_IFINFO_SIZE:]):
         if attribute == IFLA_IFNAME:
             name = _string(payload)
         elif attribute == IFLA_LINKINFO:
@@ -299,12 +300,14 @@ def read_changes(sock: socket.socket) -> list[LinkChange] | None:
 # --- which pod a link serves, which link an address takes -------------------------------------------------
 
 
-class Rtnl:
-    """One rtnetlink socket of the calling thread's netns for a series of requests (strict checking on,
+class NetlinkSocket:
+    """One netlink socket of the calling thread's netns for a series of requests (strict checking on,
     so the kernel applies the filters of dump requests). Use as a context manager."""
 
+    PROTOCOL = socket.NETLINK_ROUTE
+
     def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, self.PROTOCOL)
         try:
             self.sock.bind((0, 0))
             self.sock.setsockopt(SOL_NETLINK, NETLINK_GET_STRICT_CHK, 1)
@@ -314,7 +317,7 @@ class Rtnl:
         self._seq = 0
         self._buffer = bytearray(_BUFFER_SIZE)
 
-    def __enter__(self) -> Rtnl:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -349,10 +352,15 @@ class Rtnl:
                 if not dump:
                     return
 
+
+class Rtnl(NetlinkSocket):
+    """An rtnetlink socket: which pod a link serves, which link an address takes, a link's qdiscs."""
+
     def peer_addresses(self, netnsid: int, index: int) -> frozenset[str]:
         """The addresses (IPv4 and IPv6) of interface ``index`` of the netns this one numbers ``netnsid``:
         a pod's own addresses, read from the host side's peer without entering the pod's netns."""
-        payload = _IFADDR.pack(socket.AF_UNSPEC, 0, 0, 0, index) + _attribute(IFA_TARGET_NETNSID, _S32.pack(netnsid))
+        payload = _IFADDR.pack(socket.AF_UNSPEC, 0, 0, 0, index)
+        payload += pack_attribute(IFA_TARGET_NETNSID, _S32.pack(netnsid))
         found: set[str] = set()
         for mtype, body in self.request(RTM_GETADDR, NLM_F_DUMP, payload, "RTM_GETADDR dump"):
             if mtype != RTM_NEWADDR or len(body) < _IFADDR.size:
@@ -361,7 +369,7 @@ class Rtnl:
             if where != index:
                 continue  # a kernel that ignores the index filter
             local = address = None
-            for attribute, value in _attributes(body[_IFADDR.size:]):
+            for attribute, value in attributes(body[_IFADDR.size:]):
                 if attribute == IFA_LOCAL:
                     local = bytes(value)
                 elif attribute == IFA_ADDRESS:
@@ -377,11 +385,11 @@ class Rtnl:
         address = ipaddress.ip_address(ip)
         family = socket.AF_INET if address.version == 4 else socket.AF_INET6
         payload = _RTMSG.pack(family, address.max_prefixlen, 0, 0, 0, 0, 0, 0, 0)
-        payload += _attribute(RTA_DST, address.packed)
+        payload += pack_attribute(RTA_DST, address.packed)
         try:
             for mtype, body in self.request(RTM_GETROUTE, 0, payload, f"route lookup of {ip}"):
                 if mtype == RTM_NEWROUTE:
-                    for attribute, value in _attributes(body[_RTMSG.size:]):
+                    for attribute, value in attributes(body[_RTMSG.size:]):
                         if attribute == RTA_OIF:
                             return _s32(value)
         except NetlinkError as error:
@@ -402,7 +410,7 @@ class Rtnl:
                 if dst_len != 0 or rtype != RTN_UNICAST:
                     continue
                 oifs: list[int] = []
-                for attribute, value in _attributes(body[_RTMSG.size:]):
+                for attribute, value in attributes(body[_RTMSG.size:]):
                     if attribute == RTA_TABLE:
                         table = _u32(value) or table
                     elif attribute == RTA_OIF and (oif := _s32(value)) is not None:
@@ -422,7 +430,7 @@ class Rtnl:
         for mtype, body in self.request(RTM_GETQDISC, NLM_F_DUMP, payload, "RTM_GETQDISC dump"):
             if mtype != RTM_NEWQDISC or len(body) < _TCMSG.size or _TCMSG.unpack_from(body)[1] != index:
                 continue
-            for attribute, value in _attributes(body[_TCMSG.size:]):
+            for attribute, value in attributes(body[_TCMSG.size:]):
                 if attribute == TCA_KIND:
                     kinds.add(_string(value))
         return frozenset(kinds)
@@ -438,6 +446,6 @@ def _nexthops(data: memoryview) -> Iterator[int]:
         offset += (length + 3) & ~3
 
 
-def _attribute(kind: int, payload: bytes) -> bytes:
+def pack_attribute(kind: int, payload: bytes) -> bytes:
     length = _ATTR.size + len(payload)
     return _ATTR.pack(length, kind) + payload + bytes(-length % 4)
