@@ -227,7 +227,7 @@ def canonical_ip(text: str) -> str:
 
 def decode_pod(data: bytes | dict[str, Any]) -> Pod:
     """Decode a Pod from JSON bytes (or an already-parsed dict, for the lab and tests)."""
-    return _pod_record(_decode_wire("Pod", data, _pod_decoder, _PodWire))
+    return _pod_record(decode_wire("Pod", data, _pod_decoder, _PodWire))
 
 
 def decode_pod_event(line: bytes) -> tuple[str, Pod]:
@@ -269,7 +269,7 @@ def _pod_record(wire: _PodWire) -> Pod:
 
 def decode_namespace(data: bytes | dict[str, Any]) -> Namespace:
     """Decode a Namespace from JSON bytes (or a parsed dict)."""
-    wire = _decode_wire("Namespace", data, _ns_decoder, _NamespaceWire)
+    wire = decode_wire("Namespace", data, _ns_decoder, _NamespaceWire)
     meta = wire.metadata
     if not meta.name:
         raise DecodeError("Namespace", "", "$.metadata.name", "missing")
@@ -285,7 +285,7 @@ def decode_namespace(data: bytes | dict[str, Any]) -> Namespace:
 
 def decode_node(data: bytes | dict[str, Any]) -> Node:
     """Decode a Node from JSON bytes (or a parsed dict): its InternalIP and ExternalIP addresses."""
-    wire = _decode_wire("Node", data, _node_decoder, _NodeWire)
+    wire = decode_wire("Node", data, _node_decoder, _NodeWire)
     meta = wire.metadata
     if not meta.name:
         raise DecodeError("Node", "", "$.metadata.name", "missing")
@@ -306,7 +306,7 @@ def decode_node(data: bytes | dict[str, Any]) -> Node:
                 resource_version=meta.resourceVersion)
 
 
-def _decode_wire(
+def decode_wire(
     kind: str, data: bytes | dict[str, Any], decoder: msgspec.json.Decoder[_T], typ: type[_T]
 ) -> _T:
     try:
