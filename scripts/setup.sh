@@ -16,6 +16,13 @@ command -v nft >/dev/null || need_apt+=(nftables)  # the lab and tests induce dr
 command -v promtool >/dev/null || need_apt+=(prometheus)  # promtool: the tests check the alert rules with it
 command -v zsh >/dev/null || need_apt+=(zsh)  # the tests run the zsh completion script in a real zsh
 [ -x /usr/lib/cni/bridge ] || need_apt+=(containernetworking-plugins)  # the tests run the bridge CNI plugin
+command -v conntrack >/dev/null || need_apt+=(conntrack)  # the Service tests compare podmeter's ctnetlink reader with it
+# Real programs in the lab's pods (Services, DNS): a web server and its load generator, a key-value store,
+# a DNS server. Installed for their binaries only: none is started as a system service.
+command -v nginx >/dev/null || need_apt+=(nginx-light)
+command -v wrk >/dev/null || need_apt+=(wrk)
+command -v redis-server >/dev/null || need_apt+=(redis-server)
+command -v dnsmasq >/dev/null || need_apt+=(dnsmasq-base)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
     echo "setup: installing ${need_apt[*]}"
@@ -23,6 +30,9 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
     if [[ " ${need_apt[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
       systemctl disable --now prometheus prometheus-node-exporter >/dev/null 2>&1 || true  # only promtool is used
+    fi
+    if [ -d /run/systemd/system ]; then  # the lab runs its own instances in its pods
+      systemctl disable --now nginx redis-server >/dev/null 2>&1 || true
     fi
   else
     echo "setup: not root, cannot install ${need_apt[*]}; eBPF and etcd tests will be skipped" >&2

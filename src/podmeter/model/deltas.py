@@ -23,6 +23,7 @@ import msgspec
 from podmeter.model.configuration import MetricsConfiguration
 from podmeter.model.endpoint_slices import PodSlice, SliceDigest
 from podmeter.model.records import Namespace, Node, Pod
+from podmeter.model.services import Service, ServiceBackends
 
 R = TypeVar("R")
 
@@ -46,6 +47,8 @@ CONFIGURATIONS: Collection[MetricsConfiguration] = Collection("metricsconfigurat
 POD_SLICES: Collection[PodSlice] = Collection("podslices", attrgetter("name"))  # the agent's view of them
 SLICE_DIGESTS: Collection[SliceDigest] = Collection("podslices", attrgetter("name"))  # the operator's
 NODES: Collection[Node] = Collection("nodes", attrgetter("name"))  # the agent's, with the Hubble API only
+SERVICES: Collection[Service] = Collection("services", attrgetter("uid"))  # the agent's: naming flows
+SERVICE_BACKENDS: Collection[ServiceBackends] = Collection("endpointslices", attrgetter("uid"))
 
 
 # Deltas are msgspec structs, not dataclasses: one is built per watch event, and a frozen struct is

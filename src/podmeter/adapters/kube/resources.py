@@ -15,6 +15,7 @@ from podmeter.model import deltas
 from podmeter.model.configuration import MetricsConfiguration, decode_configuration
 from podmeter.model.endpoint_slices import PodSlice, SliceDigest, decode_slice, decode_slice_digest
 from podmeter.model.records import Namespace, Node, Pod, decode_namespace, decode_node, decode_pod, decode_pod_event
+from podmeter.model.services import Service, ServiceBackends, decode_service, decode_service_backends
 
 R = TypeVar("R")
 
@@ -59,3 +60,8 @@ SLICE_DIGESTS: ResourceKind[SliceDigest] = ResourceKind(
 )
 # The cluster's nodes and their addresses: the peers the agent's Hubble API announces to Hubble Relay.
 NODES: ResourceKind[Node] = ResourceKind(deltas.NODES, "/api/v1/nodes", decode_node, "name", _rv)
+# The cluster's Services and their EndpointSlices: the names of flows to a Service (model.services).
+SERVICES: ResourceKind[Service] = ResourceKind(deltas.SERVICES, "/api/v1/services", decode_service, "uid", _rv)
+SERVICE_BACKENDS: ResourceKind[ServiceBackends] = ResourceKind(
+    deltas.SERVICE_BACKENDS, "/apis/discovery.k8s.io/v1/endpointslices", decode_service_backends, "uid", _rv
+)
