@@ -273,6 +273,7 @@ class ClusterRun(LabRun):
             self._stop_sampling.set()
             self.processes.stop_all()
             self._remove_leftover_sandboxes()
+            self._finish_cni(lambda name: self._in_node(self._node(name)))
             self._cleanup_external()
 
     def _client(self) -> KubeClient:
@@ -322,8 +323,9 @@ class ClusterRun(LabRun):
                 "--pod-cidr", node.spec.pod_cidr, "--datapath", self.datapath, "--ip-reuse", node.spec.ip_reuse,
                 "--link-prefix", node.spec.link_prefix, "--node-ip", node.address]
         process = self.processes.add(f"node-{node.name}", argv, self.out / "logs")
+        env = self.cni.node_environment(node.name, node.spec.pod_cidr)
         with self._in_node(node):
-            process.start()
+            process.start(env)
 
     def _node_agent_argv(self, node: LabNode) -> list[str]:
         """LabRun's agent flags, for this node (its name, pins, filter size, port, fault)."""

@@ -44,8 +44,7 @@ from typing import TYPE_CHECKING, Any
 from podmeter.lab import scenario as sc
 from podmeter.lab.checks import Samples
 from podmeter.lab.flowcheck import WINDOW_SLACK
-from podmeter.lab.kube import pod_path
-from podmeter.lab.netns import Sandbox, in_namespace
+from podmeter.lab.netns import host_side, in_namespace
 from podmeter.lab.traffic import Endpoint, UdpSink, send_datagrams, send_tcp
 
 if TYPE_CHECKING:
@@ -281,8 +280,8 @@ class DropSteps:
         return record
 
     def _host_device(self, endpoint: Endpoint) -> str:
-        assert self.lab.client is not None
-        namespace, name = endpoint.pod.split("/", 1)
-        pod = self.lab.client.get(pod_path(namespace, name)) or {}
-        prefix = sc.link_prefix_of(self.lab.scenario, (pod.get("spec") or {}).get("nodeName"))
-        return Sandbox.for_pod(pod["metadata"]["uid"], endpoint.ip, prefix).host_device
+        """The host side of the pod's link, whoever named it (the lab's prefix, or a CNI plugin)."""
+        device = host_side(endpoint.netns_path)
+        if device is None:
+            raise RuntimeError(f"{endpoint.pod}: no link from its eth0 to the node")
+        return device

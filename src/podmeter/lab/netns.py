@@ -73,6 +73,19 @@ def host_device_of(netns_name: str, links: Iterable[str]) -> str | None:
                  and link_prefix_problem(name[:-len(sid)]) is None), None)
 
 
+def host_side(netns_path: str, ifname: str = "eth0") -> str | None:
+    """The name, in the caller's namespace, of the peer of ``ifname`` in the namespace at ``netns_path``: a
+    pod's veth's host side, whoever named it (this module's ``<prefix><id>``, a CNI plugin's ``veth<hex>``);
+    None if there is no such link."""
+    try:
+        with netns(netns_path), IPRoute() as ipr:
+            links = ipr.get_links(socket.if_nametoindex(ifname))  # the calling thread's netns: the pod's
+            peer = links[0].get_attr("IFLA_LINK") if links else None
+        return None if peer is None else socket.if_indextoname(peer)
+    except (OSError, NetlinkError):
+        return None
+
+
 @dataclass(frozen=True)
 class Sandbox:
     """One pod's network: its namespace name, the host-side device and its IPv4 address."""

@@ -5,6 +5,8 @@ For every pod bound to the node (``spec.nodeName``):
 * Pending, not host-network: take the lowest free IP of the pod CIDR (so freed IPs come back at once,
   which is what makes IP reuse races happen), build its sandbox (:mod:`podmeter.lab.netns`; not in
   memory mode), then write ``status.phase: Running``, ``podIP``/``podIPs`` through the status subresource;
+  with a CNI plugin configured (:mod:`podmeter.lab.cni`, the lab's ``cni: bridge``) the plugin wires the
+  sandbox and its IPAM chooses the IP, which is known, and written, only once its ADD returned;
 * host-network: Running with the node's IP, no sandbox;
 * annotated ``lab.podmeter.io/run-seconds: "N"`` (a Job's pod): after N seconds the phase becomes
   Succeeded; the sandbox goes and its IP is free again while the pod object stays until deleted;
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from podmeter.lab.cni import CniPlugin, CniSandbox
 from podmeter.lab.kube import KubeClient, KubeError, pod_path
 from podmeter.lab.netns import HOST_PREFIX, Sandbox, enable_forwarding, link_prefix_problem
 from podmeter.model.records import TERMINAL_PHASES
@@ -106,14 +109,17 @@ class NodeSettings:
     watch_timeout: int = 60
     ip_reuse: str = "lowest"  # see IpPool
     link_prefix: str = HOST_PREFIX  # host-side link names: <prefix><id> (netns.link_prefix_problem)
+    # A CNI plugin wires the sandboxes (lab/cni.py); None: the one the lab configured in the environment
+    # (cni.CONF_ENV), if any, in eBPF mode; else the node's own veth and /32 route per pod.
+    cni: CniPlugin | None = None
 
 
 @dataclass
 class _Running:
     namespace: str
     name: str
-    ip: str
-    sandbox: Sandbox | None
+    ip: str  # "" until a CNI plugin's ADD named it
+    sandbox: Sandbox | CniSandbox | None
 
 
 @dataclass
@@ -141,7 +147,11 @@ class Node:
     def __init__(self, settings: NodeSettings, client: KubeClient, workers: int = 4) -> None:
         self.settings = settings
         self.client = client
-        self.pool = IpPool(settings.pod_cidr, settings.ip_reuse)
+        self.pool = IpPool(settings.pod_cidr, settings.ip_reuse)  # unused when a CNI plugin's IPAM allocates
+        self.cni = settings.cni or (CniPlugin.from_environment() if settings.datapath == "ebpf" else None)
+        if self.cni is not None:
+            log.info("pods wired by the %s CNI plugin of %s (bridge %s)", self.cni.plugin, self.cni.bin_dir,
+                     self.cni.bridge or "-")
         problem = link_prefix_problem(settings.link_prefix)
         if problem is not None:  # refused here, not by every pod's build on the watch thread
             raise ValueError(f"--link-prefix {problem}")
@@ -202,6 +212,9 @@ class Node:
             self.running.clear()
         for running in leftovers:
             self._teardown(running)
+        if self.cni is not None and not already:
+            log.info("cni: the %s plugin was called %s", self.cni.plugin,
+                     ", ".join(f"{command} {n} times" for command, n in self.cni.calls.items()))
 
     def _work(self, jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
         while (job := jobs.get()) is not None:
@@ -271,6 +284,11 @@ class Node:
     def _start_pod(self, meta: dict[str, Any], status: dict[str, Any]) -> None:
         uid, ns, name = meta["uid"], meta.get("namespace", ""), meta.get("name", "")
         known_ip = status.get("podIP") if status.get("phase") == "Running" else None
+        if self.cni is not None:  # its IPAM chooses the IP: known once ADD returns, as a kubelet learns it
+            running = self.running[uid] = _Running(ns, name, "", CniSandbox(uid, self.cni))
+            self.stats.started += 1
+            self._dispatch(uid, lambda: self._build(uid, meta, running, known_ip))
+            return
         try:
             ip = known_ip if known_ip and self.pool.claim(known_ip) else self.pool.allocate()
         except PoolExhausted as exc:
@@ -280,7 +298,7 @@ class Node:
         sandbox = Sandbox.for_pod(uid, ip, self.settings.link_prefix) if self.settings.datapath == "ebpf" else None
         running = self.running[uid] = _Running(ns, name, ip, sandbox)
         self.stats.started += 1
-        self._dispatch(uid, lambda: self._build(uid, meta, running, write=ip != known_ip))
+        self._dispatch(uid, lambda: self._build(uid, meta, running, known_ip))
 
     def _stop_pod(self, uid: str) -> None:
         self._forget_later(uid)
@@ -295,7 +313,8 @@ class Node:
 
     # --- work (on the pod's worker, outside the lock) ---------------------------------------------
 
-    def _build(self, uid: str, meta: dict[str, Any], running: _Running, write: bool) -> None:
+    def _build(self, uid: str, meta: dict[str, Any], running: _Running, known_ip: str | None) -> None:
+        """Build the sandbox, then write Running with its IP (unless the status already says that one)."""
         with self._lock:
             if self.running.get(uid) is not running:
                 return  # deleted while queued: its teardown job follows and frees the IP
@@ -304,6 +323,12 @@ class Node:
             if running.sandbox is not None:
                 running.sandbox.destroy(wait=True)  # a leftover of a killed node with the same pod
                 running.sandbox.create()
+                if isinstance(running.sandbox, CniSandbox):
+                    with self._lock:
+                        running.ip = running.sandbox.ip
+                    log.info("pod %s/%s: %s ADD gave %s, host side %s, netns %s", running.namespace, running.name,
+                             running.sandbox.plugin.plugin, running.ip, running.sandbox.host_device,
+                             running.sandbox.netns)
         except OSError as exc:
             self.stats.errors["sandbox"] += 1
             log.error("pod %s/%s: sandbox failed: %s", running.namespace, running.name, exc)
@@ -312,7 +337,7 @@ class Node:
                     del self.running[uid]
             self._release(running)
             return
-        if write and self._write_status(meta, "Running", running.ip) is None:
+        if running.ip != known_ip and self._write_status(meta, "Running", running.ip) is None:
             with self._lock:
                 self._stop_pod(uid)  # deleted while we built it
             return
@@ -327,12 +352,17 @@ class Node:
 
     def _teardown(self, running: _Running) -> None:
         if running.sandbox is not None:
-            running.sandbox.destroy(wait=SYNC_TEARDOWN)
+            try:
+                running.sandbox.destroy(wait=SYNC_TEARDOWN)
+            except OSError as exc:  # a CNI DEL that failed: counted; the lab's end check names what it left
+                self.stats.errors["sandbox"] += 1
+                log.error("pod %s/%s: sandbox teardown failed: %s", running.namespace, running.name, exc)
         self._release(running)
 
     def _release(self, running: _Running) -> None:
         with self._lock:
-            self.pool.release(running.ip)
+            if self.cni is None:  # a CNI plugin's IPAM freed the IP with its DEL
+                self.pool.release(running.ip)
             self.stats.stopped += 1
 
     def _write_status(self, meta: dict[str, Any], phase: str, ip: str) -> dict[str, Any] | None:

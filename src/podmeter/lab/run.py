@@ -38,6 +38,7 @@ from podmeter.lab import runinfo
 from podmeter.lab import scenario as sc
 from podmeter.lab.apiserver.client import AdminClient
 from podmeter.lab.checks import Checker, Observation, Samples, Truth, metric_sum, parse_metrics, read_truth
+from podmeter.lab.cni import LabCni
 from podmeter.lab.driver import Driver, Hooks
 from podmeter.lab.dropcheck import DropSteps
 from podmeter.lab.flowcheck import (
@@ -207,6 +208,11 @@ class LabRun(Hooks):
         self._held_since: float | None = None  # the checks are held since (a mark once released)
         self.convergence_s: list[float] = []  # I6: restart -> first sample with the kernel map == truth
         self._label_filter = LabelFilter()
+        # How the nodes wire their pods (scenario key cni); a RuntimeError naming the package if its plugin is
+        # not installed, as for a missing bpffs: before anything starts.
+        self.cni = LabCni.for_run(scenario, self.datapath, self.out)
+        if self.cni.note:
+            self.result.notes.append(self.cni.note)
 
     # --- the whole run -----------------------------------------------------------------------------
 
@@ -253,6 +259,15 @@ class LabRun(Hooks):
             self._stop_sampling.set()
             self.processes.stop_all()
             self._remove_leftover_sandboxes()
+            self._finish_cni(lambda node: contextlib.nullcontext())  # the runner is in the node's namespace
+
+    def _finish_cni(self, inside: Callable[[str], contextlib.AbstractContextManager[None]]) -> None:
+        """A CNI plugin's run: what the nodes left of its state is a failure, then all of it goes."""
+        if not self.cni.active:
+            return
+        failures, counts = self.cni.finish(inside)
+        self.result.failures += failures
+        self.result.counts["cni"] = counts
 
     def _timeline(self) -> None:
         assert self.driver is not None
@@ -336,7 +351,8 @@ class LabRun(Hooks):
         argv = [*PODMETER, "node", "--kubeconfig", str(self.out / "kubeconfig"), "--node-name", NODE_NAME,
                 "--pod-cidr", self.scenario.node.pod_cidr, "--datapath", self.datapath,
                 "--ip-reuse", self.scenario.node.ip_reuse, "--link-prefix", self.scenario.node.link_prefix]
-        self.processes.add("node", argv, self.out / "logs").start()
+        env = self.cni.node_environment(NODE_NAME, self.scenario.node.pod_cidr)
+        self.processes.add("node", argv, self.out / "logs").start(env)
 
     def _agent_argv(self) -> list[str]:
         args = ["agent", "--kubeconfig", str(self.out / "kubeconfig"), "--node-name", NODE_NAME,

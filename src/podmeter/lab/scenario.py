@@ -280,6 +280,10 @@ class Scenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     agent: AgentSpec = msgspec.field(default_factory=AgentSpec)
     operator: OperatorSpec = msgspec.field(default_factory=OperatorSpec)
     apiserver: ApiServerSpec = msgspec.field(default_factory=ApiServerSpec)
+    # How pods are wired: ``lab`` the node's own veth and /32 route per pod (netns.Sandbox, Calico's layout);
+    # ``bridge`` the real bridge CNI plugin with host-local IPAM, called by each node as a container runtime
+    # calls it (lab/cni.py): veths named by the plugin on a bridge per node, IPs known only after ADD.
+    cni: Literal["lab", "bridge"] = "lab"
     namespaces: list[NamespaceSpec] = msgspec.field(default_factory=list)
     steps: list[Step] = msgspec.field(default_factory=list)
 
@@ -339,7 +343,7 @@ def _semantic_problems(scenario: Scenario) -> list[str]:
             problems.append(f"$.steps[{i}]: include and exclude cannot both be non-empty")
         if isinstance(step, KillAgent | KillOperator) and step.deletes and step.namespace is None:
             problems.append(f"$.steps[{i}].namespace: needed when deletes > 0")
-    return problems + _node_problems(scenario)
+    return problems + _node_problems(scenario) + _cni_problems(scenario)
 
 
 FABRIC = ipaddress.ip_network("192.168.255.0/24")  # the multi-node lab's node addresses (lab/fabric.py)
@@ -385,6 +389,26 @@ def _node_problems(scenario: Scenario) -> list[str]:
             problems.append(f"$.steps[{i}]: kill-operator needs a multi-node scenario (a nodes list)")
         if isinstance(step, Traffic) and step.across_nodes and len(scenario.nodes) < 2:
             problems.append(f"$.steps[{i}].across_nodes: needs at least two nodes under nodes")
+    return problems
+
+
+def _cni_problems(scenario: Scenario) -> list[str]:
+    """A real CNI plugin names the links and hands out the IPs itself: what the lab's wiring decides
+    cannot be asked of it."""
+    if scenario.cni == "lab":
+        return []
+    problems: list[str] = []
+    specs: list[tuple[str, NodeSpec]] = [(f"$.nodes[{i}]", spec) for i, spec in enumerate(scenario.nodes)]
+    for where, spec in specs or [("$.node", scenario.node)]:
+        if spec.link_prefix != HOST_PREFIX:
+            problems.append(f"{where}.link_prefix: with cni: {scenario.cni} the plugin names the pods' links "
+                            "itself (veth<hex>)")
+        if spec.ip_reuse != "lowest":
+            problems.append(f"{where}.ip_reuse: with cni: {scenario.cni} host-local IPAM chooses the IPs")
+    for i, step in enumerate(scenario.steps):
+        if isinstance(step, ReuseDuringFlow):
+            problems.append(f"$.steps[{i}]: reuse-during-flow needs the lab's own IP allocation (the lowest free "
+                            f"IP, to force a reuse); with cni: {scenario.cni} host-local IPAM hands IPs out in turn")
     return problems
 
 
