@@ -1,0 +1,126 @@
+"""The lab node's Service proxy: the rules it derives from Services and EndpointSlices, and, through real
+netns pods and nftables, connections to a ClusterIP and a NodePort spread over the ready backends, and
+the node's table gone when the proxy stops."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from bpf_support import Pod, Topology, needs_root, run
+from podmeter.adapters.datapath.ebpf.netns import netns
+from podmeter.lab.service_proxy import TABLE, Rule, apply, removal, rules, ruleset
+
+
+def service(name: str, cluster_ip: str, ports: list[dict[str, Any]], kind: str = "ClusterIP") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "shop", "uid": f"u-{name}"},
+            "spec": {"type": kind, "clusterIP": cluster_ip, "clusterIPs": [cluster_ip], "ports": ports}}
+
+
+def endpoint_slice(service_name: str, endpoints: list[tuple[str, bool]], ports: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"metadata": {"name": f"{service_name}-x", "namespace": "shop", "uid": f"s-{service_name}",
+                         "labels": {"kubernetes.io/service-name": service_name}},
+            "addressType": "IPv4", "ports": ports,
+            "endpoints": [{"addresses": [ip], "conditions": {"ready": ready}} for ip, ready in endpoints]}
+
+
+@pytest.mark.fast
+def test_rules_take_ready_backends_by_port_name_and_skip_what_has_none() -> None:
+    services = [
+        service("web", "10.96.0.10", [{"name": "http", "port": 80, "protocol": "TCP"},
+                                      {"name": "metrics", "port": 9090, "protocol": "TCP"}]),
+        service("dns", "10.96.0.53", [{"port": 53, "protocol": "UDP", "nodePort": 30053}], "NodePort"),
+        service("headless", "None", [{"port": 80}]),
+        service("empty", "10.96.0.11", [{"port": 80}]),
+    ]
+    slices = [
+        endpoint_slice("web", [("10.0.1.5", True), ("10.0.1.6", False), ("10.0.2.7", True)],
+                       [{"name": "http", "port": 8080, "protocol": "TCP"}]),
+        endpoint_slice("dns", [("10.0.1.9", True)], [{"name": "", "port": 5353, "protocol": "UDP"}]),
+        endpoint_slice("headless", [("10.0.1.8", True)], [{"name": "", "port": 80}]),
+    ]
+    assert rules(services, slices) == [
+        Rule("ip", "tcp", "10.96.0.10", 80, (("10.0.1.5", 8080), ("10.0.2.7", 8080))),
+        Rule("ip", "udp", "", 30053, (("10.0.1.9", 5353),)),
+        Rule("ip", "udp", "10.96.0.53", 53, (("10.0.1.9", 5353),)),
+    ]
+    script = ruleset(rules(services, slices))
+    web = ("ip daddr 10.96.0.10 tcp dport 80 dnat to numgen random mod 2 map "
+           "{ 0 : 10.0.1.5 . 8080, 1 : 10.0.2.7 . 8080 }")
+    assert web in script
+    assert "fib daddr type local udp dport 30053" in script
+    assert "shop" not in script and "web" not in script  # addresses and numbers only
+
+
+@pytest.fixture
+def node() -> Iterator[Topology]:
+    topology = Topology()
+    topology.create()
+    try:
+        run("ip", "netns", "exec", topology.host, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        yield topology
+    finally:
+        topology.destroy()
+
+
+def serve(pod: Pod, port: int, accepted: Counter[str], stop: threading.Event) -> threading.Thread:
+    with netns(pod.netns_path):
+        listener = socket.create_server(("0.0.0.0", port))
+    listener.settimeout(0.2)
+
+    def loop() -> None:
+        with listener:
+            while not stop.is_set():
+                try:
+                    connection, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                accepted[pod.ip] += 1
+                connection.close()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread
+
+
+def connect(pod: Pod, address: str, port: int) -> None:
+    with netns(pod.netns_path):
+        sock = socket.socket()
+    with sock:
+        sock.settimeout(5)
+        sock.connect((address, port))
+        sock.recv(1)
+
+
+@needs_root
+def test_connections_to_a_cluster_ip_and_a_node_port_spread_over_the_ready_backends(node: Topology) -> None:
+    client, *backends = (node.add_pod() for _ in range(4))
+    for pod in (client, *backends):
+        run("ip", "-n", pod.netns, "route", "add", "default", "via", pod.host_ip)
+    ready = backends[:3]
+    slices = [endpoint_slice("web", [*((b.ip, True) for b in ready)], [{"name": "http", "port": 8080}])]
+    services = [service("web", "10.96.231.10", [{"name": "http", "port": 80, "nodePort": 30080}], "NodePort")]
+    accepted: Counter[str] = Counter()
+    stop = threading.Event()
+    threads = [serve(b, 8080, accepted, stop) for b in backends]
+    try:
+        with node.in_host():
+            apply(ruleset(rules(services, slices)))
+        for _ in range(60):
+            connect(client, "10.96.231.10", 80)
+        for _ in range(6):
+            connect(client, client.host_ip, 30080)  # a node address: the NodePort
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(2)
+    assert sum(accepted.values()) == 66
+    assert set(accepted) == {b.ip for b in ready}, "every ready backend served, and only those"
+    with node.in_host():
+        apply(removal())
+    assert TABLE not in run("ip", "netns", "exec", node.host, "nft", "list", "tables")
