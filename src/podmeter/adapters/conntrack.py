@@ -27,6 +27,7 @@ import logging
 import socket
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from podmeter.adapters.datapath.ebpf.links import NLM_F_DUMP, NetlinkError, NetlinkSocket, attributes, pack_attribute
 
@@ -54,9 +55,9 @@ _BE32 = struct.Struct(">I")
 _BE16 = struct.Struct(">H")
 
 
-@dataclass(frozen=True, slots=True)
-class Tuple:
-    """One direction of a connection: protocol number, source and destination address and port."""
+class Tuple(NamedTuple):
+    """One direction of a connection: protocol number, source and destination address and port (the
+    shape of ``model.services.FiveTuple``)."""
 
     protocol: int
     src: str
@@ -145,12 +146,32 @@ def _translation(data: memoryview) -> Translation | None:
             reply = _tuple(value)
         elif kind == CTA_STATUS and len(value) >= 4:
             status = _BE32.unpack_from(value)[0]
+            break  # the kernel writes the tuples first, then the status: the rest is not needed
     if original is None or reply is None or not status & IPS_DST_NAT:
         return None
     return Translation(original, reply, source_translated=bool(status & IPS_SRC_NAT))
 
 
+# The layout the kernel writes for an IPv4 tuple with ports (TCP, UDP, SCTP): read in one unpack, checked
+# by its lengths and types; any other (IPv6, ICMP, a kernel that adds an attribute) takes the general walk.
+_V4_PORTS = struct.Struct("=HHHH4sHH4sHHHHB3xHHH2xHHH2x")
+_V4_PORTS_HEAD = (20, CTA_TUPLE_IP | NLA_F_NESTED, 8, CTA_IP_V4_SRC, 8, CTA_IP_V4_DST, 28,
+                  CTA_TUPLE_PROTO | NLA_F_NESTED, 5, CTA_PROTO_NUM, 6, CTA_PROTO_SRC_PORT, 6, CTA_PROTO_DST_PORT)
+
+
 def _tuple(data: memoryview) -> Tuple | None:
+    if len(data) >= _V4_PORTS.size:
+        (ip_len, ip_type, src_len, src_type, src, dst_len, dst_type, dst, proto_len, proto_type, num_len, num_type,
+         protocol, sport_len, sport_type, sport, dport_len, dport_type, dport) = _V4_PORTS.unpack_from(data)
+        head = (ip_len, ip_type, src_len, src_type, dst_len, dst_type, proto_len, proto_type, num_len, num_type,
+                sport_len, sport_type, dport_len, dport_type)
+        if head == _V4_PORTS_HEAD:
+            return Tuple(protocol, socket.inet_ntoa(src), socket.ntohs(sport), socket.inet_ntoa(dst),
+                         socket.ntohs(dport))
+    return _walked_tuple(data)
+
+
+def _walked_tuple(data: memoryview) -> Tuple | None:
     src = dst = None
     protocol = sport = dport = 0
     for kind, value in attributes(data):
