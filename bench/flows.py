@@ -32,8 +32,16 @@ packets over the same 1,000 flows (target <= 1.1: the cost follows flows, not pa
 100,000-packet case also runs 9,900,000 packets between unobserved IPs (no flow), so that both drains
 follow the same kernel work. ``drain_wall_ms_1k_flows`` (information): the wall-clock time of those
 drains, mostly the grace period. ``flows_lost_when_full`` (information): packets counted in
-``flows_lost`` when 1,000 flows of 10 packets each meet a 64-entry map (exactly 936 x 10 expected; the
-per-pod counters stay exact).
+``flows_lost`` when 1,000 flows of 10 packets each of one pod meet a 64-entry map (the fairness rule
+gives one pod 3/4 of it and one share, 49 entries: exactly 951 x 10 expected; the per-pod counters stay
+exact).
+
+Fairness (issue 25): ``quiet_flows_recorded_fraction`` is the fraction of a quiet pod's new flows that
+the flows map records while a noisy pod sprays new tuples, :func:`fairness_probe`: an 8,192-entry map,
+each interval (a drain) the noisy pod's 37,500 new flows (60,000 per second for 5 s against 65,536
+entries, scaled to the map) with the quiet pod's 50 spread among them, on two pod links; 3 intervals.
+``quiet_flows_recorded_fraction_unfair`` is the same probe with the rule off (``Fairness.off()``, the
+behaviour before it), in the same run.
 
 Maps are created unpinned: the benchmark leaves nothing behind. Prints a table, then one JSON line.
 """
@@ -41,20 +49,32 @@ Maps are created unpinned: the benchmark leaves nothing behind. Prints a table, 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
 import random
+import socket
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from podmeter.adapters.datapath.ebpf import frames, layout
-from podmeter.adapters.datapath.ebpf.datapath import COUNTERS_MAP, FILTER_MAP, FROM_POD, EbpfDatapath, map_sizes
+from podmeter.adapters.datapath.ebpf.datapath import (
+    COUNTERS_MAP,
+    FILTER_MAP,
+    FROM_POD,
+    EbpfDatapath,
+    Fairness,
+    map_sizes,
+)
 from podmeter.adapters.datapath.ebpf.loader import Loaded, Program, load
+from podmeter.adapters.datapath.ebpf.netns import netns
 from podmeter.adapters.datapath.ebpf.preflight import BARE_OBJECT_NAME, NOFLOWS_OBJECT_NAME, OBJECT_NAME, object_path
 from podmeter.model.datapath import Direction
 from podmeter.model.endpoints import AddressBook
@@ -70,6 +90,9 @@ LOCAL_PODS = 1_000
 NODE = "node-bench"
 RATIO_FLOWS = 1_000
 FULL_MAP, FULL_FLOWS, FULL_PACKETS = 64, 1_000, 10
+FAIR_MAP, FAIR_QUIET, FAIR_INTERVALS = 8_192, 50, 3
+FAIR_NOISY = FAIR_MAP * (60_000 * 5) // 65_536  # 60,000 new tuples a second for a 5 s interval, scaled to the map
+NOISY_POD, QUIET_POD = "10.244.2.7", "10.244.2.8"
 REPO = Path(__file__).resolve().parent.parent
 UNOBSERVED_FRAME = frames.udp_frame("10.255.255.254", PEER)
 NEAR_FRAME = frames.udp_frame("10.244.11.251", "10.244.11.252")  # in local_v4's /22, never one of its IPs
@@ -91,6 +114,8 @@ class Figures:
     drain_wall_ms_1k_flows: float
     flows_lost_when_full: int
     counters_exact_when_full: bool
+    quiet_flows_recorded_fraction: float
+    quiet_flows_recorded_fraction_unfair: float
 
     @property
     def flows_overhead_ns(self) -> float:
@@ -342,7 +367,8 @@ def drain_ratio(runs: int) -> tuple[float, float, float]:
 
 
 def lost_when_full() -> tuple[int, bool]:
-    """(packets counted in flows_lost, were the counters exact) for 1,000 flows meeting a 64-entry map."""
+    """(packets counted in flows_lost, were the counters exact) for 1,000 flows of one pod meeting a
+    64-entry map (of which the fairness rule gives one pod 3/4 and a share)."""
     maps = Unpinned.load(FULL_MAP)
     datapath, program = maps.datapath, maps.program
     try:
@@ -356,10 +382,82 @@ def lost_when_full() -> tuple[int, bool]:
         counters = datapath.read_counters()
         exact = sum(t.packets for t in counters.values()) == FULL_FLOWS * FULL_PACKETS and sum(
             t.bytes for t in counters.values()) == frame_bytes
-        assert lost == (FULL_FLOWS - FULL_MAP) * FULL_PACKETS, lost
+        fairness = Fairness.for_capacity(FULL_MAP)
+        assert lost == (FULL_FLOWS - fairness.threshold - fairness.share) * FULL_PACKETS, lost
         return lost, exact
     finally:
         maps.close()
+
+
+# --- fairness --------------------------------------------------------------------------------------------------
+
+
+def sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+@contextmanager
+def two_links() -> Iterator[tuple[str, int, int]]:
+    """A network namespace with two links standing for two pods' veths (the two ends of one veth pair:
+    BPF_PROG_TEST_RUN runs a packet on an interface of the caller's netns): (its path, the noisy link's
+    ifindex, the quiet one's). Removed afterwards."""
+    name = f"pmbenchfair{os.getpid()}"
+    sh("ip", "netns", "add", name)
+    try:
+        sh("ip", "-n", name, "link", "add", "noisy", "type", "veth", "peer", "name", "quiet")
+        path = f"/run/netns/{name}"
+        with netns(path):
+            yield path, socket.if_nametoindex("noisy"), socket.if_nametoindex("quiet")
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+@functools.cache
+def probe_frames(noisy_link: int, quiet_link: int) -> list[tuple[bytes, int]]:
+    """One interval of the probe: (frame, link) in order, the quiet pod's flows spread evenly."""
+    every = FAIR_NOISY // FAIR_QUIET
+    out = []
+    for n in range(FAIR_NOISY):
+        out.append((frames.ethernet(frames.ETH_P_IP, frames.ipv4(NOISY_POD, PEER, frames.udp(
+            b"n", 1024 + n % 60_000, 1 + n // 60_000))), noisy_link))
+        if n % every == every // 2:
+            out.append((frames.ethernet(frames.ETH_P_IP, frames.ipv4(QUIET_POD, PEER, frames.udp(
+                b"q", 30_000 + n // every, 53))), quiet_link))
+    assert sum(1 for _, link in out if link == quiet_link) == FAIR_QUIET
+    return out
+
+
+def fairness_probe(fairness: Fairness | None, noisy_link: int, quiet_link: int) -> float:
+    """The fraction of the quiet pod's new flows recorded over ``FAIR_INTERVALS`` intervals, each
+    ``FAIR_NOISY`` new flows of the noisy pod with ``FAIR_QUIET`` of the quiet pod spread evenly among
+    them, then a drain. ``fairness`` None: the rule the datapath configures for the map (the agent's);
+    else that one. The per-pod counters are checked to the packet."""
+    maps = Unpinned.load(FAIR_MAP)
+    datapath, program = maps.datapath, maps.program
+    try:
+        assert datapath.flows is not None
+        if fairness is not None:
+            datapath.flows.configure(fairness)
+        assert datapath.insert([NOISY_POD, QUIET_POD]).error is None
+        recorded = 0
+        for _ in range(FAIR_INTERVALS):
+            for frame, link in probe_frames(noisy_link, quiet_link):
+                program.test_run(frame, ifindex=link)
+            recorded += sum(1 for key, _ in datapath.drain_flows() if key.source == QUIET_POD)
+        counters = datapath.read_counters()
+        assert counters[(NOISY_POD, Direction.EGRESS)].packets == FAIR_INTERVALS * FAIR_NOISY
+        assert counters[(QUIET_POD, Direction.EGRESS)].packets == FAIR_INTERVALS * FAIR_QUIET
+        return recorded / (FAIR_INTERVALS * FAIR_QUIET)
+    finally:
+        maps.close()
+
+
+def fairness_figures() -> tuple[float, float]:
+    """(quiet flows recorded with the rule, without it) in one run."""
+    with two_links() as (_, noisy_link, quiet_link):
+        unfair = fairness_probe(Fairness.off(), noisy_link, quiet_link)
+        fair = fairness_probe(None, noisy_link, quiet_link)
+    return fair, unfair
 
 
 # --- running ---------------------------------------------------------------------------------------------------
@@ -393,9 +491,11 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> Figure
     progress("drain after 100,000 and 10,000,000 packets")
     few_ms, many_ms, wall_ms = drain_ratio(args.runs)
     lost, exact = lost_when_full()
+    progress("fairness: a noisy pod and a quiet one")
+    fair, unfair = fairness_figures()
     return Figures(packet["flows"], packet["counting"], packet["bare"], packet["flows_unobserved"],
                    packet["flows_unobserved_near"], drain["total"], drain["drain"], drain["name"], drain["kernel"],
-                   few_ms, many_ms, wall_ms, lost, exact)
+                   few_ms, many_ms, wall_ms, lost, exact, fair, unfair)
 
 
 def main() -> int:
@@ -437,6 +537,9 @@ def print_table(fig: Figures, args: argparse.Namespace) -> None:
         ("drain of 1,000 flows, wall ms", f"{fig.drain_wall_ms_1k_flows:.2f}", "mostly the grace period"),
         ("packets lost, map full", f"{fig.flows_lost_when_full:,}",
          f"{FULL_FLOWS:,} flows x {FULL_PACKETS}, {FULL_MAP} entries; counters exact: {fig.counters_exact_when_full}"),
+        ("quiet pod's flows recorded", f"{fig.quiet_flows_recorded_fraction:.3f}",
+         f"{FAIR_QUIET} among {FAIR_NOISY:,} noisy ones, {FAIR_MAP:,} entries"),
+        ("  ... without the fairness rule", f"{fig.quiet_flows_recorded_fraction_unfair:.3f}", "the reference"),
     ]
     for name, value, note in rows:
         print(f"  {name:<40} {value:>10}   {note}")
@@ -460,6 +563,8 @@ def summary(fig: Figures, args: argparse.Namespace) -> dict[str, object]:
         "drain_cost_ratio_10m_vs_100k_packets": round(fig.drain_cost_ratio, 3),
         "flows_lost_when_full": fig.flows_lost_when_full,
         "counters_exact_when_full": fig.counters_exact_when_full,
+        "quiet_flows_recorded_fraction": round(fig.quiet_flows_recorded_fraction, 3),
+        "quiet_flows_recorded_fraction_unfair": round(fig.quiet_flows_recorded_fraction_unfair, 3),
         "repeat": args.repeat,
         "runs": args.runs,
     }

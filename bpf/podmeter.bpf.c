@@ -11,23 +11,19 @@
  * added to its entry (addresses, ports, protocol, observation point) in the active flows map, `flows_a`
  * or `flows_b`, whichever the one-slot map-in-map `flows` points to. To drain, userspace flips the slot
  * and, once the kernel has waited for running programs, reads and clears the other map. A packet that
- * finds the active map full is counted in `flows_lost`.
+ * finds the active map full, or whose pod link has had its share of a nearly full map (the fairness rule,
+ * pm_flow_admit), is counted in `flows_lost`, once per packet (pm_flow_lost).
  * Built with -DPM_NO_FLOWS (podmeter_noflows.bpf.c, the benchmark's reference) the programs only count.
  *
  * Map layouts are documented in docs/datapath.md; userspace encodes the same structs in
- * podmeter/adapters/datapath/ebpf/layout.py. Change one, change both (and the docs).
+ * podmeter/adapters/datapath/ebpf/layout.py, and refuses an object whose BTF lays them out otherwise.
+ * Change one, change both (and the docs).
  */
 #include "podmeter_parse.h"
-
-#define PM_DIR_INGRESS 0 /* into the pod */
-#define PM_DIR_EGRESS 1	 /* out of the pod */
-
-/* Addresses in keys are byte arrays (not struct pm_addr's words) so that `bpftool map dump` prints them
- * as readable bytes, e.g. IPv4 10.244.1.7 as [0,0,0,0,0,0,0,0,0,0,255,255,10,244,1,7]. */
-struct filter_key {
-	__u32 prefixlen; /* always 128: one host address per entry */
-	__u8 addr[16];
-};
+#include "podmeter_maps.h"
+#ifndef PM_NO_FLOWS
+#include "podmeter_flow.h"
+#endif
 
 struct counter_key {
 	__u8 addr[16];
@@ -39,15 +35,7 @@ struct counter_value {
 	__u64 bytes; /* skb->len at the hook: the whole frame including its Ethernet header */
 };
 
-/* max_entries here are defaults; the loader sets them from --filter-map-size before loading. */
-struct {
-	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
-	__uint(max_entries, 255);
-	__type(key, struct filter_key);
-	__type(value, __u8);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-} filter SEC(".maps");
-
+/* max_entries is a default; the loader sets it from --filter-map-size (twice it) before loading. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
 	__uint(max_entries, 510);
@@ -56,33 +44,6 @@ struct {
 } counters SEC(".maps");
 
 #ifndef PM_NO_FLOWS
-#define PM_OBS_FROM_POD 0 /* pm_from_pod: tc ingress of the host-side veth */
-#define PM_OBS_TO_POD 1	  /* pm_to_pod: tc egress of the host-side veth */
-#define PM_EEXIST 17
-
-/* One flow as seen at one observation point. 40 bytes, no implicit padding (the hash covers every byte,
- * so `pad` is always written as 0). */
-struct flow_key {
-	__u8 src[16]; /* same encoding as filter_key.addr */
-	__u8 dst[16];
-	__u16 sport; /* host byte order; ICMP/ICMPv6: the type */
-	__u16 dport; /* host byte order; ICMP/ICMPv6: the code */
-	__u8 protocol; /* IPv4 protocol / IPv6 next header */
-	__u8 observation; /* PM_OBS_FROM_POD or PM_OBS_TO_POD */
-	__u8 pad[2];
-};
-
-/* Shared by all CPUs (not per-CPU: per-CPU copies times CPUs times max_entries is too much kernel memory
- * on big nodes), so updates are atomic adds. 40 bytes. */
-struct flow_value {
-	__u64 packets;
-	__u64 bytes;	/* skb->len at the hook, like counter_value.bytes */
-	__u64 first_ns; /* bpf_ktime_get_coarse_ns() (CLOCK_MONOTONIC, coarse) of the first packet */
-	__u64 last_ns;	/* ... of the latest packet (within a clock tick under concurrent updates) */
-	__u64 tcp_flags; /* OR of the TCP flags bytes (low 8 bits). 64 bits because a 32-bit atomic OR
-			  * needs -mcpu=v3, a 64-bit one does not. */
-};
-
 struct flows_lost_value {
 	__u64 packets; /* packets that found `flows` full */
 	__u64 bytes;
@@ -130,6 +91,43 @@ struct {
 	__type(key, __u32);
 	__type(value, struct flows_lost_value);
 } flows_lost SEC(".maps");
+
+/* The flow of the last packet this CPU's pm_from_pod could not add (its observation: from-pod), so that
+ * pm_to_pod does not count the same packet lost a second time (see pm_flow_lost). Program state only:
+ * userspace never reads it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct flow_key);
+} flows_lost_seen SEC(".maps");
+
+/* Fairness: a full flows map must not be one pod's. Past `threshold` entries in the active map, each pod
+ * link may create at most `share` more until the next drain (pm_flow_admit). Written by userspace: the
+ * configuration at load, `entries` reset to 0 (and flows_share emptied) by each drain that flips. */
+struct flows_fill {
+	__u64 entries;	 /* entries the programs created in the active map since the last flip */
+	__u32 threshold; /* 0: no rule (every packet may create its entry while the map has room) */
+	__u32 share;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct flows_fill);
+} flows_fill SEC(".maps");
+
+/* Entries each pod link created past the threshold since the last flip. Keyed by the hook's interface
+ * (skb->ifindex: the host side of the pod's veth), not an address: a pod cannot take more shares by
+ * sending from addresses that are not its own, and a dual-stack pod has one share. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096); /* set by the loader */
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} flows_share SEC(".maps");
 #endif /* PM_NO_FLOWS */
 
 static __always_inline void pm_add(struct counter_value *value, struct __sk_buff *skb)
@@ -152,67 +150,125 @@ static __always_inline int pm_count(struct __sk_buff *skb, const struct pm_addr 
 	struct filter_key fkey = { .prefixlen = 128 };
 	struct counter_value first = { .packets = 1, .bytes = skb->len };
 	struct counter_value *value;
+	int lost;
 
 	__builtin_memcpy(ckey.addr, addr, sizeof(ckey.addr));
 	__builtin_memcpy(fkey.addr, addr, sizeof(fkey.addr));
 
 	value = bpf_map_lookup_elem(&counters, &ckey);
-	if (value) {
-		pm_add(value, skb);
-		return 1;
-	}
-	if (!bpf_map_lookup_elem(&filter, &fkey))
-		return 0;
-	if (bpf_map_update_elem(&counters, &ckey, &first, BPF_NOEXIST) == 0) {
-		/* If userspace deleted the IP and took its counters between our filter lookup and this
-		 * insert, the new entry would outlive the pod (and break the invariant). Re-check the
-		 * filter and drop the entry if the IP has gone: one packet of a deleted pod is lost. */
-		if (!bpf_map_lookup_elem(&filter, &fkey)) {
-			bpf_map_delete_elem(&counters, &ckey);
+	if (!value) {
+		if (!bpf_map_lookup_elem(&filter, &fkey))
 			return 0;
+		/* Created: the packet is counted. EEXIST: another CPU created the entry meanwhile and our CPU's
+		 * slot exists now, add to it. E2BIG (map full) leaves the packet uncounted (the IP is still
+		 * observed). */
+		value = pm_create(&counters, &ckey, &first, &lost);
+		if (!value) {
+			/* If userspace deleted the IP and took its counters between our filter lookup and this
+			 * insert, the new entry would outlive the pod (and break the invariant). Re-check the
+			 * filter and drop the entry if the IP has gone: one packet of a deleted pod is lost. */
+			if (!lost && !bpf_map_lookup_elem(&filter, &fkey)) {
+				bpf_map_delete_elem(&counters, &ckey);
+				return 0;
+			}
+			return 1;
 		}
-		return 1;
 	}
-	/* EEXIST: another CPU created the entry meanwhile and our CPU's slot exists now. E2BIG (map full)
-	 * leaves the packet uncounted (the IP is still observed). */
-	value = bpf_map_lookup_elem(&counters, &ckey);
-	if (value)
-		pm_add(value, skb);
+	pm_add(value, skb);
 	return 1;
 }
 
 #ifndef PM_NO_FLOWS
-static __always_inline int pm_observed(const struct pm_addr *addr)
-{
-	struct filter_key fkey = { .prefixlen = 128 };
+#define PM_SRC_UNKNOWN 2 /* pm_flow's src_observed when the source was not looked up */
 
-	__builtin_memcpy(fkey.addr, addr, sizeof(fkey.addr));
-	return bpf_map_lookup_elem(&filter, &fkey) != 0;
+/* Whether a packet whose flow has no entry yet may create one (the fairness rule). Below the threshold
+ * every packet may; past it, only one whose pod link (the hook's interface) created fewer than `share`
+ * entries since the threshold was passed. Sets *past when the threshold is passed. Concurrent CPUs may
+ * pass a link a few entries over its share: the rule bounds a pod, it does not meter it. */
+static __always_inline int pm_flow_admit(const struct flows_fill *fill, __u32 link, int *past)
+{
+	__u64 *used;
+
+	*past = 0;
+	if (!fill || !fill->threshold || fill->entries < fill->threshold)
+		return 1;
+	*past = 1;
+	used = bpf_map_lookup_elem(&flows_share, &link);
+	return !used || *used < fill->share;
 }
 
-static __always_inline void pm_flow_add(struct flow_value *value, __u64 len, __u64 now, __u8 tcp_flags)
+/* Account for an entry this packet created. A link flows_share has no room for is not limited: the
+ * flows map itself still is. */
+static __always_inline void pm_flow_created(struct flows_fill *fill, __u32 link, int past)
 {
-	__sync_fetch_and_add(&value->packets, 1);
-	__sync_fetch_and_add(&value->bytes, len);
-	/* The coarse clock moves once a tick: most packets skip the store, and the cache line stays shared
-	 * longer. Two CPUs racing here may leave the earlier of two times one tick apart. */
-	if (now > value->last_ns)
-		value->last_ns = now;
-	if ((value->tcp_flags & tcp_flags) != tcp_flags)
-		__sync_fetch_and_or(&value->tcp_flags, (__u64)tcp_flags);
+	if (!fill)
+		return;
+	__sync_fetch_and_add(&fill->entries, 1);
+	if (past)
+		pm_count_u64(&flows_share, &link, 1);
 }
 
-/* Add one packet to its flow entry in the active flows map; a packet that finds it full (or no active
- * map) is counted in flows_lost. */
-static __always_inline void pm_flow(struct __sk_buff *skb, const struct pm_packet *pkt, __u8 observation)
+/* 40-byte keys, 8-byte aligned (both are: the stack key is declared so, map values always are). */
+static __always_inline int pm_same_flow(const struct flow_key *a, const struct flow_key *b)
 {
-	struct flow_key key;
-	struct flow_value *value;
+	const __u64 *x = (const __u64 *)a, *y = (const __u64 *)b;
+
+	return x[0] == y[0] && x[1] == y[1] && x[2] == y[2] && x[3] == y[3] && x[4] == y[4];
+}
+
+/* Count a packet the active flows map did not take in flows_lost, once per packet: at the observation
+ * point that owns it, the same rule by which the workload series count each packet once per node
+ * (model/flow_series.py). A packet between two pods of this node passes pm_from_pod (leaving the one) and
+ * then pm_to_pod (entering the other), and both may fail to add it: it is lost at pm_from_pod, where it
+ * was seen first. So pm_to_pod counts no packet
+ * - whose source is observed: an observed address is a pod of this node, whose pm_from_pod saw it;
+ * - that this CPU's pm_from_pod has just failed to add (flows_lost_seen holds its flow): from one pod's
+ *   tc ingress to another's tc egress a packet is forwarded in one go, on one CPU;
+ * - whose from-pod entry is in the active map: pm_from_pod added it, it is not lost.
+ * What is left came from elsewhere (another node, the node itself, the world): this is its only point.
+ * Packets refused by the fairness rule are lost the same way. */
+static __always_inline void pm_flow_lost(struct __sk_buff *skb, void *active, struct flow_key *key,
+					 const struct pm_packet *pkt, int src_observed)
+{
 	struct flows_lost_value *lost;
+	struct flow_key *seen;
+	__u32 zero = 0;
+
+	seen = bpf_map_lookup_elem(&flows_lost_seen, &zero);
+	if (key->observation == PM_OBS_FROM_POD) {
+		if (seen)
+			*seen = *key;
+	} else {
+		if (src_observed == 1)
+			return;
+		key->observation = PM_OBS_FROM_POD;
+		if (seen && pm_same_flow(seen, key))
+			return;
+		if (active && bpf_map_lookup_elem(active, key))
+			return;
+		if (src_observed == PM_SRC_UNKNOWN && pm_observed(&pkt->src))
+			return;
+	}
+	lost = bpf_map_lookup_elem(&flows_lost, &zero);
+	if (lost) {
+		lost->packets += 1; /* per-CPU slot, preemption off: plain adds are race-free */
+		lost->bytes += skb->len;
+	}
+}
+
+/* Add one packet to its flow entry in the active flows map; a packet that finds it full, or is refused
+ * by the fairness rule (or finds no active map), is counted in flows_lost. src_observed: whether the
+ * source is in the filter (0 or 1), or PM_SRC_UNKNOWN (pm_to_pod only needs it for a loss). */
+static __always_inline void pm_flow(struct __sk_buff *skb, const struct pm_packet *pkt, __u8 observation,
+				    int src_observed)
+{
+	struct flow_key key __attribute__((aligned(8)));
+	struct flows_fill *fill;
 	void *active;
 	__u64 now = bpf_ktime_get_coarse_ns();
 	__u32 zero = 0;
-	long err;
+	__u32 link;
+	int past;
 
 	__builtin_memcpy(key.src, &pkt->src, sizeof(key.src));
 	__builtin_memcpy(key.dst, &pkt->dst, sizeof(key.dst));
@@ -228,38 +284,23 @@ static __always_inline void pm_flow(struct __sk_buff *skb, const struct pm_packe
 	active = bpf_map_lookup_elem(&flows, &zero);
 	if (!active)
 		goto lost;
-	value = bpf_map_lookup_elem(active, &key);
-	if (value) {
-		pm_flow_add(value, skb->len, now, pkt->tcp_flags);
+	if (pm_flow_found(active, &key, skb->len, now, pkt->tcp_flags))
 		return;
-	}
-	{
-		struct flow_value first = {
-			.packets = 1,
-			.bytes = skb->len,
-			.first_ns = now,
-			.last_ns = now,
-			.tcp_flags = pkt->tcp_flags,
-		};
-
-		err = bpf_map_update_elem(active, &key, &first, BPF_NOEXIST);
-	}
-	if (err == 0)
-		return;
-	if (err == -PM_EEXIST) { /* another CPU created it meanwhile */
-		value = bpf_map_lookup_elem(active, &key);
-		if (value) {
-			pm_flow_add(value, skb->len, now, pkt->tcp_flags);
+	/* A new flow. */
+	fill = bpf_map_lookup_elem(&flows_fill, &zero);
+	link = skb->ifindex;
+	if (pm_flow_admit(fill, link, &past)) {
+		switch (pm_flow_create(active, &key, skb->len, now, pkt->tcp_flags)) {
+		case PM_FLOW_CREATED:
+			pm_flow_created(fill, link, past);
+			return;
+		case PM_FLOW_ADDED:
 			return;
 		}
 	}
-	/* E2BIG: the map is full until the next drain. Never silent: */
+	/* E2BIG: the map is full until the next drain; or the pod has had its share. Never silent: */
 lost:
-	lost = bpf_map_lookup_elem(&flows_lost, &zero);
-	if (lost) {
-		lost->packets += 1; /* per-CPU slot, preemption off: plain adds are race-free */
-		lost->bytes += skb->len;
-	}
+	pm_flow_lost(skb, active, &key, pkt, src_observed);
 }
 #endif /* PM_NO_FLOWS */
 
@@ -276,7 +317,7 @@ int pm_from_pod(struct __sk_buff *skb)
 	observed = pm_count(skb, &pkt.src, PM_DIR_EGRESS);
 #ifndef PM_NO_FLOWS
 	if (observed || pm_observed(&pkt.dst))
-		pm_flow(skb, &pkt, PM_OBS_FROM_POD);
+		pm_flow(skb, &pkt, PM_OBS_FROM_POD, observed);
 #else
 	(void)observed;
 #endif
@@ -289,13 +330,17 @@ int pm_to_pod(struct __sk_buff *skb)
 {
 	struct pm_packet pkt;
 	int observed;
+#ifndef PM_NO_FLOWS
+	int src_observed;
+#endif
 
 	if (pm_parse(skb, &pkt) != 0)
 		return TC_ACT_UNSPEC;
 	observed = pm_count(skb, &pkt.dst, PM_DIR_INGRESS);
 #ifndef PM_NO_FLOWS
-	if (observed || pm_observed(&pkt.src))
-		pm_flow(skb, &pkt, PM_OBS_TO_POD);
+	src_observed = observed ? PM_SRC_UNKNOWN : pm_observed(&pkt.src);
+	if (observed || src_observed)
+		pm_flow(skb, &pkt, PM_OBS_TO_POD, src_observed);
 #else
 	(void)observed;
 #endif

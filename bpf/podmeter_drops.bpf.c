@@ -23,13 +23,10 @@
  * libbpf relocates their offsets against the running kernel's BTF at load. Layouts of the maps: docs/drops.md,
  * mirrored in podmeter/adapters/datapath/ebpf/drops.py. Change one, change both.
  */
-#include <linux/bpf.h>
 #include <linux/in6.h>
-#include <bpf/bpf_helpers.h>
-#include <bpf/bpf_endian.h>
 
-#define PM_DIR_INGRESS 0 /* into the pod: the observed address is the destination */
-#define PM_DIR_EGRESS 1	 /* out of the pod: the observed address is the source */
+#include "podmeter_maps.h"
+#include "podmeter_flow.h"
 
 #define PM_TCP_RETRANSMIT 0
 #define PM_TCP_RESET_SENT 1
@@ -48,12 +45,6 @@
 #define PM_ETH_P_IPV6 0x86DD
 #define PM_AF_INET 2
 #define PM_AF_INET6 10
-#define PM_PROTO_ICMP 1
-#define PM_PROTO_TCP 6
-#define PM_PROTO_UDP 17
-#define PM_PROTO_ICMPV6 58
-#define PM_IP_OFFSET_MASK 0x1FFF
-#define PM_EEXIST 17
 #define PM_NO_HEADER 0xFFFF /* skb->network_header when unset (~0U in a __u16) */
 
 /* --- the kernel's structures, as far as they are read (CO-RE) --------------------------------------- */
@@ -81,23 +72,8 @@ struct sock {
 
 /* --- maps ---------------------------------------------------------------------------------------------- */
 
-struct pm_addr {
-	__u32 word[4];
-};
-
-/* The agent's filter: the loader makes this object use the agent's pinned map (bpf_map__reuse_fd). */
-struct filter_key {
-	__u32 prefixlen;
-	__u8 addr[16];
-};
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
-	__uint(max_entries, 255);
-	__type(key, struct filter_key);
-	__type(value, __u8);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-} filter SEC(".maps");
+/* The agent's filter is declared in podmeter_maps.h, as for the TC programs: the loader makes this object use
+ * the agent's pinned map (bpf_map__reuse_fd). */
 
 /* 24 bytes, no implicit padding (the hash covers every byte). */
 struct drop_key {
@@ -122,15 +98,6 @@ struct drop_flow_key {
 	__u8 observed; /* PM_OBSERVED_SRC | PM_OBSERVED_DST */
 	__u8 pad[2];
 	__u32 reason;
-};
-
-/* The layout of the flows map's values (docs/datapath.md). */
-struct drop_flow_value {
-	__u64 packets;
-	__u64 bytes;
-	__u64 first_ns; /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
-	__u64 last_ns;
-	__u64 tcp_flags;
 };
 
 /* 20 bytes. */
@@ -160,7 +127,8 @@ struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1024);
 	__type(key, struct drop_flow_key);
-	__type(value, struct drop_flow_value);
+	/* podmeter_flow.h: the flows maps' values, added to the same way (first_ns/last_ns: bpf_ktime_get_ns()) */
+	__type(value, struct flow_value);
 } drop_flows SEC(".maps");
 
 struct {
@@ -187,14 +155,6 @@ struct {
 
 /* --- helpers ----------------------------------------------------------------------------------------- */
 
-static __always_inline int pm_observed(const struct pm_addr *addr)
-{
-	struct filter_key fkey = { .prefixlen = 128 };
-
-	__builtin_memcpy(fkey.addr, addr, sizeof(fkey.addr));
-	return bpf_map_lookup_elem(&filter, &fkey) != 0;
-}
-
 static __always_inline void pm_lost(__u32 slot)
 {
 	__u64 *lost = bpf_map_lookup_elem(&drops_lost, &slot);
@@ -203,35 +163,12 @@ static __always_inline void pm_lost(__u32 slot)
 		__sync_fetch_and_add(lost, 1); /* per-CPU, but the TCP programs may interrupt one another */
 }
 
-static __always_inline void pm_v4(struct pm_addr *addr, __u32 be_addr)
+/* Add `value` to the u64 at `key` in a hash `map` of counts, creating it if needed; a full map counts in
+ * `slot`. */
+static __always_inline void pm_count_or_lose(void *map, const void *key, __u64 value, __u32 slot)
 {
-	addr->word[0] = 0;
-	addr->word[1] = 0;
-	addr->word[2] = bpf_htonl(0x0000FFFF);
-	addr->word[3] = be_addr;
-}
-
-/* Add `value` to the u64 at `key` in a hash `map`, creating it if needed; a full map counts in `slot`. */
-static __always_inline void pm_count_u64(void *map, const void *key, __u64 value, __u32 slot)
-{
-	__u64 *count = bpf_map_lookup_elem(map, key);
-	long err;
-
-	if (count) {
-		__sync_fetch_and_add(count, value);
-		return;
-	}
-	err = bpf_map_update_elem(map, key, &value, BPF_NOEXIST);
-	if (err == 0)
-		return;
-	if (err == -PM_EEXIST) {
-		count = bpf_map_lookup_elem(map, key);
-		if (count) {
-			__sync_fetch_and_add(count, value);
-			return;
-		}
-	}
-	pm_lost(slot);
+	if (!pm_count_u64(map, key, value))
+		pm_lost(slot);
 }
 
 /* --- drops --------------------------------------------------------------------------------------------- */
@@ -269,8 +206,8 @@ static __always_inline int pm_l3(const struct sk_buff *skb, struct pm_l3 *l3)
 
 		if (bpf_probe_read_kernel(&ip, sizeof(ip), head + nh) != 0 || (ip.vihl >> 4) != 4)
 			return -1;
-		pm_v4(&l3->src, ip.saddr);
-		pm_v4(&l3->dst, ip.daddr);
+		pm_map_v4(&l3->src, ip.saddr);
+		pm_map_v4(&l3->dst, ip.daddr);
 		l3->protocol = ip.protocol;
 		l3->l4_offset = nh + (ip.vihl & 0x0F) * 4;
 		l3->fragment = (bpf_ntohs(ip.frag_off) & PM_IP_OFFSET_MASK) != 0;
@@ -338,42 +275,24 @@ static __always_inline void pm_drop_count(const struct pm_addr *addr, __u8 direc
 	struct drop_key key = { .reason = reason, .direction = direction };
 	struct drop_value first = { .packets = 1, .bytes = len };
 	struct drop_value *value;
-	long err;
+	int lost;
 
 	__builtin_memcpy(key.addr, addr, sizeof(key.addr));
-	value = bpf_map_lookup_elem(&drops, &key);
-	if (!value) {
-		err = bpf_map_update_elem(&drops, &key, &first, BPF_NOEXIST);
-		if (err == 0)
-			return;
-		value = err == -PM_EEXIST ? bpf_map_lookup_elem(&drops, &key) : 0;
-		if (!value) {
-			pm_lost(PM_LOST_DROPS);
-			return;
-		}
+	value = pm_upsert(&drops, &key, &first, &lost);
+	if (value) {
+		__sync_fetch_and_add(&value->packets, 1);
+		__sync_fetch_and_add(&value->bytes, len);
+	} else if (lost) {
+		pm_lost(PM_LOST_DROPS);
 	}
-	__sync_fetch_and_add(&value->packets, 1);
-	__sync_fetch_and_add(&value->bytes, len);
-}
-
-static __always_inline void pm_drop_flow_add(struct drop_flow_value *value, __u64 len, __u64 now, __u8 tcp_flags)
-{
-	__sync_fetch_and_add(&value->packets, 1);
-	__sync_fetch_and_add(&value->bytes, len);
-	if (now > value->last_ns)
-		value->last_ns = now;
-	if ((value->tcp_flags & tcp_flags) != tcp_flags)
-		__sync_fetch_and_or(&value->tcp_flags, (__u64)tcp_flags);
 }
 
 static __always_inline void pm_drop_flow(const struct sk_buff *skb, const struct pm_l3 *l3, __u8 observed,
 					 __u32 reason, __u64 len)
 {
 	struct drop_flow_key key;
-	struct drop_flow_value *value;
 	__u64 now = bpf_ktime_get_ns(); /* the coarse clock is not offered to tracing programs */
 	__u8 tcp_flags;
-	long err;
 
 	__builtin_memcpy(key.src, &l3->src, sizeof(key.src));
 	__builtin_memcpy(key.dst, &l3->dst, sizeof(key.dst));
@@ -384,28 +303,10 @@ static __always_inline void pm_drop_flow(const struct sk_buff *skb, const struct
 	key.pad[1] = 0;
 	key.reason = reason;
 
-	value = bpf_map_lookup_elem(&drop_flows, &key);
-	if (value) {
-		pm_drop_flow_add(value, len, now, tcp_flags);
+	if (pm_flow_found(&drop_flows, &key, len, now, tcp_flags))
 		return;
-	}
-	{
-		struct drop_flow_value first = {
-			.packets = 1, .bytes = len, .first_ns = now, .last_ns = now, .tcp_flags = tcp_flags,
-		};
-
-		err = bpf_map_update_elem(&drop_flows, &key, &first, BPF_NOEXIST);
-	}
-	if (err == 0)
-		return;
-	if (err == -PM_EEXIST) {
-		value = bpf_map_lookup_elem(&drop_flows, &key);
-		if (value) {
-			pm_drop_flow_add(value, len, now, tcp_flags);
-			return;
-		}
-	}
-	pm_lost(PM_LOST_DROP_FLOWS);
+	if (pm_flow_create(&drop_flows, &key, len, now, tcp_flags) == PM_FLOW_LOST)
+		pm_lost(PM_LOST_DROP_FLOWS);
 }
 
 /* void trace_kfree_skb(struct sk_buff *skb, void *location, enum skb_drop_reason reason, ...) */
@@ -452,8 +353,8 @@ static __always_inline int pm_sock_conn(const struct sock *sk, struct pm_conn *c
 	unsigned short family = sk->__sk_common.skc_family;
 
 	if (family == PM_AF_INET) {
-		pm_v4(&conn->local, sk->__sk_common.skc_rcv_saddr);
-		pm_v4(&conn->remote, sk->__sk_common.skc_daddr);
+		pm_map_v4(&conn->local, sk->__sk_common.skc_rcv_saddr);
+		pm_map_v4(&conn->remote, sk->__sk_common.skc_daddr);
 	} else if (family == PM_AF_INET6) {
 		if (bpf_probe_read_kernel(&conn->local, 16, &sk->__sk_common.skc_v6_rcv_saddr) != 0 ||
 		    bpf_probe_read_kernel(&conn->remote, 16, &sk->__sk_common.skc_v6_daddr) != 0)
@@ -471,7 +372,7 @@ static __always_inline void pm_tcp_event(const struct pm_addr *local, __u32 even
 	struct tcp_key key = { .event = event };
 
 	__builtin_memcpy(key.addr, local, sizeof(key.addr));
-	pm_count_u64(&tcp, &key, 1, PM_LOST_TCP);
+	pm_count_or_lose(&tcp, &key, 1, PM_LOST_TCP);
 }
 
 static __always_inline int pm_retransmit(const struct sock *sk)
@@ -491,7 +392,7 @@ static __always_inline int pm_retransmit(const struct sock *sk)
 	__builtin_memcpy(key.dst, &conn.remote, sizeof(key.dst));
 	key.sport = conn.lport;
 	key.dport = conn.rport;
-	pm_count_u64(&tcp_flows, &key, 1, PM_LOST_TCP_FLOWS);
+	pm_count_or_lose(&tcp_flows, &key, 1, PM_LOST_TCP_FLOWS);
 	return 0;
 }
 

@@ -2,8 +2,7 @@
 /* Benchmark floor: a program on the same tracepoint as pm_kfree_skb that does nothing. bench/drops.py runs
  * it under the same drop flood; its run time per call is what the kernel's run-time statistics cost
  * (two clock reads per call) plus the call itself. The agent never loads this object. */
-#include <linux/bpf.h>
-#include <bpf/bpf_helpers.h>
+#include "podmeter_common.h"
 
 SEC("tp_btf/kfree_skb")
 int pm_kfree_skb_nop(__u64 *ctx)

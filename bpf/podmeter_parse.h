@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: GPL-2.0 */
-/* The header parser shared by podmeter's counting program and the parse-only benchmark program.
+/* The header parser of the TC programs: podmeter's counting program and the parse-only benchmark program.
  *
  * It finds the IPv4 or IPv6 source and destination of an Ethernet frame, skipping up to two in-band
  * VLAN tags (802.1Q / 802.1ad), and writes both as 16-byte addresses: IPv6 as is, IPv4 mapped as
@@ -22,29 +22,17 @@
 #ifndef PODMETER_PARSE_H
 #define PODMETER_PARSE_H
 
-#include <linux/bpf.h>
+#include "podmeter_common.h"
 #include <linux/if_ether.h>
 #include <linux/ip.h>
 #include <linux/ipv6.h>
 #include <linux/pkt_cls.h>
 #include <linux/tcp.h>
 #include <linux/udp.h>
-#include <bpf/bpf_helpers.h>
-#include <bpf/bpf_endian.h>
 
 #define PM_MAX_VLAN_TAGS 2
 
-#define PM_PROTO_ICMP 1
-#define PM_PROTO_TCP 6
-#define PM_PROTO_UDP 17
-#define PM_PROTO_ICMPV6 58
-#define PM_IP_OFFSET_MASK 0x1FFF /* fragment offset bits of iphdr.frag_off (host order) */
 #define PM_TCP_FLAGS_OFFSET 13	 /* the flags byte of a TCP header: CWR ECE URG ACK PSH RST SYN FIN */
-
-/* An address as podmeter keys it: 16 bytes, IPv4 mapped into IPv6. Four words so that copies are cheap. */
-struct pm_addr {
-	__u32 word[4];
-};
 
 /* What the parser gives the programs. Ports (and ICMP type/code) in host byte order. */
 struct pm_packet {
@@ -62,14 +50,6 @@ struct pm_vlan_hdr {
 	__be16 tci;
 	__be16 encapsulated_proto;
 };
-
-static __always_inline void pm_map_v4(struct pm_addr *out, __be32 v4)
-{
-	out->word[0] = 0;
-	out->word[1] = 0;
-	out->word[2] = bpf_htonl(0x0000ffff);
-	out->word[3] = v4;
-}
 
 /* The first `need` bytes of the transport header: in the packet when `direct` and the skb's linear part
  * holds them, else copied into `copy`; NULL when the packet is shorter. `need` and `direct` are constants

@@ -590,7 +590,7 @@ def test_the_single_flows_map_of_an_older_agent_is_replaced_and_its_entries_drai
     assert flow_maps(dp).slot.shape.type == 12 and active_name(dp) == "flows_a"
     assert totals(dp.drain_flows()) == undrained
     assert sorted(path.name for path in pin_dir.iterdir()) == ["counters", "filter", "flows", "flows_a", "flows_b",
-                                                                "flows_lost"]
+                                                                "flows_fill", "flows_lost", "flows_share"]
 
 
 @pytest.mark.parametrize("slot", ["empty", "stray map"])

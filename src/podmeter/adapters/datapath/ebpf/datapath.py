@@ -15,7 +15,9 @@ It is also the :class:`~podmeter.model.flows.FlowSource` over the double-buffere
 program adds every packet with an observed end to its entry in the active one of ``flows_a`` and
 ``flows_b``, which the one-slot map-in-map ``flows`` points to; :meth:`EbpfDatapath.drain_flows` flips the
 slot, lets the kernel wait for running programs, then reads and deletes the other map's entries: see
-:class:`FlowMaps`) and its loss counter ``flows_lost``.
+:class:`FlowMaps`) and its loss counter ``flows_lost``. The programs keep a full flows map fair between
+pods (:class:`Fairness`: past 3/4 of its entries each pod link may create only a share more until the
+next drain), in ``flows_fill`` and ``flows_share``, which the drain resets.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import gc
 import logging
 import os
 from collections.abc import Generator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from podmeter.adapters.datapath.ebpf import layout, preflight
@@ -50,8 +53,12 @@ FLOWS_MAP = "flows"  # the slot: an ARRAY_OF_MAPS of one entry, the flows map th
 FLOWS_A = "flows_a"  # the two flows maps, active in turn
 FLOWS_B = "flows_b"
 FLOWS_LOST_MAP = "flows_lost"
-MAP_NAMES = [FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_LOST_MAP]
-TRANSIENT_MAPS = frozenset({FLOWS_MAP, FLOWS_A, FLOWS_B})  # replaced, not migrated, when the pin does not match
+FLOWS_FILL_MAP = "flows_fill"  # the fairness rule's configuration and the active map's entry count
+FLOWS_SHARE_MAP = "flows_share"  # entries each pod link created past the threshold
+MAP_NAMES = [FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_LOST_MAP, FLOWS_FILL_MAP, FLOWS_SHARE_MAP]
+READER_MAPS = [FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_LOST_MAP]  # what open_pinned opens
+# Replaced, not migrated, when the pin does not match.
+TRANSIENT_MAPS = frozenset({FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_FILL_MAP, FLOWS_SHARE_MAP})
 # The layout of flows_a and flows_b (max_entries aside): what the slot's inner map template accepts.
 FLOW_MAP_SHAPE = MapShape(BPF_MAP_TYPE_HASH, layout.FLOW_KEY.size, layout.FLOW_VALUE.size, 0, 0)
 FLOWS_SLOT_SHAPE = MapShape(BPF_MAP_TYPE_ARRAY_OF_MAPS, len(layout.FLOWS_SLOT_KEY), layout.MAP_REF.size, 0, 1)
@@ -61,6 +68,7 @@ DEFAULT_FILTER_SIZE = 65536
 MAX_FILTER_SIZE = 1 << 24
 DEFAULT_FLOW_SIZE = 65536
 MAX_FLOW_SIZE = 1 << 24
+SHARE_LINKS = 4096  # pod links flows_share counts in one interval (more are not limited: fail open)
 
 
 class Programs:
@@ -99,6 +107,8 @@ def map_sizes(filter_size: int, flow_size: int) -> dict[str, int]:
         FLOWS_A: flow_size,
         FLOWS_B: flow_size,
         FLOWS_LOST_MAP: 1,
+        FLOWS_FILL_MAP: 1,
+        FLOWS_SHARE_MAP: SHARE_LINKS,
     }
 
 
@@ -156,6 +166,38 @@ def _slot_id(slot: BpfMap) -> int:
     return 0 if raw is None else int(layout.MAP_REF.unpack(raw)[0])
 
 
+@dataclass(frozen=True)
+class Fairness:
+    """The rule that keeps a full flows map from being one pod's (issue 25), run by the programs.
+
+    While the active map holds fewer than ``threshold`` entries (the programs count those they create,
+    in ``flows_fill``), every new flow gets an entry. Past it, a packet may create one only if its pod
+    link (the hook's interface: a pod cannot take more by sending from other addresses) created fewer
+    than ``share`` entries since the threshold was passed (``flows_share``); otherwise the packet is lost
+    (``flows_lost``), as it would be in a full map. So the last quarter of the map is kept for the pods
+    that did not fill the rest: a pod that sprays new tuples fills 3/4 and then gets one share like
+    anybody else, and a pod with fewer than ``share`` new flows per interval has all of them recorded
+    unless more than ``capacity / 4 / share`` pods need theirs. Each drain that flips resets both counts.
+    The per-pod counters are not affected by any of it.
+    """
+
+    threshold: int
+    share: int
+
+    FILL_NUMERATOR, FILL_DENOMINATOR = 3, 4  # the threshold: 3/4 of the map
+    SHARES = 16  # the remaining quarter in shares: pods that can each take a whole one
+
+    @classmethod
+    def for_capacity(cls, capacity: int) -> Fairness:
+        threshold = capacity * cls.FILL_NUMERATOR // cls.FILL_DENOMINATOR
+        return cls(threshold, max(1, (capacity - threshold) // cls.SHARES))
+
+    @classmethod
+    def off(cls) -> Fairness:
+        """No rule: every packet may create its entry while the map has room (before issue 25)."""
+        return cls(0, 0)
+
+
 class FlowMaps:
     """The double-buffered flows maps: ``flows_a`` and ``flows_b`` of one layout, and ``slot`` (pinned as
     ``flows``), an ARRAY_OF_MAPS whose one slot holds the map the programs add to, the *active* one.
@@ -173,8 +215,11 @@ class FlowMaps:
     program can reach it.
     """
 
-    def __init__(self, slot: BpfMap, a: BpfMap, b: BpfMap) -> None:
+    def __init__(self, slot: BpfMap, a: BpfMap, b: BpfMap, *, fill: BpfMap | None = None,
+                 share: BpfMap | None = None) -> None:
         self.slot, self.a, self.b = slot, a, b
+        self.fill, self.share = fill, share  # the fairness rule's maps (None: a reader, or an older object)
+        self.fairness = Fairness.off()
         self.standby_dirty = True  # not known to be empty
 
     @property
@@ -207,6 +252,38 @@ class FlowMaps:
         self.standby_dirty = not roles[1].is_empty()
         return roles
 
+    def configure(self, fairness: Fairness) -> None:
+        """Set the fairness rule the programs apply (the owner, at start). The count of entries in the
+        active map is kept if it holds entries (a predecessor's, with the same pinned maps), else 0."""
+        self.fairness = fairness
+        if self.fill is None:
+            return
+        roles = self.roles()
+        entries = 0
+        if roles is not None and not roles[0].is_empty():
+            raw = self.fill.lookup(layout.FLOWS_FILL_KEY)
+            entries = 0 if raw is None else int(layout.FLOWS_FILL.unpack(raw)[0])
+        self.fill.update(layout.FLOWS_FILL_KEY, layout.FLOWS_FILL.pack(entries, fairness.threshold, fairness.share))
+
+    def reset_fairness(self) -> None:
+        """Start the next interval's counts: no entry created in the map about to become active, no
+        share used. Done just before the flip, so an entry a program creates in the old map meanwhile is
+        counted in the new interval (the rule errs towards limiting a little early, never late)."""
+        if self.fill is None:
+            return
+        try:
+            self.fill.update(layout.FLOWS_FILL_KEY,
+                             layout.FLOWS_FILL.pack(0, self.fairness.threshold, self.fairness.share))
+            if self.share is not None and not self.share.is_empty():  # empty unless the threshold was passed
+                _clear(self.share)
+        except BpfCallError as error:  # the rule then counts on from where it was: limits sooner, not later
+            log.warning("flows: the fairness counts were not reset (%s)", error)
+
+    def fill_entries(self) -> int:
+        """Entries the programs count as created in the active map since the last flip (0 without the map)."""
+        raw = None if self.fill is None else self.fill.lookup(layout.FLOWS_FILL_KEY)
+        return 0 if raw is None else int(layout.FLOWS_FILL.unpack(raw)[0])
+
     def restore(self, items: list[tuple[bytes, bytes]]) -> None:
         """Put undrained entries (of an older agent's single map) in the standby map, which no program
         reaches: the next drain takes them first."""
@@ -218,8 +295,9 @@ class FlowMaps:
                         outcome.error)
 
     def close(self) -> None:
-        for bpf_map in (self.slot, self.a, self.b):
-            bpf_map.close()
+        for bpf_map in (self.slot, self.a, self.b, self.fill, self.share):
+            if bpf_map is not None:
+                bpf_map.close()
 
 
 @contextlib.contextmanager
@@ -275,12 +353,14 @@ class EbpfDatapath:
     @classmethod
     def from_loaded(cls, loaded: Loaded, programs: Programs | None = None, pins: PinDir | None = None) -> EbpfDatapath:
         """The datapath over the maps of a load (the flows maps if the object has them), as their owner:
-        the flows slot is checked (:meth:`FlowMaps.adopt`)."""
+        the flows slot is checked (:meth:`FlowMaps.adopt`) and the fairness rule set for the map's size."""
         maps = loaded.maps
         flows = None
         if all(name in maps for name in (FLOWS_MAP, FLOWS_A, FLOWS_B)):
-            flows = FlowMaps(maps[FLOWS_MAP], maps[FLOWS_A], maps[FLOWS_B])
+            flows = FlowMaps(maps[FLOWS_MAP], maps[FLOWS_A], maps[FLOWS_B], fill=maps.get(FLOWS_FILL_MAP),
+                             share=maps.get(FLOWS_SHARE_MAP))
             flows.adopt()
+            flows.configure(Fairness.for_capacity(flows.capacity))
         return cls(maps[FILTER_MAP], maps[COUNTERS_MAP], programs, pins, flows=flows,
                    flows_lost_map=maps.get(FLOWS_LOST_MAP))
 
@@ -329,7 +409,7 @@ class EbpfDatapath:
         pins = PinDir(bpffs)
         opened: list[BpfMap] = []
         try:
-            for name in MAP_NAMES:
+            for name in READER_MAPS:
                 if name in (FILTER_MAP, COUNTERS_MAP) or pins.has(name):
                     opened.append(pins.open(name))
         except BaseException:
@@ -443,7 +523,8 @@ class EbpfDatapath:
            reaches it, so it is taken whole.
         2. If the active map holds nothing, that is all (no flip: a flow created now is in the next drain).
         3. Flip: the slot now holds the standby map; the syscall returns after an RCU grace period, when
-           no program can still be adding to the old active map.
+           no program can still be adding to the old active map. Just before it, the fairness rule's
+           counts start again (:meth:`FlowMaps.reset_fairness`).
         4. Take every entry of the old active map, now quiescent.
 
         Each map is taken with BPF_MAP_LOOKUP_AND_DELETE_BATCH, ``chunk`` entries a call; on a kernel
@@ -466,6 +547,7 @@ class EbpfDatapath:
             flows.standby_dirty = False
         if active.is_empty():
             return
+        flows.reset_fairness()
         flows.activate(standby)
         flows.standby_dirty = True  # until the old active map is taken whole
         if (yield from _take_whole(active, chunk)):
@@ -482,11 +564,12 @@ class EbpfDatapath:
                     for entry in _decode_items(bpf_map.collect_items(), texts)]
 
     def flows_lost(self) -> int:
-        """Packets that found the flows map full, since it was created (summed over CPUs)."""
+        """Packets the flows map did not take (it was full, or their pod had had its share of it: see
+        :class:`Fairness`), each packet once, since the map was created (summed over CPUs)."""
         return self.flows_lost_traffic().packets
 
     def flows_lost_traffic(self) -> Traffic:
-        """Packets and bytes that found the flows map full, since it was created."""
+        """Packets and bytes the flows map did not take, since it was created (see :meth:`flows_lost`)."""
         if self.flows_lost_map is None:
             return Traffic()
         raw = self.flows_lost_map.lookup(layout.FLOWS_LOST_KEY)
@@ -504,6 +587,17 @@ class EbpfDatapath:
         if error.errno_name == "ENOSPC" and op == "insert":
             return FilterFull(f"filter map is full ({self.capacity} entries); {failed} was not inserted")
         return DatapathError(error.errno_name, f"filter {op} of {failed} failed: {os.strerror(error.errno or 0)}")
+
+    def read_counters_of(self, ips: Iterable[str]) -> dict[tuple[str, Direction], Traffic]:
+        """The counters of ``ips`` only, summed over CPUs, left in place: one lookup per key (the Datapath
+        protocol's narrow read, for the IPs that changed hands; :meth:`read_counters` reads every entry)."""
+        found = {}
+        for ip in ips:
+            for direction in Direction:
+                value = self.counters_map.lookup(layout.counter_key(ip, direction))
+                if value is not None:
+                    found[(ip, direction)] = layout.sum_per_cpu(value)
+        return found
 
 
 def _take_whole(bpf_map: BpfMap, chunk: int) -> Generator[tuple[memoryview, memoryview, int], None, bool]:
@@ -526,6 +620,17 @@ def _take_whole(bpf_map: BpfMap, chunk: int) -> Generator[tuple[memoryview, memo
             values_joined = b"".join(value for _, value in items)
             yield memoryview(keys_joined), memoryview(values_joined), len(items)
     return True
+
+
+def _clear(bpf_map: BpfMap) -> None:
+    """Delete every entry (batched; key by key on a kernel without the batch operation)."""
+    try:
+        for _ in bpf_map.take_batches():
+            pass
+    except BpfCallError as error:
+        if error.errno not in BATCH_UNSUPPORTED:
+            raise
+        bpf_map.take_each()
 
 
 def _decode(keys: memoryview, values: memoryview, count: int, texts: layout.AddressTexts) -> list[FlowEntry]:

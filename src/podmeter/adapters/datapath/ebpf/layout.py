@@ -14,18 +14,29 @@ order. docs/datapath.md shows the same layouts next to ``bpftool map dump`` outp
              value struct flow_value   { __u64 packets, bytes, first_ns, last_ns, tcp_flags; }  40 bytes
     flows    key   __u32 0 (one slot); value: the active flows map (written: its fd; read: its map id)
     flows_lost key __u32 0; value struct flows_lost_value { __u64 packets; __u64 bytes; }  per CPU
+    flows_fill key __u32 0; value struct flows_fill { __u64 entries; __u32 threshold; __u32 share; }
+    flows_share key __u32 ifindex (a pod's link); value __u64 entries created past the threshold
+    flows_lost_seen (the programs' own: never read here) key __u32 0; value struct flow_key  per CPU
 
 Ports in flow keys are in host byte order (the program converts them); ICMP type and code travel in
 ``sport`` and ``dport``. ``observation`` is 0 for from-pod (``pm_from_pod``), 1 for to-pod.
+
+The formats here (and the drop tracer's in ``drops.py``) are checked against the built objects' BTF
+(:func:`drift`, :data:`MAP_MIRRORS`): the loader refuses an object whose structs have moved, naming the
+struct and the member, and a test checks the shipped objects.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import partial
 
+from podmeter.adapters.datapath.ebpf.btf import MapTypes, TypeLayout
 from podmeter.model.datapath import Direction, Traffic
 from podmeter.model.flows import FlowCounts, FlowEntry, FlowKey, Observation
 
@@ -44,7 +55,12 @@ FLOW_VALUE = struct.Struct("=QQQQQ")  # packets, bytes, first_ns, last_ns, tcp_f
 FLOWS_LOST_KEY = struct.pack("=I", 0)
 FLOWS_SLOT_KEY = struct.pack("=I", 0)  # the one slot of the flows map-in-map
 MAP_REF = struct.Struct("=I")  # a map-in-map value: an inner map's fd when written, its map id when read
+FLOWS_LOST_VALUE = struct.Struct("=QQ")  # packets, bytes: one per possible CPU
 FLOWS_LOST_STRIDE = 16  # round_up(sizeof(struct flows_lost_value), 8)
+FLOWS_FILL_KEY = struct.pack("=I", 0)
+FLOWS_FILL = struct.Struct("=QII")  # entries, threshold, share (struct flows_fill)
+SHARE_KEY = struct.Struct("=I")  # a pod link's ifindex
+SHARE_VALUE = struct.Struct("=Q")  # entries it created past the threshold
 
 # Direction codes of the C program (PM_DIR_INGRESS / PM_DIR_EGRESS).
 DIRECTION_CODES = {Direction.INGRESS: 0, Direction.EGRESS: 1}
@@ -167,3 +183,139 @@ def sum_lost(raw: bytes) -> tuple[int, int]:
     """(packets, bytes) of the per-CPU ``flows_lost`` value, summed over CPUs."""
     words = memoryview(raw).cast("Q")
     return sum(words[0::2]), sum(words[1::2])
+
+
+# --- the check against the objects' BTF ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """A struct format of the Python side and where it is defined (for messages): what it mirrors is
+    the key or value type of a map in an object."""
+
+    where: str
+    format: struct.Struct
+
+
+_U8, _U32, _U64 = struct.Struct("=B"), struct.Struct("=I"), struct.Struct("=Q")
+_SLOT = Mirror("layout.FLOWS_SLOT_KEY", _U32)  # the __u32 0 of one-slot maps
+
+# Map name -> (key, value) mirrors of every map the TC object defines (podmeter.bpf.c; the noflows build
+# has the first two). None: the map names no such type (a map-in-map's values are maps).
+MAP_MIRRORS: dict[str, tuple[Mirror | None, Mirror | None]] = {
+    "filter": (Mirror("layout.FILTER_KEY", FILTER_KEY), Mirror("layout.FILTER_VALUE", _U8)),
+    "counters": (Mirror("layout.COUNTER_KEY", COUNTER_KEY), Mirror("layout.COUNTER_VALUE", COUNTER_VALUE)),
+    "flows_a": (Mirror("layout.FLOW_KEY", FLOW_KEY), Mirror("layout.FLOW_VALUE", FLOW_VALUE)),
+    "flows_b": (Mirror("layout.FLOW_KEY", FLOW_KEY), Mirror("layout.FLOW_VALUE", FLOW_VALUE)),
+    "flows": (_SLOT, None),
+    "flows_lost": (_SLOT, Mirror("layout.FLOWS_LOST_VALUE", FLOWS_LOST_VALUE)),
+    "flows_lost_seen": (_SLOT, Mirror("layout.FLOW_KEY", FLOW_KEY)),
+    "flows_fill": (_SLOT, Mirror("layout.FLOWS_FILL", FLOWS_FILL)),
+    "flows_share": (Mirror("layout.SHARE_KEY", SHARE_KEY), Mirror("layout.SHARE_VALUE", SHARE_VALUE)),
+}
+
+
+def drop_mirrors() -> dict[str, tuple[Mirror | None, Mirror | None]]:
+    """The same for the drop tracer's object (podmeter_drops.bpf.c), from the formats of ``drops.py``."""
+    from podmeter.adapters.datapath.ebpf import drops  # drops imports this module
+
+    count = Mirror("drops.COUNT", drops.COUNT)
+    return {
+        "filter": MAP_MIRRORS["filter"],
+        "drops": (Mirror("drops.DROP_KEY", drops.DROP_KEY), Mirror("drops.DROP_VALUE", drops.DROP_VALUE)),
+        "drop_flows": (Mirror("drops.DROP_FLOW_KEY", drops.DROP_FLOW_KEY),
+                       Mirror("drops.DROP_FLOW_VALUE", drops.DROP_FLOW_VALUE)),
+        "tcp": (Mirror("drops.TCP_KEY", drops.TCP_KEY), count),
+        "tcp_flows": (Mirror("drops.TCP_FLOW_KEY", drops.TCP_FLOW_KEY), count),
+        "drops_lost": (Mirror("the __u32 slot index of drops.drops_lost()", _U32), count),
+    }
+
+
+def all_mirrors() -> dict[str, tuple[Mirror | None, Mirror | None]]:
+    """Every map name podmeter's objects define -> its mirrors (the name ``filter`` is the same map in
+    both objects)."""
+    return {**MAP_MIRRORS, **drop_mirrors()}
+
+
+_FORMAT_ITEM = re.compile(r"(\d*)([xcbB?hHiIlLqQnNefdspP])")
+
+
+def format_fields(layout: struct.Struct) -> list[tuple[int, int]]:
+    """(offset, size) of each item of a struct format with standard sizes (``=``, ``<``, ``>``, ``!``),
+    in order. A string (``16s``) or a run of pad bytes (``2x``) is one item, as an array is one member
+    in C; ``QQ`` is two. Raises ValueError for a format with native alignment (``@``), which may pad."""
+    text = layout.format.replace(" ", "")
+    if not text or text[0] not in "=<>!":
+        raise ValueError(f"struct format {layout.format!r} has native alignment: use '=' (no implicit padding)")
+    fields: list[tuple[int, int]] = []
+    offset = 0
+    for count, code in _FORMAT_ITEM.findall(text[1:]):
+        repeat = int(count) if count else 1
+        size = struct.calcsize("=" + code)
+        if code in "sxp":
+            fields.append((offset, repeat * size))
+            offset += repeat * size
+            continue
+        for _ in range(repeat):
+            fields.append((offset, size))
+            offset += size
+    if offset != layout.size:
+        raise ValueError(f"cannot read struct format {layout.format!r}")
+    return fields
+
+
+def _bytes(size: int) -> str:
+    return f"{size} byte" if size == 1 else f"{size} bytes"
+
+
+def type_drift(what: str, built: TypeLayout, mirror: Mirror) -> list[str]:
+    """How the type ``built`` (from an object's BTF) and ``mirror`` disagree, one sentence each, naming
+    the struct and the member; empty when they match: the same size, and for a struct one format item
+    per member at the member's offset with its size."""
+    fields = format_fields(mirror.format)
+    problems: list[str] = []
+    if built.size != mirror.format.size:
+        problems.append(f"{what}: {built.name} is {_bytes(built.size)} in the object but {mirror.where} "
+                        f"({mirror.format.format!r}) is {_bytes(mirror.format.size)}")
+    if not built.is_struct:
+        if len(fields) != 1:
+            problems.append(f"{what}: {built.name} is one value but {mirror.where} has {len(fields)} fields")
+        return problems
+    for index, member in enumerate(built.members):
+        if not member.whole_bytes:
+            problems.append(f"{what}: {built.name} member {member.name} is a bitfield, which no struct format "
+                            "mirrors")
+            continue
+        if index >= len(fields):
+            problems.append(f"{what}: {built.name} member {member.name} (offset {member.offset}, "
+                            f"{_bytes(member.size)}) has no field in {mirror.where}, which ends at offset "
+                            f"{mirror.format.size}")
+            continue
+        offset, size = fields[index]
+        if (offset, size) != (member.offset, member.size):
+            problems.append(f"{what}: {built.name} member {member.name} is at offset {member.offset} "
+                            f"({_bytes(member.size)}) in the object but field {index} of {mirror.where} "
+                            f"({mirror.format.format!r}) is at offset {offset} ({_bytes(size)})")
+    for index in range(len(built.members), len(fields)):
+        offset, size = fields[index]
+        problems.append(f"{what}: {mirror.where} field {index} (offset {offset}, {_bytes(size)}) has no "
+                        f"member in {built.name}")
+    return problems
+
+
+def drift(maps: Mapping[str, MapTypes],
+          mirrors: Mapping[str, tuple[Mirror | None, Mirror | None]]) -> list[str]:
+    """Every disagreement between the key and value types of an object's maps (``btf.ObjectBtf.maps()``)
+    and their mirrors. A map without mirrors is not compared (it is not one podmeter reads)."""
+    problems: list[str] = []
+    for name, types in maps.items():
+        if name not in mirrors:
+            continue
+        for part, built, mirror in (("key", types.key, mirrors[name][0]), ("value", types.value, mirrors[name][1])):
+            if mirror is None:
+                continue
+            if built is None:
+                problems.append(f"map {name}: the object names no {part} type, {mirror.where} expects one")
+                continue
+            problems.extend(type_drift(f"map {name} {part}", built, mirror))
+    return problems

@@ -12,6 +12,11 @@ another size or layout is replaced by a new empty map, and the entries it held a
 a pin the caller names in ``replace`` (one whose layout matches but that cannot be reused: the
 ``flows`` slot map when the kernel cannot tell which inner maps it accepts).
 
+Before an object is opened its maps' key and value structs, as its BTF lays them out, are compared with
+the Python side's struct formats (:func:`check_layouts`): an object built from C that moved a field is
+refused with :class:`LayoutMismatch`, naming the map, the struct and the member, instead of being read
+wrongly.
+
 After loading, the loader keeps duplicates of the program and map descriptors and closes the libbpf
 object, so their lifetimes are independent of libbpf's.
 """
@@ -19,17 +24,25 @@ object, so their lifetimes are independent of libbpf's.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from podmeter.adapters.datapath.ebpf import btf, layout
 from podmeter.adapters.datapath.ebpf.errors import LoadFailed, PinMismatch
 from podmeter.adapters.datapath.ebpf.libbpf import BpfCallError, Libbpf, TestRunOpts, libbpf
 from podmeter.adapters.datapath.ebpf.maps import BPF_MAP_TYPE_ARRAY_OF_MAPS, BpfMap, MapShape
 from podmeter.adapters.datapath.ebpf.pins import PinDir
 
 log = logging.getLogger("podmeter.datapath.ebpf")
+
+
+# struct __sk_buff (uapi) as far as BPF_PROG_TEST_RUN reads it: ifindex is at byte 40.
+_SKB_IFINDEX, _SKB_CTX_SIZE = 40, 48
+_IFINDEX = struct.Struct("=I")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,13 +61,22 @@ class Program:
         self.fd = fd
         self.name = name
 
-    def test_run(self, frame: bytes, repeat: int = 1) -> TestRun:
-        """Run the program on ``frame`` with the live maps (BPF_PROG_TEST_RUN); it counts like a packet."""
+    def test_run(self, frame: bytes, repeat: int = 1, *, ifindex: int = 0) -> TestRun:
+        """Run the program on ``frame`` with the live maps (BPF_PROG_TEST_RUN); it counts like a packet.
+
+        ``ifindex``: the interface the packet is on (``skb->ifindex``: the pod link the fairness rule
+        charges), an interface of the calling thread's network namespace; 0 is the loopback device.
+        """
         data = ctypes.create_string_buffer(frame, len(frame))
         opts = TestRunOpts(sz=ctypes.sizeof(TestRunOpts))
         opts.data_in = ctypes.cast(data, ctypes.c_void_p)
         opts.data_size_in = len(frame)
         opts.repeat = repeat
+        if ifindex:
+            ctx = ctypes.create_string_buffer(_SKB_CTX_SIZE)
+            _IFINDEX.pack_into(ctx, _SKB_IFINDEX, ifindex)  # every other field 0, as the kernel requires
+            opts.ctx_in = ctypes.cast(ctx, ctypes.c_void_p)
+            opts.ctx_size_in = _SKB_CTX_SIZE
         libbpf().call("bpf_prog_test_run_opts", self.fd, ctypes.byref(opts))
         return TestRun(ctypes.c_int32(opts.retval).value, opts.duration)
 
@@ -64,10 +86,41 @@ class Program:
             self.fd = -1
 
 
+class LayoutMismatch(LoadFailed):
+    """The object's map structs are not laid out as the Python side reads them; ``str(error)`` names each
+    map, struct and member that differs."""
+
+
+@functools.lru_cache(maxsize=16)
+def _drift(path: str, modified_ns: int, size: int) -> tuple[str, ...]:
+    return tuple(layout.drift(btf.read_object_btf(path).maps(), layout.all_mirrors()))
+
+
+def check_layouts(path: Path) -> None:
+    """Compare the key and value types of every map the object at ``path`` defines (its ``.BTF``) with the
+    struct formats of ``layout.py`` and ``drops.py``; raise :class:`LayoutMismatch` if any differs, and
+    :class:`~.errors.LoadFailed` if the object has no readable BTF. (A missing file is left to libbpf.)"""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return
+    try:
+        problems = _drift(str(path), stat.st_mtime_ns, stat.st_size)
+    except (OSError, btf.BtfError) as error:
+        raise LoadFailed(f"cannot read the BTF of {path} ({error}): rebuild it with `make bpf`") from error
+    if problems:
+        raise LayoutMismatch(
+            f"{path} does not lay out its maps as podmeter reads them (a struct in bpf/ changed without its "
+            "mirror in podmeter/adapters/datapath/ebpf/layout.py or drops.py, or the object is stale: "
+            "`make bpf`): " + "; ".join(problems))
+
+
 class BpfObject:
-    """An opened (then loaded) libbpf ``bpf_object``; close it once the fds you need are duplicated."""
+    """An opened (then loaded) libbpf ``bpf_object``; close it once the fds you need are duplicated.
+    Opening checks the object's map layouts first (:func:`check_layouts`)."""
 
     def __init__(self, path: Path) -> None:
+        check_layouts(path)
         self._lib = libbpf()
         self.path = path
         self._obj = self._lib.pointer(
