@@ -204,7 +204,7 @@ CASES: list[tuple[str, str, str, Any, str, int, str]] = [
         "Invalid",
     ),
     ("unknown-subresource", "GET", PODS + "/keep/exec", None, "application/json", 404, "NotFound"),
-    ("unknown-resource", "GET", "/api/v1/services", None, "application/json", 404, "NotFound"),
+    ("unknown-resource", "GET", "/api/v1/configmaps", None, "application/json", 404, "NotFound"),
     ("bad-label-selector", "GET", PODS + "?labelSelector=a%20in%20b", None, "application/json", 400, "BadRequest"),
     ("bad-rv", "GET", PODS + "?resourceVersion=abc", None, "application/json", 400, "BadRequest"),
     ("bad-limit", "GET", PODS + "?limit=ten", None, "application/json", 400, "BadRequest"),

@@ -509,7 +509,21 @@ def test_discovery_shapes(srv: LabServer) -> None:
     lease = recorded("discovery-coordination-v1.json")["body"]["resources"][0]
     assert coord["resources"][0] == {k: v for k, v in lease.items() if k != "storageVersionHash"}
     _, _, groups = srv.request("GET", "/apis")
-    assert {g["name"] for g in groups["groups"]} == {"coordination.k8s.io", "podmeter.io", "apiextensions.k8s.io"}
+    assert {g["name"] for g in groups["groups"]} == {
+        "coordination.k8s.io", "discovery.k8s.io", "podmeter.io", "apiextensions.k8s.io"
+    }
+    assert "discovery.k8s.io" in {g["name"] for g in recorded("discovery-apis.json")["body"]["groups"]}
+    assert {"services", "services/status"} <= {e["name"] for e in v1["resources"]}  # compared above
+    _, _, discovery_v1 = srv.request("GET", "/apis/discovery.k8s.io/v1")
+    assert discovery_v1["resources"] == [
+        {
+            "name": "endpointslices",
+            "singularName": "endpointslice",
+            "namespaced": True,
+            "kind": "EndpointSlice",
+            "verbs": ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"],
+        }
+    ]
 
 
 def test_delete_collection_by_selector(srv: LabServer) -> None:

@@ -2,7 +2,8 @@
 
 Modules by concept: ``store`` (objects, global resourceVersion, bounded history), ``registry`` (the verbs),
 ``watching`` (streams, bookmarks), ``selectors``, ``options`` (list/watch parameters), ``patching``,
-``validation``, ``defaults``, ``resources``, ``discovery``, ``tables`` (kubectl's server-side printing),
+``validation``, ``defaults``, ``resources``, ``services`` (ClusterIP and NodePort allocation),
+``netvalidation`` (Services and EndpointSlices), ``discovery``, ``tables`` (kubectl's server-side printing),
 ``protobuf`` (kubectl's namespace create), ``errors`` (Status bodies), ``faults``, ``admin`` (the
 ``/_lab/`` API), ``app`` (HTTP routing, auth), ``server`` (listener, TLS, kubeconfig, restart) and
 ``client`` (the admin/fault client used by the CLI and tests).

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from podmeter.lab.apiserver import errors
 from podmeter.lab.apiserver.errors import ApiError
-from podmeter.lab.apiserver.resources import BY_KEY, ResourceType
+from podmeter.lab.apiserver.resources import BY_KEY, SERVICES, ResourceType
 from podmeter.lab.apiserver.store import ADDED, MODIFIED, decode, encode
 
 if TYPE_CHECKING:
@@ -122,6 +122,8 @@ class Admin:
             obj["metadata"].setdefault("uid", f"injected-{self.lab.store.rv + 1}")
             stored = self.lab.store.commit(resource, event_type, obj)
             result = {"type": event_type, "resourceVersion": str(stored.rv), "count": len(objects)}
+        if resource is SERVICES:  # what injected Services name is taken, as if they had been allocated
+            self.lab.registry.services.rebuild((s.key, s.decode()) for s in self.lab.store.items(SERVICES))
         return result
 
     def _requests(self, request: web.Request) -> dict[str, Any]:
@@ -149,6 +151,7 @@ class Admin:
                 "injectedFailures": self.lab.faults.injected_failures,
             },
             "uptimeSeconds": round(time.time() - self.lab.started, 3),
+            "serviceAllocations": self.lab.registry.services.stats(),
         }
 
 

@@ -24,7 +24,8 @@ from podmeter.lab.apiserver.admin import Admin
 from podmeter.lab.apiserver.errors import ApiError
 from podmeter.lab.apiserver.faults import Faults
 from podmeter.lab.apiserver.registry import PATCH_TYPES, Registry, WriteContext
-from podmeter.lab.apiserver.resources import NAMESPACES, PODS, ResourceType, lookup
+from podmeter.lab.apiserver.resources import NAMESPACES, PODS, SERVICES, ResourceType, lookup
+from podmeter.lab.apiserver.services import NODE_PORT_RANGE, SERVICE_CIDR, ServiceAllocator, kubernetes_service
 from podmeter.lab.apiserver.store import Store, decode, encode
 from podmeter.lab.apiserver.watching import WatchHub
 
@@ -45,6 +46,10 @@ class Settings:
     too_large_wait: float = 3.0
     watch_queue_limit: int = 10_000
     server_address: str = "127.0.0.1:6443"
+    # ClusterIPs come from here (kubeadm's default; "CIDR,CIDR" of both families: dual-stack); the first
+    # address is the ``kubernetes`` Service's. NodePorts from the range.
+    service_cidr: str = SERVICE_CIDR
+    service_node_port_range: str = NODE_PORT_RANGE
 
 
 @dataclass
@@ -63,7 +68,11 @@ class LabApiServer:
     def __init__(self, settings: Settings, store: Store | None = None) -> None:
         self.settings = settings
         self.store = store or Store(history=settings.history)
-        self.registry = Registry(self.store, settings.too_large_wait)
+        self.registry = Registry(
+            self.store,
+            settings.too_large_wait,
+            ServiceAllocator(settings.service_cidr, settings.service_node_port_range),
+        )
         self.faults = Faults()
         self.hub = WatchHub(
             self.store,
@@ -79,6 +88,9 @@ class LabApiServer:
         if not self.store.objects[NAMESPACES.key]:
             for name in ("default", "kube-system", "kube-public", "kube-node-lease"):
                 self.registry.create(NAMESPACES, None, {"metadata": {"name": name}}, WriteContext())
+            # The Service a real control plane keeps for itself, on the first ClusterIP.
+            self.registry.create(SERVICES, "default", kubernetes_service(self.registry.services.kubernetes_ip()),
+                                 WriteContext(manager="kube-apiserver"))
 
     # --- aiohttp wiring --------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -303,9 +315,10 @@ def _parse_json(raw: bytes, resource: ResourceType) -> Any:
 
 
 async def _read_json(request: web.Request, resource: ResourceType) -> Any:
-    if request.content_type == protobuf.CONTENT_TYPE and resource is NAMESPACES:
+    if request.content_type == protobuf.CONTENT_TYPE and resource in (NAMESPACES, SERVICES):
+        decoder = protobuf.decode_namespace if resource is NAMESPACES else protobuf.decode_service
         try:
-            return protobuf.decode_namespace(await _read_body(request))
+            return decoder(await _read_body(request))
         except (protobuf.ProtobufError, UnicodeDecodeError) as exc:
             raise errors.unsupported_media_type(f"{request.content_type} ({exc})") from exc
     if request.content_type not in ("application/json", "", "application/octet-stream", *PATCH_TYPES):

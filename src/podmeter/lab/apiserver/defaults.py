@@ -235,3 +235,53 @@ def record_manager(
             entry["subresource"] = subresource
         entries.append(entry)
     meta["managedFields"] = entries
+
+
+# --- EndpointSlices -----------------------------------------------------------------------------------------
+
+_ENDPOINT_ORDER = ("addresses", "conditions", "hostname", "targetRef", "nodeName", "zone", "hints",
+                   "deprecatedTopology")
+_CONDITION_ORDER = ("ready", "serving", "terminating")
+_TARGET_REF_ORDER = ("kind", "namespace", "name", "uid", "apiVersion", "resourceVersion", "fieldPath")
+_ENDPOINT_PORT_ORDER = ("name", "protocol", "port", "appProtocol")
+
+
+def _ordered(d: dict[str, Any], order: tuple[str, ...]) -> dict[str, Any]:
+    return {**{k: d[k] for k in order if k in d and d[k] is not None},
+            **{k: v for k, v in d.items() if k not in order and v is not None}}
+
+
+def _endpoint(endpoint: dict[str, Any]) -> dict[str, Any]:
+    endpoint = dict(endpoint)
+    conditions = endpoint.get("conditions")
+    endpoint["conditions"] = _ordered(conditions, _CONDITION_ORDER) if isinstance(conditions, dict) else (
+        {} if conditions is None else conditions)
+    if isinstance(endpoint.get("targetRef"), dict):
+        endpoint["targetRef"] = _ordered(endpoint["targetRef"], _TARGET_REF_ORDER)
+    rest = _ordered(endpoint, _ENDPOINT_ORDER)
+    return {"addresses": endpoint.get("addresses"), **{k: v for k, v in rest.items() if k != "addresses"}}
+
+
+def default_endpointslice(obj: dict[str, Any]) -> None:
+    """discovery/v1 defaulting (a port's ``name`` is ``""`` and its ``protocol`` TCP when absent), the v1
+    type's field order (``conditions`` always present) and what a read from etcd gives: empty ``endpoints``
+    and ``ports`` come back as ``null`` (the fields have no ``omitempty``)."""
+    endpoints = obj.get("endpoints")
+    if isinstance(endpoints, list):
+        endpoints = [_endpoint(e) if isinstance(e, dict) else e for e in endpoints]
+    ports = obj.get("ports")
+    if isinstance(ports, list):
+        ports = [
+            _ordered({"name": "", "protocol": "TCP", **{k: v for k, v in p.items() if v is not None}},
+                     _ENDPOINT_PORT_ORDER) if isinstance(p, dict) else p
+            for p in ports
+        ]
+    rest = {k: v for k, v in obj.items() if k not in ("metadata", "addressType", "endpoints", "ports")}
+    address_type = obj.get("addressType", "")
+    for key in list(obj):
+        if key != "metadata":
+            del obj[key]
+    obj["addressType"] = address_type
+    obj["endpoints"] = endpoints or None
+    obj["ports"] = ports or None
+    obj.update(rest)

@@ -169,14 +169,15 @@ def json_patch(target: Any, ops: Any) -> Any:
 # --- strategic merge patch -----------------------------------------------------------------------------
 
 
-def strategic_merge_patch(target: Any, patch: Any) -> Any:
-    """Strategic merge for the built-in kinds' known list semantics (see MERGE_KEYS)."""
+def strategic_merge_patch(target: Any, patch: Any, keys: dict[str, str | None] | None = None) -> Any:
+    """Strategic merge for the built-in kinds' known list semantics (see MERGE_KEYS). ``keys``: the
+    kind's own list keys where they differ (a Service's ``ports`` merge by ``port``; None: atomic)."""
     if not isinstance(patch, dict):
         raise PatchError("strategic merge patch must be a JSON object")
-    return _smp_map(target if isinstance(target, dict) else {}, patch)
+    return _smp_map(target if isinstance(target, dict) else {}, patch, {**MERGE_KEYS, **(keys or {})})
 
 
-def _smp_map(original: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+def _smp_map(original: dict[str, Any], patch: dict[str, Any], keys: dict[str, str | None]) -> dict[str, Any]:
     directive = patch.get("$patch")
     if directive == "replace":
         return {k: copy.deepcopy(v) for k, v in patch.items() if k != "$patch"}
@@ -199,9 +200,9 @@ def _smp_map(original: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
                 result.pop(key, None)
             else:
                 base = result.get(key)
-                result[key] = _smp_map(base if isinstance(base, dict) else {}, value)
+                result[key] = _smp_map(base if isinstance(base, dict) else {}, value, keys)
         elif isinstance(value, list):
-            result[key] = _smp_list(key, result.get(key), value)
+            result[key] = _smp_list(key, result.get(key), value, keys)
         else:
             result[key] = copy.deepcopy(value)
     if isinstance(retain, list):
@@ -209,11 +210,11 @@ def _smp_map(original: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _smp_list(field: str, original: Any, patch: list[Any]) -> list[Any]:
+def _smp_list(field: str, original: Any, patch: list[Any], keys: dict[str, str | None]) -> list[Any]:
     base = original if isinstance(original, list) else []
     if field in MERGE_PRIMITIVE:
         return [*copy.deepcopy(base), *[v for v in patch if v not in base]]
-    merge_key = MERGE_KEYS.get(field)
+    merge_key = keys.get(field)
     if merge_key is None or not all(isinstance(item, dict) for item in patch):
         if any(isinstance(i, dict) and i.get("$patch") == "replace" for i in patch):
             return [copy.deepcopy(i) for i in patch if not (isinstance(i, dict) and "$patch" in i)]
@@ -232,7 +233,7 @@ def _smp_list(field: str, original: Any, patch: list[Any]) -> list[Any]:
             if index is not None:
                 del result[index]
         elif index is None:
-            result.append(_smp_map({}, item))
+            result.append(_smp_map({}, item, keys))
         else:
-            result[index] = _smp_map(result[index], item)
+            result[index] = _smp_map(result[index], item, keys)
     return result

@@ -23,14 +23,17 @@ from podmeter.lab.apiserver.defaults import record_manager, sync_pod_ips
 from podmeter.lab.apiserver.errors import ApiError, Cause
 from podmeter.lab.apiserver.options import EXACT, ListOptions, encode_continue
 from podmeter.lab.apiserver.resources import (
-    LEASES,
+    ALL,
+    ENDPOINTSLICES,
     META_FIELDS,
     NAMESPACES,
     PODS,
+    SERVICES,
     ResourceType,
     drop_fields,
     unknown_fields,
 )
+from podmeter.lab.apiserver.services import ServiceAllocator, default_service_status
 from podmeter.lab.apiserver.store import ADDED, DELETED, MODIFIED, Store, Stored, object_bytes
 
 _NAME_CHARS = "bcdfghjklmnpqrstvwxz2456789"
@@ -137,9 +140,12 @@ def _type_error(resource: ResourceType, value: Any, where: str, go_type: str) ->
 class Registry:
     """The API semantics over one :class:`Store`."""
 
-    def __init__(self, store: Store, too_large_wait: float = 3.0) -> None:
+    def __init__(self, store: Store, too_large_wait: float = 3.0, services: ServiceAllocator | None = None) -> None:
         self.store = store
         self.too_large_wait = too_large_wait
+        # ClusterIPs and NodePorts: what the stored Services hold (a restored store is re-read).
+        self.services = services or ServiceAllocator()
+        self.services.rebuild((s.key, s.decode()) for s in store.items(SERVICES))
 
     # --- helpers ---------------------------------------------------------------------------------------
     def _key(self, resource: ResourceType, namespace: str | None, name: str) -> str:
@@ -168,13 +174,22 @@ class Registry:
             ctx.warnings += [f'unknown field "{p.lstrip(".")}"' for p in unknown]
         drop_fields(obj, unknown)
 
-    def _validate(self, resource: ResourceType, obj: dict[str, Any], name: str) -> None:
+    def _decode_check(self, resource: ResourceType, obj: dict[str, Any]) -> None:
+        """What the real server's typed decoder refuses (a 400 before defaults and validation)."""
         if resource.decode_check is not None:
             problem = resource.decode_check(obj)
             if problem is not None:
                 raise errors.bad_request(problem)
+
+    def _validate(
+        self, resource: ResourceType, obj: dict[str, Any], name: str, old: dict[str, Any] | None = None
+    ) -> None:
+        self._decode_check(resource, obj)
         meta = obj["metadata"]
-        causes = validation.validate_metadata(meta) + resource.validate(obj)
+        if old is not None and resource.validate_update is not None:
+            causes = validation.validate_metadata(meta) + resource.validate_update(old, obj)
+        else:
+            causes = validation.validate_metadata(meta) + resource.validate(obj)
         if causes:
             raise errors.invalid(resource.kind, name, causes, resource.group)
 
@@ -240,6 +255,7 @@ class Registry:
     def create(self, resource: ResourceType, namespace: str | None, body: Any, ctx: WriteContext) -> bytes:
         obj = _kind_check(resource, body)
         self._check_fields(resource, obj, ctx)
+        self._decode_check(resource, obj)
         meta = _meta(obj)
         _place(resource, meta, namespace)
         name = self._check_new_name(resource, meta)
@@ -252,6 +268,8 @@ class Registry:
         if resource.has_status and resource is not NAMESPACES:
             obj.pop("status", None)  # set through the status subresource, as on a real server
         resource.default(obj)
+        if resource is SERVICES:  # ClusterIPs and NodePorts, before validation (as beginCreate does)
+            self.services.allocate_create(obj, ctx.dry_run)
         record_manager(obj, manager=ctx.manager, api_version=resource.api_version, now=now, touched=requested)
         if resource is NAMESPACES:
             labels = {"metadata": {"labels": obj["metadata"]["labels"]}}
@@ -260,14 +278,17 @@ class Registry:
         if ctx.dry_run:
             obj["metadata"]["resourceVersion"] = str(self.store.rv)
             return object_bytes(resource, _encode(obj))
-        return self.full(resource, self.store.commit(resource, ADDED, obj))
+        stored = self.store.commit(resource, ADDED, obj)
+        if resource is SERVICES:
+            self.services.record(stored.key, obj)
+        return self.full(resource, stored)
 
     def _check_new_name(self, resource: ResourceType, meta: dict[str, Any]) -> str:
         """A valid, free name (generated from ``generateName`` if needed) in an existing namespace."""
         if not meta.get("name") and isinstance(meta.get("generateName"), str) and meta["generateName"]:
             meta["name"] = meta["generateName"] + "".join(random.choice(_NAME_CHARS) for _ in range(5))
         name = meta.get("name")
-        name_causes = validation.validate_name(name, resource.dns_label_names)
+        name_causes = validation.validate_name(name, resource.dns_label_names, resource.dns1035_names)
         if name_causes or not isinstance(name, str):
             causes = name_causes + validation.validate_metadata(meta)
             raise errors.invalid(resource.kind, str(name or ""), causes, resource.group)
@@ -303,6 +324,7 @@ class Registry:
     ) -> bytes:
         obj = _kind_check(resource, body)
         self._check_fields(resource, obj, ctx)
+        self._decode_check(resource, obj)
         meta = _meta(obj)
         if meta.get("name") not in (None, name):
             raise errors.bad_request(
@@ -354,7 +376,7 @@ class Registry:
             else:
                 if resource.group == "podmeter.io":
                     raise errors.unsupported_media_type(patch_type)
-                patched = patching.strategic_merge_patch(base, patch)
+                patched = patching.strategic_merge_patch(base, patch, resource.merge_keys)
         except patching.PatchError as exc:
             if exc.code == 422:
                 raise errors.invalid(
@@ -363,6 +385,7 @@ class Registry:
             raise errors.bad_request(str(exc)) from exc
         obj = _kind_check(resource, patched)
         self._check_fields(resource, obj, ctx)
+        self._decode_check(resource, obj)
         meta = _meta(obj)
         if meta.get("name") != name:
             raise errors.bad_request(
@@ -389,8 +412,12 @@ class Registry:
         old_meta = old["metadata"]
         if subresource == "status":
             new = _status_update(resource, current, requested)
+            if resource is SERVICES:
+                default_service_status(new)
         else:
             new = _main_update(resource, old, requested)
+            if resource is SERVICES:  # allocation for the new spec, then PrepareForUpdate's cleanup
+                self.services.prepare_update(new, old, ctx.dry_run)
         new["metadata"]["resourceVersion"] = old_meta.get("resourceVersion")
         if _same(new, old):
             return self.full(resource, current)
@@ -405,10 +432,13 @@ class Registry:
             touched=section if isinstance(section, dict) else {},
             subresource=subresource,
         )
-        self._validate(resource, new, current.name)
+        self._validate(resource, new, current.name, old if subresource is None else None)
         if ctx.dry_run:
             return object_bytes(resource, _encode(new))
-        return self.full(resource, self.store.commit(resource, MODIFIED, new))
+        stored = self.store.commit(resource, MODIFIED, new)
+        if resource is SERVICES:
+            self.services.record(stored.key, new)
+        return self.full(resource, stored)
 
     def bind(self, namespace: str | None, name: str, body: Any, ctx: WriteContext) -> bytes:
         """``pods/binding`` (what a scheduler posts): set ``spec.nodeName`` once, mark PodScheduled."""
@@ -478,7 +508,10 @@ class Registry:
         if resource is PODS:
             return self._delete_pod(current, options, graceful_pods)
         final = current.decode()
-        return self.full(resource, self.store.commit(resource, DELETED, final))
+        stored = self.store.commit(resource, DELETED, final)
+        if resource is SERVICES:  # its ClusterIPs and NodePorts are free again
+            self.services.forget(stored.key)
+        return self.full(resource, stored)
 
     def delete_collection(
         self,
@@ -554,10 +587,12 @@ class Registry:
             ns["status"] = {"phase": "Terminating"}
             current = self.store.commit(NAMESPACES, MODIFIED, ns)
         response = self.full(NAMESPACES, current)
-        for resource in (PODS, LEASES):
+        for resource in (r for r in ALL if r.namespaced):
             for stored in list(self.store.items(resource, name)):
                 final = stored.decode()
                 self.store.commit(resource, DELETED, final)
+                if resource is SERVICES:
+                    self.services.forget(stored.key)
         self.store.commit(NAMESPACES, DELETED, current.decode())
         return response
 
@@ -606,7 +641,12 @@ def _main_update(resource: ResourceType, old: dict[str, Any], requested: dict[st
         causes = validation.validate_pod_spec_update(old.get("spec") or {}, new.get("spec") or {})
         if causes:
             raise errors.invalid(resource.kind, str(old_meta.get("name", "")), causes)
-    if resource.keeps_generation and new.get("spec") != old.get("spec"):
+    if resource.default_on_update:
+        resource.default(new)
+    changed = any(new.get(f) != old.get(f) for f in resource.spec_fields)
+    if resource is ENDPOINTSLICES:  # its strategy counts label changes too
+        changed = changed or new["metadata"].get("labels") != old_meta.get("labels")
+    if resource.keeps_generation and changed:
         new["metadata"]["generation"] = int(old_meta.get("generation", 1)) + 1
     return new
 

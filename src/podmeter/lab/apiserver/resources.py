@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from podmeter.lab.apiserver import validation
-from podmeter.lab.apiserver.defaults import default_namespace, default_pod
+from podmeter.lab.apiserver import netvalidation, validation
+from podmeter.lab.apiserver.defaults import default_endpointslice, default_namespace, default_pod
 from podmeter.lab.apiserver.errors import Cause
+from podmeter.lab.apiserver.services import default_service
 
 # A schema node: a dict of known keys (value: sub-schema, or None for "anything below").
 Schema = dict[str, Any]
@@ -241,10 +242,18 @@ class ResourceType:
     categories: tuple[str, ...] = ()
     has_status: bool = True
     keeps_generation: bool = False
+    # What a change of bumps ``metadata.generation`` (with ``keeps_generation``): ``spec`` for most kinds.
+    spec_fields: tuple[str, ...] = ("spec",)
     unconditional_update: bool = True
     dns_label_names: bool = False
+    dns1035_names: bool = False  # Services: ``metadata.name`` is a DNS-1035 label
     default: Callable[[dict[str, Any]], None] = _no_defaults
+    default_on_update: bool = False  # the decoder's defaults apply to an update's body too
     validate: Callable[[dict[str, Any]], list[Cause]] = _no_checks
+    # An update's checks (old, new), instead of ``validate``, when the kind has update rules.
+    validate_update: Callable[[dict[str, Any], dict[str, Any]], list[Cause]] | None = None
+    # Strategic merge patch: list merge keys that differ from the shared table (None: the list is atomic).
+    merge_keys: dict[str, str | None] = field(default_factory=dict)
     bookmark_skeleton: dict[str, Any] = field(default_factory=dict)
     # What the real server's typed decoder refuses with a 400 before validating (a string for an int).
     decode_check: Callable[[dict[str, Any]], str | None] | None = None
@@ -410,8 +419,97 @@ CUSTOMRESOURCEDEFINITIONS = ResourceType(
     keeps_generation=True,
 )
 
-ALL: tuple[ResourceType, ...] = (NAMESPACES, PODS, NODES, LEASES, METRICSCONFIGURATIONS, PODSLICES,
-                                 CUSTOMRESOURCEDEFINITIONS)
+_SERVICE_PORT: Schema = dict.fromkeys(("name", "protocol", "appProtocol", "port", "targetPort", "nodePort"))
+_SERVICE_SPEC: Schema = {
+    **dict.fromkeys(
+        (
+            "selector",
+            "clusterIP",
+            "clusterIPs",
+            "type",
+            "externalIPs",
+            "sessionAffinity",
+            "loadBalancerIP",
+            "loadBalancerSourceRanges",
+            "externalName",
+            "externalTrafficPolicy",
+            "healthCheckNodePort",
+            "publishNotReadyAddresses",
+            "sessionAffinityConfig",
+            "ipFamilies",
+            "ipFamilyPolicy",
+            "allocateLoadBalancerNodePorts",
+            "loadBalancerClass",
+            "internalTrafficPolicy",
+            "trafficDistribution",
+        )
+    ),
+    "ports": [_SERVICE_PORT],
+}
+
+
+def _service_fields(obj: dict[str, Any]) -> dict[str, str]:
+    return {
+        **_meta_fields(obj, True),
+        "spec.clusterIP": _text(_get(obj, "spec", "clusterIP")),
+        "spec.type": _text(_get(obj, "spec", "type")),
+    }
+
+
+SERVICES = ResourceType(
+    group="",
+    version="v1",
+    plural="services",
+    singular="service",
+    kind="Service",
+    namespaced=True,
+    verbs=_VERBS,
+    field_keys=("metadata.name", "metadata.namespace", "spec.clusterIP", "spec.type"),
+    fields=_service_fields,
+    schema=_top(_SERVICE_SPEC, {"loadBalancer": None, "conditions": None}),
+    short_names=("svc",),
+    categories=("all",),
+    dns1035_names=True,
+    default=default_service,
+    validate=netvalidation.validate_service,
+    validate_update=netvalidation.validate_service_update,
+    decode_check=netvalidation.service_type_errors,
+    merge_keys={"ports": "port"},
+    bookmark_skeleton={"spec": {}, "status": {"loadBalancer": {}}},
+)
+_ENDPOINT: Schema = dict.fromkeys(
+    ("addresses", "conditions", "hostname", "targetRef", "nodeName", "zone", "hints", "deprecatedTopology")
+)
+ENDPOINTSLICES = ResourceType(
+    group="discovery.k8s.io",
+    version="v1",
+    plural="endpointslices",
+    singular="endpointslice",
+    kind="EndpointSlice",
+    namespaced=True,
+    verbs=_VERBS,
+    field_keys=("metadata.name", "metadata.namespace"),
+    fields=lambda o: _meta_fields(o, True),
+    schema={
+        **_top(None, None),
+        "addressType": None,
+        "endpoints": [_ENDPOINT],
+        "ports": [dict.fromkeys(("name", "protocol", "port", "appProtocol"))],
+    },
+    has_status=False,
+    keeps_generation=True,
+    spec_fields=("addressType", "endpoints", "ports"),
+    default=default_endpointslice,
+    default_on_update=True,
+    validate=netvalidation.validate_endpointslice,
+    validate_update=netvalidation.validate_endpointslice_update,
+    decode_check=netvalidation.endpointslice_type_errors,
+    merge_keys={"endpoints": None, "ports": None},
+    bookmark_skeleton={"addressType": "", "endpoints": None, "ports": None},
+)
+
+ALL: tuple[ResourceType, ...] = (NAMESPACES, PODS, SERVICES, NODES, LEASES, ENDPOINTSLICES, METRICSCONFIGURATIONS,
+                                 PODSLICES, CUSTOMRESOURCEDEFINITIONS)
 BY_KEY = {r.key: r for r in ALL}
 
 

@@ -12,7 +12,15 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from podmeter.lab.apiserver.resources import LEASES, METRICSCONFIGURATIONS, NAMESPACES, PODS, ResourceType
+from podmeter.lab.apiserver.resources import (
+    ENDPOINTSLICES,
+    LEASES,
+    METRICSCONFIGURATIONS,
+    NAMESPACES,
+    PODS,
+    SERVICES,
+    ResourceType,
+)
 from podmeter.lab.apiserver.store import decode, encode
 
 Row = Callable[[dict[str, Any]], list[Any]]
@@ -92,6 +100,70 @@ def _config_row(obj: dict[str, Any]) -> list[Any]:
     return [meta.get("name"), accepted.get("status", ""), accepted.get("reason", ""), _age(meta)]
 
 
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _external_ip(spec: dict[str, Any], status: dict[str, Any]) -> str:
+    """printService's EXTERNAL-IP (the server prints wide: no truncation)."""
+    external = [str(ip) for ip in _list(spec.get("externalIPs"))]
+    kind = spec.get("type")
+    if kind in ("ClusterIP", "NodePort"):
+        return ",".join(external) or "<none>"
+    if kind == "LoadBalancer":
+        ingress = _list(_dict(status.get("loadBalancer")).get("ingress"))
+        balancers = [str(i.get("ip") or i.get("hostname")) for i in ingress if isinstance(i, dict)
+                     and (i.get("ip") or i.get("hostname"))]
+        return ",".join(balancers + external) or "<pending>"
+    if kind == "ExternalName":
+        return str(spec.get("externalName") or "")
+    return "<unknown>"
+
+
+def _service_row(obj: dict[str, Any]) -> list[Any]:
+    meta, spec, status = _dict(obj.get("metadata")), _dict(obj.get("spec")), _dict(obj.get("status"))
+    ips = _list(spec.get("clusterIPs"))
+    ports = []
+    for port in _list(spec.get("ports")):
+        p = _dict(port)
+        node = f":{p['nodePort']}" if p.get("nodePort") else ""
+        ports.append(f"{p.get('port', 0)}{node}/{p.get('protocol', '')}")
+    selector = _dict(spec.get("selector"))
+    return [
+        meta.get("name"),
+        spec.get("type", ""),
+        ips[0] if ips else "<none>",
+        _external_ip(spec, status),
+        ",".join(ports) or "<none>",
+        _age(meta),
+        ",".join(f"{k}={v}" for k, v in sorted(selector.items())) or "<none>",
+    ]
+
+
+def _more(items: list[str], count: int, limit: int = 3) -> str:
+    """listWithMoreString: the first three, then "+ N more..."."""
+    text = ",".join(items[:limit])
+    if count > limit:
+        return f"{text} + {count - limit} more..."
+    return text or "<unset>"
+
+
+def _endpointslice_row(obj: dict[str, Any]) -> list[Any]:
+    meta = _dict(obj.get("metadata"))
+    ports = []
+    for port in _list(obj.get("ports")):
+        p = _dict(port)
+        ports.append(str(p["port"]) if p.get("port") is not None else str(p.get("name") or "*"))
+    addresses = [str(a) for e in _list(obj.get("endpoints")) for a in _list(_dict(e).get("addresses"))]
+    return [
+        meta.get("name"),
+        obj.get("addressType", ""),
+        _more(ports, len(ports)),
+        _more(addresses, len(addresses)),
+        _age(meta),
+    ]
+
+
 def _plain_row(obj: dict[str, Any]) -> list[Any]:
     meta = _dict(obj.get("metadata"))
     return [meta.get("name"), _age(meta)]
@@ -114,6 +186,22 @@ PRINTERS: dict[str, tuple[list[dict[str, Any]], Row]] = {
         _pod_row,
     ),
     NAMESPACES.key: ([_NAME, _column("Status"), _column("Age")], _ns_row),
+    SERVICES.key: (
+        [
+            _NAME,
+            _column("Type"),
+            _column("Cluster-IP"),
+            _column("External-IP"),
+            _column("Port(s)"),
+            _column("Age"),
+            _column("Selector", priority=1),
+        ],
+        _service_row,
+    ),
+    ENDPOINTSLICES.key: (
+        [_NAME, _column("AddressType"), _column("Ports"), _column("Endpoints"), _column("Age")],
+        _endpointslice_row,
+    ),
     LEASES.key: ([_NAME, _column("Holder"), _column("Age")], _lease_row),
     METRICSCONFIGURATIONS.key: ([_NAME, _column("Accepted"), _column("Reason"), _column("Age", "date")], _config_row),
 }

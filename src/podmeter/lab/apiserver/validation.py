@@ -52,10 +52,15 @@ def _required(field: str, message: str = "") -> Cause:
     return Cause("FieldValueRequired", "Required value" + (f": {message}" if message else ""), field)
 
 
-def validate_name(name: object, dns_label: bool) -> list[Cause]:
-    """``metadata.name``: an RFC 1123 label (namespaces) or subdomain (everything else here)."""
+def validate_name(name: object, dns_label: bool, dns1035: bool = False) -> list[Cause]:
+    """``metadata.name``: an RFC 1123 label (namespaces), a DNS-1035 label (services) or an RFC 1123
+    subdomain (everything else here)."""
     if not isinstance(name, str) or not name:
         return [_required("metadata.name", "name or generateName is required")]
+    if dns1035:
+        from podmeter.lab.apiserver.netvalidation import dns1035_label
+
+        return [_invalid("metadata.name", name, m) for m in dns1035_label(name)]
     if dns_label:
         if len(name) > 63 or not _DNS1123_LABEL.match(name):
             return [_invalid("metadata.name", name, LABEL_MSG)]
