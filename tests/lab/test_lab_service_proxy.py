@@ -5,6 +5,7 @@ the node's table gone when the proxy stops."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -13,8 +14,12 @@ from typing import Any
 import pytest
 
 from bpf_support import Pod, Topology, needs_root, run
+from lab_server import LabServer
 from podmeter.adapters.datapath.ebpf.netns import netns
-from podmeter.lab.service_proxy import TABLE, Rule, apply, removal, rules, ruleset
+from podmeter.lab.endpointslices import EndpointSliceController
+from podmeter.lab.kube import KubeClient
+from podmeter.lab.service_proxy import TABLE, Rule, ServiceProxy, apply, removal, rules, ruleset
+from waiting import wait_for
 
 
 def service(name: str, cluster_ip: str, ports: list[dict[str, Any]], kind: str = "ClusterIP") -> dict[str, Any]:
@@ -123,4 +128,59 @@ def test_connections_to_a_cluster_ip_and_a_node_port_spread_over_the_ready_backe
     assert set(accepted) == {b.ip for b in ready}, "every ready backend served, and only those"
     with node.in_host():
         apply(removal())
+    assert TABLE not in run("ip", "netns", "exec", node.host, "nft", "list", "tables")
+
+
+@needs_root
+def test_the_proxy_follows_services_and_their_slices_on_the_lab_api_server(topology: Topology,
+                                                                           server: LabServer) -> None:
+    """The lab's API server allocates the ClusterIP, the lab's controller makes the slice from ready pods,
+    the proxy (its threads in the node's netns) rewrites to them; the Service deleted, its rule goes, and the
+    proxy stopped leaves no table."""
+
+    node = topology  # the server's thread lives in its netns: the proxy reaches it on that loopback
+    run("ip", "netns", "exec", node.host, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+    client, *backends = (node.add_pod() for _ in range(3))
+    for pod in (client, *backends):
+        run("ip", "-n", pod.netns, "route", "add", "default", "via", pod.host_ip)
+    with node.in_host():  # the test's own requests too
+        assert server.request("POST", "/api/v1/namespaces", {"metadata": {"name": "shop"}})[0] == 201
+        for index, backend in enumerate(backends):
+            body = {"metadata": {"name": f"web-{index}", "labels": {"app": "web"}},
+                    "spec": {"nodeName": "n1", "containers": [{"name": "c", "image": "nginx"}]}}
+            assert server.request("POST", "/api/v1/namespaces/shop/pods", body)[0] == 201
+            status = {"status": {"phase": "Running", "podIP": backend.ip,
+                                 "conditions": [{"type": "Ready", "status": "True"}]}}
+            assert server.request("PATCH", f"/api/v1/namespaces/shop/pods/web-{index}/status", status,
+                                  "application/merge-patch+json")[0] == 200
+        created = server.request("POST", "/api/v1/namespaces/shop/services", {
+            "metadata": {"name": "web"},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]}})
+        assert created[0] == 201
+        cluster_ip = created[2]["spec"]["clusterIP"]
+        with node.in_host():
+            controller = EndpointSliceController(KubeClient.from_kubeconfig(str(server.kubeconfig)))
+            controller.start()
+            proxy = ServiceProxy(KubeClient.from_kubeconfig(str(server.kubeconfig)), watch_timeout=5)
+            proxy.start()
+        accepted: Counter[str] = Counter()
+        stop = threading.Event()
+        threads = [serve(b, 8080, accepted, stop) for b in backends]
+        try:
+            def table() -> str:  # "" until the proxy made it
+                argv = ["ip", "netns", "exec", node.host, "nft", "list", "table", "ip", TABLE]
+                return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+
+            wait_for(lambda: all(b.ip in table() for b in backends), 15, "the backends' rule")
+            for _ in range(40):
+                connect(client, cluster_ip, 80)
+            assert sum(accepted.values()) == 40 and set(accepted) == {b.ip for b in backends}
+            assert server.request("DELETE", "/api/v1/namespaces/shop/services/web")[0] == 200
+            wait_for(lambda: cluster_ip not in table(), 15, "the rule gone")
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(2)
+            proxy.stop()
+            controller.stop()
     assert TABLE not in run("ip", "netns", "exec", node.host, "nft", "list", "tables")

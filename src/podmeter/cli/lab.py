@@ -30,6 +30,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--lifecycles", type=_positive_int,
                    help="end the steps once this many pods were created and deleted (or at the duration)")
     p.add_argument("--no-progress", action="store_true", help="no live display")
+    p.add_argument("--no-service-proxy", dest="service_proxy", action="store_false",
+                   help="the lab's nodes leave Services to a real kube-proxy (default: they rewrite ClusterIPs "
+                        "and NodePorts to backends as kube-proxy's nftables mode does)")
     p.add_argument("--hubble", action=argparse.BooleanOptionalAction, default=None,
                    help="each agent also serves Hubble's Observer API on a loopback port of its own, and the lab "
                         "prints the hubble observe command (default: the scenario's agent.hubble, off)")
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         options = LabOptions(args.out, args.datapath, not args.no_progress, args.duration, args.lifecycles,
-                             kubeconfig=args.kubeconfig, hubble=args.hubble)
+                             kubeconfig=args.kubeconfig, hubble=args.hubble, service_proxy=args.service_proxy)
         lab = lab_run(scenario, options)  # several nodes, or an existing API server: lab.cluster
     except RuntimeError as exc:
         print(f"podmeter lab: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ from podmeter.adapters.kube.connection import ConnectionConfigError
 from podmeter.lab.kube import KubeClient
 from podmeter.lab.netns import is_root, link_prefix_problem
 from podmeter.lab.node import IpPool, Node, NodeSettings
+from podmeter.lab.service_proxy import ServiceProxy
 from podmeter.runtime.logs import setup_logging
 
 log = logging.getLogger("podmeter.node")
@@ -35,6 +36,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--link-prefix", type=_link_prefix, default="pm", metavar="PREFIX",
                    help="the host side of each pod's link is PREFIX + 11 characters of its UID, as a CNI names "
                         "it (eni: AWS VPC CNI, azv: Azure CNI); 1 to 4 lowercase letters or digits")
+    p.add_argument("--service-proxy", action="store_true",
+                   help="rewrite Services' ClusterIPs and NodePorts to ready backends in this netns, as kube-proxy's "
+                        "nftables mode does (needs nft and root)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.set_defaults(func=run)
 
@@ -70,11 +74,16 @@ def run(args: argparse.Namespace) -> int:
     # A daemon thread: a watch blocked in a read must not keep the process after a stop.
     worker = threading.Thread(target=node.run, name="node", daemon=True)
     worker.start()
+    proxy = ServiceProxy(KubeClient.from_kubeconfig(args.kubeconfig or "")) if args.service_proxy else None
+    if proxy is not None:
+        proxy.start()
     log.info("node %s: pod CIDR %s (%d IPs), datapath %s", args.node_name, args.pod_cidr, node.pool.size,
              args.datapath)
     while worker.is_alive() and not node.stopping:
         worker.join(timeout=0.2)
     worker.join(timeout=2.0)
+    if proxy is not None:
+        proxy.stop()
     node.teardown_all()  # idempotent: whatever the worker did not remove yet
     stats = node.stats
     log.info("node stopped: %d pods started, %d built (%.1f ms each on average), %d stopped, %d completed, "

@@ -271,6 +271,7 @@ class ClusterRun(LabRun):
             if self.driver is not None:
                 self.driver.stop.set()
             self._stop_sampling.set()
+            self._stop_endpointslices()
             self.processes.stop_all()
             self._remove_leftover_sandboxes()
             self._finish_cni(lambda name: self._in_node(self._node(name)))
@@ -321,7 +322,7 @@ class ClusterRun(LabRun):
     def _start_node_process(self, node: LabNode) -> None:
         argv = [*PODMETER, "node", "--kubeconfig", str(self.kubeconfig), "--node-name", node.name,
                 "--pod-cidr", node.spec.pod_cidr, "--datapath", self.datapath, "--ip-reuse", node.spec.ip_reuse,
-                "--link-prefix", node.spec.link_prefix, "--node-ip", node.address]
+                "--link-prefix", node.spec.link_prefix, "--node-ip", node.address, *self._service_proxy_args()]
         process = self.processes.add(f"node-{node.name}", argv, self.out / "logs")
         env = self.cni.node_environment(node.name, node.spec.pod_cidr)
         with self._in_node(node):

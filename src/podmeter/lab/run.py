@@ -41,6 +41,7 @@ from podmeter.lab.checks import Checker, Observation, Samples, Truth, metric_sum
 from podmeter.lab.cni import LabCni
 from podmeter.lab.driver import Driver, Hooks
 from podmeter.lab.dropcheck import DropSteps
+from podmeter.lab.endpointslices import EndpointSliceController
 from podmeter.lab.flowcheck import (
     FROM_POD,
     TO_POD,
@@ -92,6 +93,7 @@ class LabOptions:
     lifecycles: int | None = None  # override the scenario's lifecycles (end after this many)
     kubeconfig: Path | None = None  # an existing API server instead of the embedded one (lab.cluster)
     hubble: bool | None = None  # override the scenario's agent.hubble (podmeter lab --hubble/--no-hubble)
+    service_proxy: bool = True  # the nodes rewrite Services' frontends (False: a real kube-proxy does)
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,7 @@ class LabRun(Hooks):
             self.result.notes.append(notice)
         self.out = options.out_dir
         self.tag = f"pmlab{os.getpid()}"
+        self.endpointslices: EndpointSliceController | None = None
         self.bpffs = BPFFS / self.tag
         # The embedded API server speaks HTTPS (its kubeconfig names its CA): no process of such a run may
         # need the plain-HTTP credentials allowance, so none inherits it (the test suite sets it for its own
@@ -257,6 +260,7 @@ class LabRun(Hooks):
             if self.driver is not None:
                 self.driver.stop.set()
             self._stop_sampling.set()
+            self._stop_endpointslices()
             self.processes.stop_all()
             self._remove_leftover_sandboxes()
             self._finish_cni(lambda node: contextlib.nullcontext())  # the runner is in the node's namespace
@@ -346,11 +350,26 @@ class LabRun(Hooks):
         wait_for_file(kubeconfig, process)
         self.client = KubeClient.from_kubeconfig(str(kubeconfig))
         self.admin = AdminClient(self.client.server, self.client.token or "", self.client.ca_file)
+        # The embedded server has no controller manager: the lab runs the EndpointSlice controller (a real
+        # server's own does it with --kubeconfig).
+        self.endpointslices = EndpointSliceController(KubeClient.from_kubeconfig(str(kubeconfig)))
+        self.endpointslices.start()
+
+    def _stop_endpointslices(self) -> None:
+        if self.endpointslices is not None:
+            self.endpointslices.stop()
+            self.endpointslices = None
+
+    def _service_proxy_args(self) -> list[str]:
+        """The node's Service proxy: with the eBPF datapath (pods are real netns) unless a real kube-proxy
+        does it (``--no-service-proxy``)."""
+        return ["--service-proxy"] if self.options.service_proxy and self.datapath == "ebpf" else []
 
     def _start_node(self) -> None:
         argv = [*PODMETER, "node", "--kubeconfig", str(self.out / "kubeconfig"), "--node-name", NODE_NAME,
                 "--pod-cidr", self.scenario.node.pod_cidr, "--datapath", self.datapath,
-                "--ip-reuse", self.scenario.node.ip_reuse, "--link-prefix", self.scenario.node.link_prefix]
+                "--ip-reuse", self.scenario.node.ip_reuse, "--link-prefix", self.scenario.node.link_prefix,
+                *self._service_proxy_args()]
         env = self.cni.node_environment(NODE_NAME, self.scenario.node.pod_cidr)
         self.processes.add("node", argv, self.out / "logs").start(env)
 

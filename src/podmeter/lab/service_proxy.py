@@ -169,7 +169,7 @@ class ServiceProxy:
     def stop(self) -> None:
         self._stop.set()
         for thread in self._threads:
-            thread.join(self.watch_timeout + 5)
+            thread.join(1.0)  # daemon threads: a watch blocked in a read ends with the process
         try:
             apply(removal())
         except (OSError, subprocess.CalledProcessError) as error:
