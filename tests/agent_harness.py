@@ -1,10 +1,10 @@
 """Run a real agent (in-process, on its own event loop thread) against a lab API server over HTTP.
 
 ``AgentHarness(server)`` starts :class:`podmeter.runtime.agent.Agent` with the in-memory datapath (or a
-given one) and short watch timeouts; ``filter()`` reads the datapath from the agent's own loop, so the
-test never races the writer. ``Cluster(server)`` creates namespaces and pods the way a kubelet and a
-user would: create (bound to a node), then write ``status.podIP(s)`` and phase through the status
-subresource.
+given one, with the links it counts on) and short watch timeouts; ``filter()`` reads the datapath from the
+agent's own loop, so the test never races the writer. ``Cluster(server)`` creates namespaces and pods the
+way a kubelet and a user would: create (bound to a node), then write ``status.podIP(s)`` and phase through
+the status subresource.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from podmeter.adapters.kube.connection import load_connection
 from podmeter.adapters.kube.reflector import ReflectorSettings
 from podmeter.adapters.kube.resources import ResourceKind
 from podmeter.model.datapath import Datapath
-from podmeter.runtime.agent import Agent, AgentSettings
+from podmeter.runtime.agent import Agent
+from podmeter.runtime.datapaths import PodLinks
+from podmeter.runtime.settings import AgentSettings
 from waiting import wait_for
 
 T = TypeVar("T")
@@ -36,11 +38,12 @@ def fast_reflector(kind: ResourceKind) -> ReflectorSettings:
 class AgentHarness:
     def __init__(self, server: LabServer, node: str = "node-a", datapath: Datapath | None = None,
                  resync_interval: float = 3600.0, series_grace: float = 30.0,
-                 reflector: Callable[[ResourceKind], ReflectorSettings] = fast_reflector) -> None:
+                 reflector: Callable[[ResourceKind], ReflectorSettings] = fast_reflector,
+                 links: PodLinks | None = None) -> None:
         self.datapath = datapath or MemoryDatapath(1024)
         settings = AgentSettings(node_name=node, resync_interval=resync_interval, retry_interval=0.2,
                                  reflector=reflector, series_grace=series_grace)
-        self.agent = Agent(settings, load_connection(str(server.kubeconfig)), self.datapath)
+        self.agent = Agent(settings, load_connection(str(server.kubeconfig)), self.datapath, links=links)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 

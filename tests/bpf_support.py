@@ -1,4 +1,6 @@
-"""Shared fixtures of the eBPF datapath tests (no tests here): pin directories and netns topologies.
+"""Shared fixtures and helpers of the eBPF datapath tests (no tests here): pin directories, netns
+topologies, pods attached in both modes (``node``), and traffic through them (``udp_echo``, ``Sender``,
+``Capture``).
 
 Everything a fixture creates (pins, namespaces, veths, attachments) is removed in ``finally`` blocks, so
 a failing test leaves nothing behind. Names carry the pid and a counter: tests never collide with each
@@ -11,7 +13,11 @@ import contextlib
 import itertools
 import os
 import shutil
+import socket
 import subprocess
+import threading
+import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +26,13 @@ from typing import Any
 import pytest
 
 from lab_server import LabServer
-from podmeter.adapters.datapath.ebpf import EbpfDatapath
+from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath, preflight
 from podmeter.adapters.datapath.ebpf.netns import netns
+from podmeter.model.datapath import Direction, Traffic
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (bpf, netns)")
+needs_tcx = pytest.mark.skipif(os.geteuid() != 0 or preflight.kernel_version() < preflight.TCX_KERNEL,
+                               reason="TCX links need kernel >= 6.6")
 BPFFS = Path("/sys/fs/bpf")
 _serial = itertools.count()
 
@@ -166,3 +175,156 @@ def server(topology: Topology) -> Iterator[LabServer]:
         yield lab
     finally:
         lab.stop()
+
+
+# --- traffic through the topology -----------------------------------------------------------------------
+
+UDP_HEADERS = 14 + 20 + 8  # Ethernet, IPv4, UDP: what a datagram adds to its payload on the wire
+ETH_P_ALL = 0x0003
+PACKET_OUTGOING = 4
+
+
+@dataclass
+class Node:
+    """Two pods of the ``topology``, both attached (the ``node`` fixture: TCX and tc), one observed."""
+
+    datapath: EbpfDatapath
+    manager: AttachManager
+    observed: Pod
+    unobserved: Pod
+
+
+@pytest.fixture(params=[AttachMode.TCX, AttachMode.TC], ids=["tcx", "tc"])
+def node(request: pytest.FixtureRequest, topology: Topology,
+         open_datapath: Callable[..., EbpfDatapath]) -> Iterator[Node]:
+    datapath = open_datapath(64)
+    observed, unobserved = topology.add_pod(), topology.add_pod()
+    assert datapath.insert([observed.ip]).error is None
+    assert datapath.programs is not None
+    manager = AttachManager(datapath.programs, mode=request.param, netns=topology.host_path)
+    manager.start()
+    try:
+        assert set(manager.attached()) == {observed.host_veth, unobserved.host_veth}
+        yield Node(datapath, manager, observed, unobserved)
+    finally:
+        manager.stop()
+
+
+def udp_echo(topology: Topology, pod: Pod, sizes: list[int], ipv6: bool = False) -> None:
+    """Send one datagram of each size from the pod to the host, which echoes it back."""
+    family = socket.AF_INET6 if ipv6 else socket.AF_INET
+    pod_ip, host_ip = (pod.ip6, pod.host_ip6) if ipv6 else (pod.ip, pod.host_ip)
+    with topology.in_host():
+        server = socket.socket(family, socket.SOCK_DGRAM)
+    with netns(pod.netns_path):
+        client = socket.socket(family, socket.SOCK_DGRAM)
+    with server, client:
+        server.bind((host_ip, 0))
+        client.bind((pod_ip, 0))
+        server.settimeout(5)
+        client.settimeout(5)
+        for size in sizes:
+            client.sendto(b"u" * size, server.getsockname())
+            data, peer = server.recvfrom(65536)
+            server.sendto(data, peer)
+            assert client.recvfrom(65536)[0] == data
+
+
+class Sender:
+    """UDP from a pod to the host at about RATE packets/s on a thread, counting what it sent."""
+
+    RATE = 1000  # packets per second leaving the pod (while an agent is killed and restarted)
+    PAYLOAD = 100
+
+    def __init__(self, topology: Topology, pod: Pod) -> None:
+        with topology.in_host():
+            self.sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound: no ICMP unreachable back
+        with netns(pod.netns_path):
+            self.client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sink.bind((pod.host_ip, 0))
+        self.client.bind((pod.ip, 0))
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        target, start = self.sink.getsockname(), time.monotonic()
+        while not self._stop.is_set():
+            self.client.sendto(b"p" * self.PAYLOAD, target)
+            self.sent += 1
+            time.sleep(max(0.0, start + self.sent / self.RATE - time.monotonic()))
+
+    def __enter__(self) -> Sender:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.client.close()
+        self.sink.close()
+
+    def expected(self) -> Traffic:
+        return Traffic(self.sent, self.sent * (self.PAYLOAD + UDP_HEADERS))
+
+
+class Capture:
+    """Every frame crossing one interface, with its true length and which way it went."""
+
+    def __init__(self, topology: Topology, ifname: str) -> None:
+        with topology.in_host():
+            self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
+        self.sock.bind((ifname, 0))
+        self.sock.setblocking(False)
+
+    def expected_counters(self, observed: str) -> dict[tuple[str, Direction], Traffic]:
+        """What the datapath should count for ``observed`` given the frames seen (no VLANs here)."""
+        totals: dict[tuple[str, Direction], Traffic] = {}
+        for frame, length, outgoing in self._drain():
+            addresses = _addresses(frame)
+            if addresses is None:
+                continue
+            src, dst = addresses
+            key = (dst, Direction.INGRESS) if outgoing else (src, Direction.EGRESS)
+            if key[0] == observed:
+                totals[key] = totals.get(key, Traffic()) + Traffic(1, length)
+        return totals
+
+    def _drain(self) -> Iterator[tuple[bytes, int, bool]]:
+        """(head of the frame, its full length, sent by the host?) for every captured frame."""
+        head = bytearray(128)
+        while True:
+            try:  # with MSG_TRUNC a packet socket returns the frame's real length
+                length, address = self.sock.recvfrom_into(head, len(head), socket.MSG_TRUNC)
+            except BlockingIOError:
+                return
+            yield bytes(head[: min(length, len(head))]), length, address[2] == PACKET_OUTGOING
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _addresses(frame: bytes) -> tuple[str, str] | None:
+    """(source, destination) of an untagged IPv4 or IPv6 frame, else None."""
+    if len(frame) >= 34 and frame[12:14] == b"\x08\x00":
+        return socket.inet_ntoa(frame[26:30]), socket.inet_ntoa(frame[30:34])
+    if len(frame) >= 54 and frame[12:14] == b"\x86\xdd":
+        return _ntop6(frame[22:38]), _ntop6(frame[38:54])
+    return None
+
+
+def _ntop6(raw: bytes) -> str:
+    return socket.inet_ntop(socket.AF_INET6, raw)
+
+
+def get_in_host(topology: Topology, url: str) -> bytes:
+    """A GET from the topology's host netns (its loopback: an agent started there); raises OSError."""
+    with topology.in_host():
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=5) as response:
+            body: bytes = response.read()
+            return body

@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # (podmeter refuses credentials over plain HTTP otherwise; tests/adapters/test_kube_connection.py checks it).
 os.environ.setdefault("PODMETER_ALLOW_PLAIN_HTTP_CREDENTIALS", "1")
 
-# Fixtures shared by many test files: the lab API server (in-process and as a subprocess), and the
-# kernel tests' pin directories and netns topologies.
-pytest_plugins = ["lab_server", "bpf_support"]
+# Fixtures shared by many test files: the lab API server (in-process and as a subprocess), the kernel
+# tests' pin directories, netns topologies and attached pods, and operator processes.
+pytest_plugins = ["lab_server", "bpf_support", "operator_support"]
 
 
 class ProcessInFastTests(RuntimeError):

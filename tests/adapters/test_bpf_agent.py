@@ -15,13 +15,11 @@ import time
 from pathlib import Path
 
 from agent_harness import Cluster, wait_for
-from bpf_support import Topology, needs_root
+from bpf_support import Sender, Topology, get_in_host, needs_root, needs_tcx, udp_echo
 from lab_server import LabServer
+from metrics_support import metric
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.model.datapath import Direction, Traffic
-from test_bpf_cni import get, metric
-from test_bpf_netns import udp_echo
-from test_bpf_restart import Sender, needs_tcx
 
 pytestmark = needs_root
 
@@ -116,7 +114,7 @@ def test_agent_keeps_the_kernel_map_equal_to_desired_across_a_sigkill(
 
 def attached(agents: Agents) -> float | None:
     try:
-        return metric(get(agents.topology, f"http://127.0.0.1:{agents.port}/metrics").decode(),
+        return metric(get_in_host(agents.topology, f"http://127.0.0.1:{agents.port}/metrics").decode(),
                       "podmeter_links_attached")
     except OSError:
         return None
@@ -125,7 +123,7 @@ def attached(agents: Agents) -> float | None:
 def pod_series(agents: Agents, metric: str) -> float | None:
     """The agent's value of ``metric`` for shop/web's egress (None: no such series, or no answer)."""
     try:
-        text = get(agents.topology, f"http://127.0.0.1:{agents.port}/metrics").decode()
+        text = get_in_host(agents.topology, f"http://127.0.0.1:{agents.port}/metrics").decode()
     except OSError:
         return None
     wanted = (metric + "{", 'namespace="shop"', 'pod="web"', 'direction="egress"')

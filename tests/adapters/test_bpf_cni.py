@@ -19,7 +19,6 @@ import socket
 import struct
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,14 +26,15 @@ from typing import Any
 import pytest
 
 from agent_harness import AgentHarness, Cluster
-from bpf_support import Pod, Topology, needs_root, run, unique
+from bpf_support import UDP_HEADERS, Pod, Topology, get_in_host, needs_root, run, udp_echo, unique
 from lab_server import LabServer
+from metrics_support import metric
 from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath, InterfaceRule, LinkSelection
 from podmeter.adapters.datapath.ebpf import links as nl
 from podmeter.adapters.datapath.ebpf.links import LinkInfo, changes
 from podmeter.model.datapath import Direction, LinkCounts, Traffic
 from podmeter.runtime.datapaths import open_datapath as open_agent_datapath
-from test_bpf_netns import UDP_HEADERS, udp_echo
+from podmeter.runtime.settings import DatapathSettings
 from waiting import stop_process, wait_for
 
 Opener = Callable[..., EbpfDatapath]
@@ -362,13 +362,12 @@ def test_the_agent_attaches_to_the_bridge_plugins_pods_and_nothing_else(
     cluster.pod("shop", "web", web.ip)
     cluster.pod("quiet", "db", db.ip)
     with topology.in_host():  # the attach worker starts from here: it works in the test's host netns
-        opened = open_agent_datapath("ebpf", str(pin_dir), 64)
+        opened = open_agent_datapath(DatapathSettings(bpffs=str(pin_dir), filter_map_size=64, drop_map_size=0))
     try:
         manager = opened.links
         assert isinstance(manager, AttachManager)
         assert manager.attached() == {}  # no pod known before the agent lists them
-        harness = AgentHarness(lab_apiserver, datapath=opened.datapath)
-        harness.agent.links = manager
+        harness = AgentHarness(lab_apiserver, datapath=opened.datapath, links=manager)
         with harness:
             wait_for(lambda: set(manager.attached()) == {web.host_veth, db.host_veth}, 10, "the pods' links",
                      lambda: f"attached {sorted(manager.attached())}, stranger {stranger.host_veth}")
@@ -445,21 +444,6 @@ def test_a_netkit_device_in_l3_mode_is_refused_with_the_reason() -> None:
 # --- the agent: pods whose link was not found, as a metric and in /debug/state --------------------------------
 
 
-def get(topology: Topology, url: str) -> bytes:
-    with topology.in_host():  # loopback of the host netns
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(url, timeout=5) as response:
-            body: bytes = response.read()
-            return body
-
-
-def metric(text: str, name: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 @needs_root
 def test_the_agent_reports_observed_pods_whose_link_was_not_found(
         topology: Topology, server: LabServer, pin_dir: Path, tmp_path: Path) -> None:
@@ -481,13 +465,13 @@ def test_the_agent_reports_observed_pods_whose_link_was_not_found(
     try:
         def scrape() -> str:
             try:
-                return get(topology, f"http://127.0.0.1:{port}/metrics").decode()
+                return get_in_host(topology, f"http://127.0.0.1:{port}/metrics").decode()
             except OSError:
                 return ""
 
         wait_for(lambda: metric(scrape(), "podmeter_pods_without_link") == 1, 30, "pods_without_link 1",
                  lambda: log_path.read_text()[-3000:])
-        state = json.loads(get(topology, f"http://127.0.0.1:{port}/debug/state"))
+        state = json.loads(get_in_host(topology, f"http://127.0.0.1:{port}/debug/state"))
         assert state["pods_without_link"] == ["shop/ghost"]
         links = scrape()
         assert (metric(links, "podmeter_links_seen"), metric(links, "podmeter_links_attached")) == (2, 1)

@@ -10,21 +10,19 @@ needs off, with a notice.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
-from bpf_support import Pod, Topology, needs_root, run
+from bpf_support import Topology, needs_root, run
+from drop_support import Drained, lossy_link, nft, routed_pod, send, udp_socket, unread, upload, warm
 from flow_support import pod as flow_pod
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf.drops import (
@@ -50,43 +48,6 @@ TRACEFS = Path("/sys/kernel/tracing")
 Opener = Callable[..., EbpfDatapath]
 
 
-class Drained:
-    """Everything drained so far, added up: drops by (ip, direction, reason), TCP events by (ip, event),
-    dropped flows by (src, dst, sport, dport, protocol, reason), retransmits by connection."""
-
-    def __init__(self, tracer: DropTracer) -> None:
-        self.tracer = tracer
-        self.drops: Counter[tuple[str, Direction, str]] = Counter()
-        self.tcp: Counter[tuple[str, TcpEvent]] = Counter()
-        self.flows: Counter[tuple[str, str, int, int, int, str]] = Counter()
-        self.retransmits: Counter[tuple[str, str, int, int]] = Counter()
-
-    def drain(self) -> DropDrain:
-        taken = self.tracer.drain_drops()
-        for key, packets in taken.drops:
-            self.drops[tuple(key)] += packets  # type: ignore[index]
-        for key, count in taken.tcp:
-            self.tcp[key] += count
-        for flow, counts in taken.flows:
-            self.flows[flow.source, flow.destination, flow.source_port, flow.destination_port, flow.protocol,
-                       flow.reason] += counts.packets
-        for conn, count in taken.retransmits:
-            self.retransmits[tuple(conn)] += count  # type: ignore[index]
-        return taken
-
-    def until(self, condition: Callable[[Drained], bool], timeout: float = 5.0) -> Drained:
-        """Drain until ``condition`` holds, then once more after a pause (nothing may follow)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self.drain()
-            if condition(self) or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        time.sleep(0.1)
-        self.drain()
-        return self
-
-
 @pytest.fixture
 def datapath(open_datapath: Opener) -> EbpfDatapath:
     return open_datapath(64)
@@ -97,59 +58,6 @@ def tracer(datapath: EbpfDatapath) -> Iterator[DropTracer]:
     with DropTracer.open(datapath.filter_map, 64) as opened:
         assert opened.hooks == dict.fromkeys(HOOKS, True), opened.notices
         yield opened
-
-
-def routed_pod(topology: Topology, datapath: EbpfDatapath | None, *, ipv6: bool = False) -> Pod:
-    """A pod whose default route is the host, which forwards between pods; observed if ``datapath``."""
-    pod = topology.add_pod(ipv6=ipv6)
-    run("ip", "netns", "exec", topology.host, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-    run("ip", "-n", pod.netns, "route", "add", "default", "via", pod.host_ip)
-    if datapath is not None:
-        assert datapath.insert([pod.ip] + ([pod.ip6] if pod.ip6 else [])).error is None
-    return pod
-
-
-def nft(pod: Pod, *rules: str) -> None:
-    """A table of this test in the pod's netns: input and output chains, then ``rules`` ("in ...")."""
-    script = ["add table inet pmtest", "add chain inet pmtest in { type filter hook input priority 0; }",
-              "add chain inet pmtest out { type filter hook output priority 0; }"]
-    script += [f"add rule inet pmtest {rule}" for rule in rules]
-    run("ip", "netns", "exec", pod.netns, "nft", "; ".join(script))
-
-
-def lossy_link(topology: Topology, pod: Pod, rule: str) -> None:
-    """Loss on the pod's link: a rule on the host side of its veth (netdev ingress: what the pod sends).
-    Its sockets see the loss as the network's: what their stack handed over is lost after it (a rule in
-    the pod's own output chain fails the send instead, which TCP does not retransmit)."""
-    run("ip", "netns", "exec", topology.host, "nft",
-        f"add table netdev pmloss{pod.host_veth}; add chain netdev pmloss{pod.host_veth} c "
-        f"{{ type filter hook ingress device {pod.host_veth} priority 0; }}; "
-        f"add rule netdev pmloss{pod.host_veth} c {rule}")
-
-
-def udp_socket(pod: Pod, family: int = socket.AF_INET) -> socket.socket:
-    with netns(pod.netns_path):
-        return socket.socket(family, socket.SOCK_DGRAM)
-
-
-def send(sock: socket.socket, target: tuple[str, int], count: int, size: int = 100) -> None:
-    """``count`` datagrams; one a netfilter rule of the sender's own output drops fails with EPERM."""
-    for _ in range(count):
-        with contextlib.suppress(PermissionError):
-            sock.sendto(b"d" * size, target)
-
-
-def warm(client: Pod, server: Pod) -> None:
-    """One datagram each way on an open port, so both neighbours are resolved (a packet that waits for
-    ARP is queued, and a queue overflowing would be a drop of another reason)."""
-    with udp_socket(server) as listener, udp_socket(client) as sender:
-        listener.bind((server.ip, 0))
-        listener.settimeout(5)
-        sender.settimeout(5)
-        sender.sendto(b"hi", listener.getsockname())
-        _, peer = listener.recvfrom(100)
-        listener.sendto(b"hi", peer)
-        sender.recvfrom(100)
 
 
 # --- reasons ---------------------------------------------------------------------------------------------
@@ -246,35 +154,6 @@ def test_a_syn_to_a_closed_port_is_a_no_socket_drop_a_reset_sent_and_a_reset_rec
     assert seen.drops == {(server.ip, IN, "NO_SOCKET"): 1, (client.ip, OUT, "NO_SOCKET"): 1}
 
 
-def upload(client: Pod, server: Pod, size: int) -> tuple[int, int]:
-    """``size`` bytes from the client to a server in the other pod; returns (client port, server port)."""
-    with netns(server.netns_path):
-        listener = socket.socket()
-    with netns(client.netns_path):
-        sock = socket.socket()
-    received = []
-
-    def serve() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            while data := conn.recv(65536):
-                received.append(len(data))
-
-    with listener, sock:
-        listener.bind((server.ip, 0))
-        listener.listen(1)
-        thread = threading.Thread(target=serve)
-        thread.start()
-        sock.settimeout(60)
-        sock.connect(listener.getsockname())
-        ports = sock.getsockname()[1], listener.getsockname()[1]
-        sock.sendall(b"u" * size)
-        sock.shutdown(socket.SHUT_WR)
-        thread.join(60)
-    assert sum(received) == size
-    return ports
-
-
 def test_random_loss_makes_the_sender_retransmit_and_nobody_else(
         topology: Topology, datapath: EbpfDatapath, tracer: DropTracer) -> None:
     client, server = routed_pod(topology, datapath), routed_pod(topology, datapath)
@@ -305,27 +184,6 @@ class Recorded:
 
     def drops_lost(self) -> Mapping[str, int]:
         return self.tracer.drops_lost()
-
-
-@contextlib.contextmanager
-def unread(client: Pod, server: Pod, size: int = 100) -> Iterator[tuple[int, int]]:
-    """A connection from the client whose ``size`` bytes the server never reads: its listener closes with
-    the connection still in its accept queue, so the kernel frees the queued data (QUEUE_PURGE). Yields
-    (client port, server port) while the client's socket is still open."""
-    with netns(server.netns_path):
-        listener = socket.socket()
-    with netns(client.netns_path):
-        sock = socket.socket()
-    with sock:
-        with listener:
-            listener.bind((server.ip, 0))
-            listener.listen(1)
-            sock.settimeout(5)
-            sock.connect(listener.getsockname())
-            ports = sock.getsockname()[1], listener.getsockname()[1]
-            sock.sendall(b"q" * size)
-            time.sleep(0.2)  # the segment waits in the connection no one accepted
-        yield ports
 
 
 def test_a_connection_closed_with_unread_data_is_a_lifecycle_drop_not_a_drop_nor_a_dropped_flow(

@@ -6,75 +6,20 @@ And an agent on a kernel without the tracepoint or BTF (simulated): a notice, dr
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from agent_harness import Cluster, wait_for
 from bpf_support import Topology, needs_root
+from drop_support import AgentProcess, lossy_link, nft, routed_pod, send, udp_socket, unread, upload, warm
 from lab_server import LabServer
-from test_bpf_drops import lossy_link, nft, routed_pod, send, udp_socket, unread, upload, warm
-from waiting import stop_process
 
 pytestmark = needs_root
-
-# Runs the agent with the BTF path or a tracepoint name replaced, as on a kernel that lacks them.
-SIMULATED = {
-    "no-btf": "import podmeter.adapters.datapath.ebpf.btf as btf; btf.VMLINUX = '/nonexistent/vmlinux'",
-    "no-kfree_skb": (
-        "import podmeter.adapters.datapath.ebpf.drops as d; _open = d.DropTracer.open.__func__; "
-        "d.DropTracer.open = classmethod(lambda cls, *a, **k: _open(cls, *a, **{**k, 'tracepoints': "
-        "{'kfree_skb': 'kfree_skb_gone'}}))"),
-}
-
-
-class Agent:
-    """One `podmeter agent` process in the topology's host netns."""
-
-    def __init__(self, topology: Topology, server: LabServer, pins: Path, log: Path, simulate: str | None = None):
-        self.topology, self.log_path = topology, log
-        with topology.in_host(), socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = int(sock.getsockname()[1])
-        python = [sys.executable, "-c", f"{SIMULATED[simulate]}\nfrom podmeter.cli.main import main\n"
-                  "raise SystemExit(main())"] if simulate else [sys.executable, "-m", "podmeter"]
-        argv = ["nsenter", f"--net={topology.host_path}", "--", *python, "agent", "--node-name", "node-a",
-                "--datapath", "ebpf", "--bpffs", str(pins), "--filter-map-size", "64", "--listen",
-                f"127.0.0.1:{self.port}", "--flow-interval", "0.3", "--series-grace", "1",
-                "--metrics-min-interval", "0"]
-        env = {**os.environ, "KUBECONFIG": str(server.kubeconfig)}
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-    def get(self, path: str) -> tuple[int, str]:
-        with self.topology.in_host():
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as response:
-                    return response.status, response.read().decode()
-            except OSError as error:
-                return getattr(error, "code", 0), str(error)
-
-    def metric(self, pattern: str) -> int | None:
-        """The value of the first sample matching ``pattern`` (a regex over the sample's name and labels)."""
-        status, text = self.get("/metrics")
-        if status != 200:
-            return None
-        for line in text.splitlines():
-            if not line.startswith("#") and re.match(pattern + r" ", line):
-                return int(float(line.rsplit(" ", 1)[1]))
-        return None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        stop_process(self.proc)
 
 
 def test_induced_drops_and_loss_reach_metrics_records_and_observe(
@@ -87,7 +32,7 @@ def test_induced_drops_and_loss_reach_metrics_records_and_observe(
         cluster.pod("shop", "web", web.ip)
         cluster.pod("shop", "client", client.ip)
         cluster.pod("quiet", "other", quiet.ip)
-    agent = Agent(topology, server, pin_dir, tmp_path / "agent.log")
+    agent = AgentProcess(topology, server, pin_dir, tmp_path / "agent.log")
     try:
         wait_for(lambda: agent.get("/readyz")[0] == 200, 30, "agent ready", agent.log)
         wait_for(lambda: agent.metric('podmeter_drop_tracing_enabled{hook="kfree_skb"}') == 1, 10, "drops on",
@@ -163,7 +108,7 @@ def test_a_kernel_without_the_tracepoint_or_btf_gets_a_notice_and_an_agent_witho
     with topology.in_host():
         cluster.namespace("shop", observe=True)
         cluster.pod("shop", "web", web.ip)
-    agent = Agent(topology, server, pin_dir, tmp_path / "agent.log", simulate)
+    agent = AgentProcess(topology, server, pin_dir, tmp_path / "agent.log", simulate)
     try:
         wait_for(lambda: agent.get("/readyz")[0] == 200, 30, "agent ready", agent.log)
         assert agent.metric('podmeter_drop_tracing_enabled{hook="kfree_skb"}') == 0

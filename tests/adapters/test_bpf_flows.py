@@ -30,7 +30,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bpf_support import Pod, Topology, needs_root, run
+from bpf_support import UDP_HEADERS, Capture, Node, Pod, Topology, needs_root, run
 from podmeter.adapters.datapath.ebpf import EbpfDatapath, layout
 from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.adapters.datapath.ebpf.datapath import FlowMaps
@@ -41,7 +41,6 @@ from podmeter.adapters.datapath.ebpf.netns import netns
 from podmeter.model.datapath import Direction, Traffic
 from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, FlowCounts, FlowEntry, FlowKey, Observation
 from podmeter.model.records import canonical_ip
-from test_bpf_netns import Capture, Node, node  # noqa: F401  (node: the attached pods fixture, TCX and tc)
 
 pytestmark = needs_root
 
@@ -723,9 +722,7 @@ def test_the_objects_load_and_aggregate_with_the_agents_capabilities_only() -> N
     ])
 
 
-# --- real pods ---------------------------------------------------------------------------------------------
-
-UDP_HEADERS = 14 + 20 + 8
+# --- real pods (the node fixture: two attached pods, TCX and tc) ----------------------------------------
 
 
 def udp_exchange(topology: Topology, pod: Pod, sizes: list[int]) -> tuple[int, int]:
@@ -747,7 +744,7 @@ def udp_exchange(topology: Topology, pod: Pod, sizes: list[int]) -> tuple[int, i
         return client.getsockname()[1], server.getsockname()[1]
 
 
-def test_real_udp_flows_at_both_observation_points(node: Node, topology: Topology) -> None:  # noqa: F811
+def test_real_udp_flows_at_both_observation_points(node: Node, topology: Topology) -> None:
     sizes = [1, 100, 1000, 1400, 37]
     pod_port, host_port = udp_exchange(topology, node.observed, sizes)
     udp_exchange(topology, node.unobserved, sizes)  # neither end observed: no flow
@@ -826,7 +823,7 @@ def settle(datapath: EbpfDatapath, capture: FlowCapture, observed: str) -> tuple
     return drained, expected
 
 
-def test_real_tcp_flows_match_an_independent_capture(node: Node, topology: Topology) -> None:  # noqa: F811
+def test_real_tcp_flows_match_an_independent_capture(node: Node, topology: Topology) -> None:
     capture = FlowCapture(topology, node.observed.host_veth)
     try:
         pod_port, host_port = tcp_connection(topology, node.observed, upload=200_000, download=80_000)
@@ -870,7 +867,7 @@ def ping(pod: Pod, count: int, payload: bytes) -> None:
                     break
 
 
-def test_real_icmp_echo_flows_at_both_observation_points(node: Node, topology: Topology) -> None:  # noqa: F811
+def test_real_icmp_echo_flows_at_both_observation_points(node: Node, topology: Topology) -> None:
     payload = b"p" * 56
     ping(node.observed, 3, payload)
     ping(node.unobserved, 3, payload)

@@ -3,6 +3,7 @@
 Exactness: UDP counts are known by construction (one frame per datagram, 42 bytes of headers). TCP
 segment counts depend on the stack (ACKs, GSO), so the test captures the host-side veth with an
 AF_PACKET socket (an independent view of the same frames) and derives the expected counters from it.
+The attached pods (the ``node`` fixture), ``udp_echo`` and ``Capture`` are in bpf_support.py.
 """
 
 from __future__ import annotations
@@ -12,13 +13,10 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
-from bpf_support import Pod, Topology, needs_root, run, unique
+from bpf_support import UDP_HEADERS, Capture, Node, Pod, Topology, needs_root, run, udp_echo, unique
 from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath, InterfaceRule
 from podmeter.adapters.datapath.ebpf.netns import netns
 from podmeter.adapters.datapath.ebpf.preflight import BARE_OBJECT_NAME, object_path
@@ -27,53 +25,7 @@ from podmeter.model.datapath import Direction, Traffic
 pytestmark = needs_root
 
 Opener = Callable[..., EbpfDatapath]
-UDP_HEADERS = 14 + 20 + 8
-ETH_P_ALL = 0x0003
-PACKET_OUTGOING = 4
 Counters = dict[tuple[str, Direction], Traffic]
-
-
-@dataclass
-class Node:
-    datapath: EbpfDatapath
-    manager: AttachManager
-    observed: Pod
-    unobserved: Pod
-
-
-@pytest.fixture(params=[AttachMode.TCX, AttachMode.TC], ids=["tcx", "tc"])
-def node(request: pytest.FixtureRequest, topology: Topology, open_datapath: Opener) -> Iterator[Node]:
-    datapath = open_datapath(64)
-    observed, unobserved = topology.add_pod(), topology.add_pod()
-    assert datapath.insert([observed.ip]).error is None
-    assert datapath.programs is not None
-    manager = AttachManager(datapath.programs, mode=request.param, netns=topology.host_path)
-    manager.start()
-    try:
-        assert set(manager.attached()) == {observed.host_veth, unobserved.host_veth}
-        yield Node(datapath, manager, observed, unobserved)
-    finally:
-        manager.stop()
-
-
-def udp_echo(topology: Topology, pod: Pod, sizes: list[int], ipv6: bool = False) -> None:
-    """Send one datagram of each size from the pod to the host, which echoes it back."""
-    family = socket.AF_INET6 if ipv6 else socket.AF_INET
-    pod_ip, host_ip = (pod.ip6, pod.host_ip6) if ipv6 else (pod.ip, pod.host_ip)
-    with topology.in_host():
-        server = socket.socket(family, socket.SOCK_DGRAM)
-    with netns(pod.netns_path):
-        client = socket.socket(family, socket.SOCK_DGRAM)
-    with server, client:
-        server.bind((host_ip, 0))
-        client.bind((pod_ip, 0))
-        server.settimeout(5)
-        client.settimeout(5)
-        for size in sizes:
-            client.sendto(b"u" * size, server.getsockname())
-            data, peer = server.recvfrom(65536)
-            server.sendto(data, peer)
-            assert client.recvfrom(65536)[0] == data
 
 
 def test_udp_is_counted_exactly_for_observed_pods_only(node: Node, topology: Topology) -> None:
@@ -85,56 +37,6 @@ def test_udp_is_counted_exactly_for_observed_pods_only(node: Node, topology: Top
         (node.observed.ip, Direction.EGRESS): expected,
         (node.observed.ip, Direction.INGRESS): expected,
     }
-
-
-class Capture:
-    """Every frame crossing one interface, with its true length and which way it went."""
-
-    def __init__(self, topology: Topology, ifname: str) -> None:
-        with topology.in_host():
-            self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
-        self.sock.bind((ifname, 0))
-        self.sock.setblocking(False)
-
-    def expected_counters(self, observed: str) -> dict[tuple[str, Direction], Traffic]:
-        """What the datapath should count for ``observed`` given the frames seen (no VLANs here)."""
-        totals: dict[tuple[str, Direction], Traffic] = {}
-        for frame, length, outgoing in self._drain():
-            addresses = _addresses(frame)
-            if addresses is None:
-                continue
-            src, dst = addresses
-            key = (dst, Direction.INGRESS) if outgoing else (src, Direction.EGRESS)
-            if key[0] == observed:
-                totals[key] = totals.get(key, Traffic()) + Traffic(1, length)
-        return totals
-
-    def _drain(self) -> Iterator[tuple[bytes, int, bool]]:
-        """(head of the frame, its full length, sent by the host?) for every captured frame."""
-        head = bytearray(128)
-        while True:
-            try:  # with MSG_TRUNC a packet socket returns the frame's real length
-                length, address = self.sock.recvfrom_into(head, len(head), socket.MSG_TRUNC)
-            except BlockingIOError:
-                return
-            yield bytes(head[: min(length, len(head))]), length, address[2] == PACKET_OUTGOING
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _addresses(frame: bytes) -> tuple[str, str] | None:
-    """(source, destination) of an untagged IPv4 or IPv6 frame, else None."""
-    if len(frame) >= 34 and frame[12:14] == b"\x08\x00":
-        return socket.inet_ntoa(frame[26:30]), socket.inet_ntoa(frame[30:34])
-    if len(frame) >= 54 and frame[12:14] == b"\x86\xdd":
-        return _ntop6(frame[22:38]), _ntop6(frame[38:54])
-    return None
-
-
-def _ntop6(raw: bytes) -> str:
-    return socket.inet_ntop(socket.AF_INET6, raw)
 
 
 def settled_counters(datapath: EbpfDatapath, capture: Capture, ip: str) -> Counters:

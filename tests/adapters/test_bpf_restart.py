@@ -6,33 +6,27 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from bpf_support import Pod, Topology, needs_root, run
+from bpf_support import Pod, Sender, Topology, needs_root, needs_tcx, run, udp_echo
 from core_harness import Core
 from factories import make_pod
-from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath, LinkSelection, preflight
+from podmeter.adapters.datapath.ebpf import AttachManager, AttachMode, EbpfDatapath, LinkSelection
 from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.adapters.datapath.ebpf.link_pins import program_id
-from podmeter.adapters.datapath.ebpf.netns import netns
 from podmeter.model.datapath import Direction, Traffic
-from test_bpf_netns import udp_echo
 
 pytestmark = needs_root
 
 Opener = Callable[..., EbpfDatapath]
 TESTS = str(Path(__file__).parents[1])  # the shared helpers
 PEER = "192.0.2.1"
-needs_tcx = pytest.mark.skipif(os.geteuid() != 0 or preflight.kernel_version() < preflight.TCX_KERNEL,
-                               reason="TCX links need kernel >= 6.6")
 
 # One agent run: open the pins, make sure the IP is observed, count N packets leaving it, report.
 COUNTING_RUN = """
@@ -184,47 +178,6 @@ print(program_id(dp.programs.from_pod.fd), program_id(dp.programs.to_pod.fd), fl
 time.sleep(600)
 """
 
-RATE = 1000  # packets per second leaving the pod while the agent is killed and restarted
-PAYLOAD = 100
-
-
-class Sender:
-    """UDP from a pod to the host at about RATE packets/s on a thread, counting what it sent."""
-
-    def __init__(self, topology: Topology, pod: Pod) -> None:
-        with topology.in_host():
-            self.sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound: no ICMP unreachable back
-        with netns(pod.netns_path):
-            self.client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sink.bind((pod.host_ip, 0))
-        self.client.bind((pod.ip, 0))
-        self.sent = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        target, start = self.sink.getsockname(), time.monotonic()
-        while not self._stop.is_set():
-            self.client.sendto(b"p" * PAYLOAD, target)
-            self.sent += 1
-            time.sleep(max(0.0, start + self.sent / RATE - time.monotonic()))
-
-    def __enter__(self) -> Sender:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.client.close()
-        self.sink.close()
-
-    def expected(self) -> Traffic:
-        return Traffic(self.sent, self.sent * (PAYLOAD + 42))
-
 
 def kill_and_restart(pin_dir: Path, topology: Topology, pod: Pod, links: Path | None, gap: float,
                      opener: Opener) -> tuple[Traffic, Traffic]:
@@ -278,7 +231,7 @@ def test_unpinned_links_lose_the_gap(pin_dir: Path, topology: Topology, open_dat
     """The reference: without link pins the links die with the process and the gap goes uncounted."""
     pod = topology.add_pod()
     sent, counted = kill_and_restart(pin_dir, topology, pod, None, 1.0, open_datapath)
-    assert 0.5 * RATE < sent.packets - counted.packets < 2 * RATE
+    assert 0.5 * Sender.RATE < sent.packets - counted.packets < 2 * Sender.RATE
 
 
 @needs_tcx

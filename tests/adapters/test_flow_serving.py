@@ -19,11 +19,12 @@ from aiohttp import web
 
 from hubble_support import Client, serving
 from podmeter.adapters.flow_http import flows_handler
-from podmeter.adapters.flow_serving import Busy, Encoded, FlowFeed, Gap
+from podmeter.adapters.flow_serving import Batch, Busy, Encoded, FlowFeed, Gap
 from podmeter.adapters.hubble.filters import MAX_VALUES
 from podmeter.adapters.hubble.proto import flow_pb2, observer_pb2
 from podmeter.adapters.hubble.server import HubbleServer, parse_listen
 from podmeter.model.flow_records import FlowFilter
+from podmeter.model.flows import UDP
 from test_hubble_observer import records
 
 
@@ -216,3 +217,43 @@ def test_encoded_bytes_are_made_once_and_bounded_whatever_the_churn() -> None:
         for record in records(100, start=1000):
             encoded(record)
     assert len(encoded) == 100  # never more than its bound: what it keeps alive is at most a ring
+
+
+async def test_followers_read_batches_that_end_at_multiples_and_are_joined_once_for_every_follower() -> None:
+    feed = FlowFeed(1000)
+    made: list[float] = []
+    encoded = Encoded(lambda record: made.append(record.time) or f"{record.time}\n".encode(), 1000)
+    feed.publish(records(10))  # the followers open after these: their cursors are at 10
+    readers = [feed.open(FlowFilter(), follow=True) for _ in range(3)]
+    udp = feed.open(FlowFilter(protocol="udp"), follow=True)
+    batch = records(700, start=10)
+    feed.publish(batch)
+    joined: list[list[bytes]] = []
+    for reader in readers:
+        async with reader:
+            got: list[bytes] = []
+            following = reader.follow_batches()
+            while sum(part.count(b"\n") for part in got) < 700:
+                item = await anext(following)
+                assert not isinstance(item, Gap) and item.whole
+                assert item.high % 256 == 0 or item.high == feed.ring.last_seq
+                got.append(encoded.lines(item))
+            await following.aclose()
+            joined.append(got)
+    assert [len(parts) for parts in joined] == [3, 3, 3]  # 11-256, 257-512, 513-710
+    assert all(a is b for a, b in zip(joined[0], joined[2], strict=True))  # the same bytes for every follower
+    assert b"".join(joined[0]) == b"".join(f"{r.time}\n".encode() for r in batch) and len(made) == 700
+    async with udp:
+        following = udp.follow_batches()
+        item = await anext(following)
+        await following.aclose()
+    assert isinstance(item, Batch) and not item.whole and item.records
+    assert {r.protocol for r in item.records} == {UDP}
+
+
+def test_joined_batches_are_bounded_by_the_records_they_hold() -> None:
+    encoded = Encoded(lambda record: b"x\n", 100)
+    batch = records(256)
+    for low in range(1, 2000, 50):
+        encoded.lines(Batch(low, low + 49, batch[:50], True))
+    assert encoded._joined_records <= 100 and len(encoded._joined) == 2

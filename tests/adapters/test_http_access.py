@@ -27,8 +27,9 @@ from lab_server import LabServer
 from podmeter.adapters.http import FORBIDDEN, is_loopback
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
 from podmeter.cli.main import build_parser
-from podmeter.cli.operator import debug_remote
-from podmeter.runtime.operator import Operator, OperatorSettings
+from podmeter.cli.operator import settings_from
+from podmeter.runtime.operator import Operator
+from podmeter.runtime.operator_process import http_app
 from waiting import free_port, wait_for
 
 AGENT_PATHS = ("/debug/state", "/debug/endpoints", "/debug/flows?last=1")
@@ -89,7 +90,7 @@ def check(port: int, paths: tuple[str, ...], remote_open: bool, loopback: tuple[
 
 @contextlib.asynccontextmanager
 async def operator_on_any(remote: bool) -> AsyncIterator[int]:
-    app = Operator(_NoPods(), MemoryIdentityBackend(), settings=OperatorSettings(debug_remote=remote)).http_app()
+    app = http_app(Operator(_NoPods(), MemoryIdentityBackend()), debug_remote=remote)
     runner = web.AppRunner(app)
     await runner.setup()
     sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
@@ -124,9 +125,10 @@ async def test_the_operators_debug_endpoints(remote: bool) -> None:
 
 def test_the_operator_takes_debug_remote_from_its_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     parse = build_parser("operator").parse_args
-    assert [debug_remote(parse(["operator", *flag])) for flag in ([], ["--debug-remote"])] == [False, True]
+    assert [settings_from(parse(["operator", *flag])).debug_remote for flag in ([], ["--debug-remote"])] == [
+        False, True]
     monkeypatch.setenv("PODMETER_DEBUG_REMOTE", "true")
-    assert debug_remote(build_parser("operator").parse_args(["operator"]))
+    assert settings_from(build_parser("operator").parse_args(["operator"])).debug_remote
     with pytest.raises(SystemExit):  # the pre-release alias is gone
         parse(["operator", "--debug-anywhere"])
 

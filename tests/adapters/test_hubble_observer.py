@@ -29,7 +29,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from factories import make_pod
 from hubble_support import Certificates, Client, make_certificates, ports, serving
 from podmeter.adapters.flow_serving import FlowFeed
-from podmeter.adapters.hubble.flows import WORLD_IDENTITY, pod_labels
+from podmeter.adapters.hubble.flows import WORLD_IDENTITY, FlowMessages, pod_labels
 from podmeter.adapters.hubble.proto import flow_pb2, health_pb2, observer_pb2, peer_pb2, peer_pb2_grpc
 from podmeter.adapters.hubble.server import (
     AccessError,
@@ -431,6 +431,35 @@ async def test_labels_of_a_pod_the_agent_no_longer_knows_are_absent(hubble: Any)
     feed.publish([record])
     (response,) = await client.flows(number=1)
     assert response.flow.source.pod_name == "gone" and list(response.flow.source.labels) == []
+
+
+def odd_records() -> list[FlowRecord]:
+    """Shapes beyond the shared ones: every TCP flag byte, port 0 and the highest, a protocol without a
+    name, times with no fraction and before one second, an identity, an unknown pod, every verdict."""
+    book = AddressBook([msgspec.structs.replace(WEB, uid="w"), DB, CACHE])
+    entries = [(FlowKey("10.0.0.1", "10.0.0.2", flags * 200, 65535 - flags, TCP, FROM if flags % 2 else TO),
+                FlowCounts(1, 60, 0, flags * 999_999_937, flags)) for flags in range(256)]
+    entries += [(FlowKey("10.0.0.2", "192.0.2.9", 0, 0, 47, FROM), FlowCounts(1, 1, 0, 0, 0)),
+                (FlowKey("10.0.0.2", "192.0.2.9", 0, 65535, UDP, TO), FlowCounts(1, 1, 0, 10**9, 0)),
+                (FlowKey("2001:db8::1", "fd00::3", 3, 4, ICMPV6, TO), FlowCounts(1, 1, 0, 5 * 10**8, 0)),
+                (FlowKey("10.0.0.9", "10.0.0.1", 0, 0, ICMP, TO), FlowCounts(1, 1, 0, 1, 0))]
+    named = name_flows(entries, book, "node-ä.example", 0.0) + name_flows(entries[:20], book, "n", BASE)
+    identified = [msgspec.structs.replace(r, source=msgspec.structs.replace(r.source, endpoint=msgspec.structs.replace(
+        r.source.endpoint, identity=70000))) for r in named[:10] if r.source.endpoint is not None]
+    reasons = ("NETFILTER_DROP", "IPV6_BAD_EXTHDR", None)
+    dropped = [msgspec.structs.replace(r, verdict="dropped", drop_reason=reasons[i % 3])
+               for i, r in enumerate(named[:30])]
+    return [*named, *identified, *dropped, *with_drops(records(40))]
+
+
+def test_the_hand_written_bytes_are_the_messages_bytes() -> None:
+    """``FlowMessages.serialized`` (what the server sends) is byte for byte the serialization of the message
+    ``FlowMessages.response`` builds with protobuf, for every shape of record."""
+    messages = FlowMessages(lambda e: pod_labels(PODS, e))
+    for record in odd_records():
+        expected = messages.response(record).SerializeToString()
+        assert messages.serialized(record) == expected, record
+        assert messages.encoded(record) == expected
 
 
 # --- status, nodes, health --------------------------------------------------------------------------------

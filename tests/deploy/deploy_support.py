@@ -1,4 +1,6 @@
-"""Shared helpers of the deploy tests (no tests here): render kustomizations with the real kubectl, find objects.
+"""Shared helpers of the deploy tests (no tests here): render kustomizations with the real kubectl, find objects,
+parse a container's command line and environment with the real CLI, admit a MetricsConfiguration as the API
+server would (its CRD's schema and CEL rules), and read the docs' YAML examples.
 
 ``render("overlays/default")`` runs ``kubectl kustomize deploy/overlays/default`` and returns its objects;
 ``render_with(tmp_path, resources=[...], components=[...])`` renders an ad-hoc overlay (to compose
@@ -7,8 +9,10 @@ components the way docs/install.md tells users to).
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -16,18 +20,25 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
+import celpy
+import jsonschema
 import pytest
 import yaml
 
+from podmeter.cli.main import build_parser
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
+DOCS = ROOT / "docs"
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 OVERLAYS = sorted(p.parent.relative_to(DEPLOY).as_posix() for p in (DEPLOY / "overlays").glob("*/kustomization.yaml"))
 
 needs_kubectl = pytest.mark.skipif(not Path(KUBECTL).exists(), reason="kubectl (with kustomize) is not installed")
 
 Obj = dict[str, Any]
+Schema = dict[str, Any]  # an OpenAPI v3 schema (the CRD's)
 Grant = tuple[str, str, str, str, str]  # (scope: "cluster" or namespace, apiGroup, resource, verb, resourceName or "*")
 
 
@@ -214,3 +225,161 @@ def service_account_dir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="podmeter-deploy-", dir="/var/tmp"))
     path.chmod(0o755)
     return path
+
+
+def yaml_blocks(text: str) -> list[str]:
+    """The ```yaml blocks of a Markdown text."""
+    return re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+
+
+# --- flags and env as the container gets them, against the real CLI ----------------------------------------
+
+FIELD_VALUES = {"spec.nodeName": "node-a", "metadata.namespace": "podmeter", "metadata.name": "podmeter-operator-x",
+                "status.podIP": "10.0.0.5", "status.hostIP": "10.0.0.1"}
+
+
+def resolved_env(objects: list[Obj], cont: Obj) -> dict[str, str]:
+    """The container's environment as the kubelet would set it (downward API and ConfigMap keys resolved)."""
+    maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
+    out: dict[str, str] = {}
+    for entry in cont.get("env", []):
+        source = entry.get("valueFrom")
+        if source is None:
+            out[entry["name"]] = str(entry["value"])
+        elif "fieldRef" in source:
+            out[entry["name"]] = FIELD_VALUES[source["fieldRef"]["fieldPath"]]
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            assert ref["name"] in maps, f"{entry['name']}: ConfigMap {ref['name']} is not rendered"
+            out[entry["name"]] = maps[ref["name"]][ref["key"]]
+        else:
+            raise AssertionError(f"unexpected env source {source}")
+    return out
+
+
+def parse_as_the_container(objects: list[Obj], cont: Obj) -> tuple[Any, dict[str, str]]:
+    """The container's command line parsed by the real CLI in its environment: (arguments, environment); fails
+    on a PODMETER_ variable that matches no option (it would be silently ignored)."""
+    env = resolved_env(objects, cont)
+    argv = list(cont.get("command", [])[1:]) + list(cont["args"])
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PODMETER_") and k != "KUBECONFIG"}
+    with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
+        parser = build_parser()
+        sub = parser._subparsers._group_actions[0].choices[argv[0]]  # type: ignore[union-attr]
+        known = {"PODMETER_" + o[2:].upper().replace("-", "_")
+                 for a in sub._actions for o in a.option_strings if o.startswith("--")}
+        unknown = {k for k in env if k.startswith("PODMETER_")} - known
+        assert not unknown, f"{argv[0]}: env vars that match no option (silently ignored): {sorted(unknown)}"
+        return parser.parse_args(argv), env
+
+
+# --- the API server's admission of a MetricsConfiguration, emulated (test_deploy_crd.py) --------------------
+
+
+def crd() -> Obj:
+    return find(render("overlays/default"), "CustomResourceDefinition", "metricsconfigurations.podmeter.io")
+
+
+def version_schema() -> Schema:
+    (version,) = crd()["spec"]["versions"]
+    schema: Schema = version["schema"]["openAPIV3Schema"]
+    return schema
+
+
+class Rejected(Exception):
+    """What the emulated API server refused, with its ``reasons``."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__("; ".join(reasons))
+        self.reasons = reasons
+
+
+def _is_object_with_fields(schema: Schema) -> bool:
+    return schema.get("type") == "object" and "properties" in schema and not schema.get(
+        "x-kubernetes-preserve-unknown-fields")
+
+
+def unknown_fields(value: Any, schema: Schema, path: str) -> list[str]:
+    """Strict field validation: every field must be declared (``metadata`` is the server's own)."""
+    out: list[str] = []
+    if path == ".metadata":
+        return out
+    if isinstance(value, dict) and _is_object_with_fields(schema):
+        for key, item in value.items():
+            if key not in schema["properties"]:
+                out.append(f'unknown field "{path.lstrip(".")}.{key}"'.replace('"".', '"'))
+            else:
+                out += unknown_fields(item, schema["properties"][key], f"{path}.{key}")
+    elif isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            out += unknown_fields(item, schema["items"], f"{path}[{index}]")
+    return out
+
+
+def prune_and_default(value: Any, schema: Schema) -> Any:
+    """Drop unknown fields and nulls of non-nullable fields, then apply defaults (apiextensions order)."""
+    if isinstance(value, dict) and _is_object_with_fields(schema):
+        out = {}
+        for key, item in value.items():
+            sub = schema["properties"].get(key)
+            if sub is None or (item is None and not sub.get("nullable")):
+                continue
+            out[key] = prune_and_default(item, sub)
+        for key, sub in schema["properties"].items():
+            if key not in out and "default" in sub:
+                out[key] = copy.deepcopy(sub["default"])
+        return out
+    if isinstance(value, list) and "items" in schema:
+        return [prune_and_default(item, schema["items"]) for item in value]
+    return value
+
+
+def to_json_schema(schema: Any) -> Any:
+    """OpenAPI v3 (structural) -> JSON Schema: drop the x-kubernetes-* extensions, turn ``nullable`` into a type."""
+    if isinstance(schema, list):
+        return [to_json_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: to_json_schema(v) for k, v in schema.items()
+           if not k.startswith("x-kubernetes-") and k not in ("nullable", "properties")}
+    if "properties" in schema:
+        out["properties"] = {k: to_json_schema(v) for k, v in schema["properties"].items()}
+    if schema.get("nullable") and "type" in schema:
+        out["type"] = [schema["type"], "null"]
+    if isinstance(schema.get("pattern"), str):  # RE2 (the API server): "$" is the end of the text, Python's \Z
+        out["pattern"] = re.sub(r"(?<!\\)\$$", r"\\Z", schema["pattern"])
+    return out
+
+
+CEL = celpy.Environment()
+
+
+def cel_errors(value: Any, schema: Schema, path: str) -> list[str]:
+    out: list[str] = []
+    for rule in schema.get("x-kubernetes-validations", []):
+        program = CEL.program(CEL.compile(rule["rule"]))
+        result = program.evaluate({"self": celpy.json_to_cel(value)})
+        if not (isinstance(result, celpy.celtypes.BoolType) and bool(result)):
+            out.append(f"{path.lstrip('.')}: {rule.get('message', rule['rule'])}")
+    if isinstance(value, dict) and "properties" in schema:
+        for key, item in value.items():
+            if key in schema["properties"]:
+                out += cel_errors(item, schema["properties"][key], f"{path}.{key}")
+    elif isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            out += cel_errors(item, schema["items"], f"{path}[{index}]")
+    return out
+
+
+def admit(obj: Obj, schema: Schema | None = None) -> Obj:
+    """What the API server stores for ``obj`` (a create with fieldValidation=Strict), or Rejected."""
+    schema = schema or version_schema()
+    reasons = unknown_fields(obj, schema, "")
+    stored: Obj = prune_and_default(obj, schema)
+    validator = jsonschema.Draft202012Validator(to_json_schema(schema))
+    reasons += [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(stored)]
+    if not reasons:  # the server runs CEL rules only on values that passed the schema
+        reasons += cel_errors(stored, schema, "")
+    if reasons:
+        raise Rejected(reasons)
+    return stored

@@ -1,142 +1,26 @@
 """The MetricsConfiguration CRD: its schema admits exactly the specs the agent accepts.
 
-The API server's admission of a custom resource is emulated step by step, with real validators:
-strict field validation (what ``kubectl apply`` asks for: unknown fields are refused), pruning of nulls
-in non-nullable fields, defaulting, the OpenAPI schema (``jsonschema``) and the CEL rules
+The API server's admission of a custom resource is emulated step by step (``admit``, in deploy_support.py),
+with real validators: strict field validation (what ``kubectl apply`` asks for: unknown fields are refused),
+pruning of nulls in non-nullable fields, defaulting, the OpenAPI schema (``jsonschema``) and the CEL rules
 (``x-kubernetes-validations``, evaluated with ``cel-python``). The same examples go through
 :func:`podmeter.model.configuration.decode_configuration`; both must agree on every one.
 """
 
 from __future__ import annotations
 
-import copy
-import re
 from pathlib import Path
 from typing import Any
 
-import celpy
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-from deploy_support import DEPLOY, Obj, find, needs_kubectl, render
+from deploy_support import CEL, DEPLOY, Obj, Rejected, Schema, admit, crd, needs_kubectl, version_schema
 from podmeter.model.configuration import Interest, decode_configuration
 from podmeter.model.records import DecodeError
 
 pytestmark = needs_kubectl
-
-Schema = dict[str, Any]
-
-
-def crd() -> Obj:
-    return find(render("overlays/default"), "CustomResourceDefinition", "metricsconfigurations.podmeter.io")
-
-
-def version_schema() -> Schema:
-    (version,) = crd()["spec"]["versions"]
-    schema: Schema = version["schema"]["openAPIV3Schema"]
-    return schema
-
-
-# --- the emulated admission -------------------------------------------------------------------------------
-
-
-class Rejected(Exception):
-    def __init__(self, reasons: list[str]) -> None:
-        super().__init__("; ".join(reasons))
-        self.reasons = reasons
-
-
-def _is_object_with_fields(schema: Schema) -> bool:
-    return schema.get("type") == "object" and "properties" in schema and not schema.get(
-        "x-kubernetes-preserve-unknown-fields")
-
-
-def unknown_fields(value: Any, schema: Schema, path: str) -> list[str]:
-    """Strict field validation: every field must be declared (``metadata`` is the server's own)."""
-    out: list[str] = []
-    if path == ".metadata":
-        return out
-    if isinstance(value, dict) and _is_object_with_fields(schema):
-        for key, item in value.items():
-            if key not in schema["properties"]:
-                out.append(f'unknown field "{path.lstrip(".")}.{key}"'.replace('"".', '"'))
-            else:
-                out += unknown_fields(item, schema["properties"][key], f"{path}.{key}")
-    elif isinstance(value, list) and "items" in schema:
-        for index, item in enumerate(value):
-            out += unknown_fields(item, schema["items"], f"{path}[{index}]")
-    return out
-
-
-def prune_and_default(value: Any, schema: Schema) -> Any:
-    """Drop unknown fields and nulls of non-nullable fields, then apply defaults (apiextensions order)."""
-    if isinstance(value, dict) and _is_object_with_fields(schema):
-        out = {}
-        for key, item in value.items():
-            sub = schema["properties"].get(key)
-            if sub is None or (item is None and not sub.get("nullable")):
-                continue
-            out[key] = prune_and_default(item, sub)
-        for key, sub in schema["properties"].items():
-            if key not in out and "default" in sub:
-                out[key] = copy.deepcopy(sub["default"])
-        return out
-    if isinstance(value, list) and "items" in schema:
-        return [prune_and_default(item, schema["items"]) for item in value]
-    return value
-
-
-def to_json_schema(schema: Any) -> Any:
-    """OpenAPI v3 (structural) -> JSON Schema: drop the x-kubernetes-* extensions, turn ``nullable`` into a type."""
-    if isinstance(schema, list):
-        return [to_json_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: to_json_schema(v) for k, v in schema.items()
-           if not k.startswith("x-kubernetes-") and k not in ("nullable", "properties")}
-    if "properties" in schema:
-        out["properties"] = {k: to_json_schema(v) for k, v in schema["properties"].items()}
-    if schema.get("nullable") and "type" in schema:
-        out["type"] = [schema["type"], "null"]
-    if isinstance(schema.get("pattern"), str):  # RE2 (the API server): "$" is the end of the text, Python's \Z
-        out["pattern"] = re.sub(r"(?<!\\)\$$", r"\\Z", schema["pattern"])
-    return out
-
-
-_cel = celpy.Environment()
-
-
-def cel_errors(value: Any, schema: Schema, path: str) -> list[str]:
-    out: list[str] = []
-    for rule in schema.get("x-kubernetes-validations", []):
-        program = _cel.program(_cel.compile(rule["rule"]))
-        result = program.evaluate({"self": celpy.json_to_cel(value)})
-        if not (isinstance(result, celpy.celtypes.BoolType) and bool(result)):
-            out.append(f"{path.lstrip('.')}: {rule.get('message', rule['rule'])}")
-    if isinstance(value, dict) and "properties" in schema:
-        for key, item in value.items():
-            if key in schema["properties"]:
-                out += cel_errors(item, schema["properties"][key], f"{path}.{key}")
-    elif isinstance(value, list) and "items" in schema:
-        for index, item in enumerate(value):
-            out += cel_errors(item, schema["items"], f"{path}[{index}]")
-    return out
-
-
-def admit(obj: Obj, schema: Schema | None = None) -> Obj:
-    """What the API server stores for ``obj`` (a create with fieldValidation=Strict), or Rejected."""
-    schema = schema or version_schema()
-    reasons = unknown_fields(obj, schema, "")
-    stored = prune_and_default(obj, schema)
-    validator = jsonschema.Draft202012Validator(to_json_schema(schema))
-    reasons += [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(stored)]
-    if not reasons:  # the server runs CEL rules only on values that passed the schema
-        reasons += cel_errors(stored, schema, "")
-    if reasons:
-        raise Rejected(reasons)
-    return stored
 
 
 def decodes(obj: Obj) -> Interest | None:
@@ -320,7 +204,7 @@ def test_every_cel_rule_compiles() -> None:
     walk(version_schema())
     assert rules
     for rule in rules:
-        _cel.compile(rule)
+        CEL.compile(rule)
 
 
 def test_the_status_the_operator_writes_is_admitted() -> None:

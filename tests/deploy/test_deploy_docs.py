@@ -13,12 +13,22 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy_support import DEPLOY, OVERLAYS, ROOT, container, env_map, find, kustomize, needs_kubectl
+from deploy_support import (
+    DEPLOY,
+    DOCS,
+    OVERLAYS,
+    ROOT,
+    admit,
+    container,
+    env_map,
+    find,
+    kustomize,
+    needs_kubectl,
+    yaml_blocks,
+)
 from podmeter.cli.main import build_parser
 from podmeter.model.configuration import decode_configuration
-from test_deploy_crd import admit
 
-DOCS = ROOT / "docs"
 MINE = ("install.md", "configuration.md", "observing.md", "troubleshooting.md", "upgrade.md", "comparison.md")
 DOCUMENTED_COMMANDS = ("agent", "operator", "doctor", "inspect", "bpffs")  # what runs on a cluster (the lab has lab.md)
 
@@ -77,10 +87,6 @@ def test_the_install_guide_names_every_overlay_and_component() -> None:
         assert f"deploy/{path}" in text, path
 
 
-def yaml_blocks(text: str) -> list[str]:
-    return re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
-
-
 @needs_kubectl
 def test_the_own_overlay_example_of_the_install_guide_renders_and_validates(tmp_path: Path) -> None:
     (block,) = [b for b in yaml_blocks((DOCS / "install.md").read_text()) if "my-cluster/kustomization.yaml" in b]
@@ -117,7 +123,6 @@ def test_metricsconfiguration_examples_in_the_docs_are_admitted_and_accepted() -
     assert found >= 2
 
 
-ROOT = DOCS.parent
 EVERY_PAGE = sorted([*DOCS.glob("*.md"), *ROOT.glob("*.md"),
                      *(ROOT / d / "README.md" for d in ("bench", "deploy", "tests"))])
 

@@ -14,11 +14,20 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from deploy_support import ROOT, Obj, container, find, kustomize, needs_kubectl
+from deploy_support import (
+    DOCS,
+    ROOT,
+    Obj,
+    container,
+    find,
+    kustomize,
+    needs_kubectl,
+    parse_as_the_container,
+    resolved_env,
+    yaml_blocks,
+)
 from etcd_server import ETCD, EtcdServer, Pki, pki
 from lab_server import LabServer
-from test_deploy_docs import DOCS, yaml_blocks
-from test_deploy_manifests import parse_as_the_container, resolved_env
 from waiting import free_port, http_get, stop_process, wait_for
 
 __all__ = ["pki"]

@@ -4,17 +4,16 @@ schemas, grants exactly the RBAC the agent and operator need, and uses only flag
 from __future__ import annotations
 
 import copy
-import os
 import tomllib
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import kubernetes_validate
 import pytest
 import yaml
 
 from deploy_support import (
+    FIELD_VALUES,
     OVERLAYS,
     ROOT,
     Grant,
@@ -25,12 +24,13 @@ from deploy_support import (
     grants,
     kustomize,
     needs_kubectl,
+    parse_as_the_container,
     pod_containers,
     render,
     render_with,
+    resolved_env,
     runtime_refusal,
 )
-from podmeter.cli.main import build_parser
 
 pytestmark = needs_kubectl
 
@@ -107,7 +107,10 @@ AGENT_GRANTS: set[Grant] = {
     for group, resource in (("", "pods"), ("", "namespaces"), ("podmeter.io", "metricsconfigurations"),
                             ("podmeter.io", "podslices"))
     for verb in ("get", "list", "watch")
-} | {("cluster", "", "nodes", verb, "*") for verb in ("list", "watch")}  # the Hubble API's peers
+} | {("cluster", "", "nodes", verb, "*") for verb in ("list", "watch")} | {  # the Hubble API's peers
+    ("cluster", group, resource, verb, "*")  # Services' names of flows (docs/services.md)
+    for group, resource in (("", "services"), ("discovery.k8s.io", "endpointslices")) for verb in ("list", "watch")
+}
 OPERATOR_GRANTS: set[Grant] = {
     *(("cluster", "", "pods", verb, "*") for verb in ("get", "list", "watch")),
     *(("cluster", "podmeter.io", "metricsconfigurations", verb, "*") for verb in ("get", "list", "watch")),
@@ -150,43 +153,6 @@ def test_workloads_run_under_their_own_accounts() -> None:
 
 
 # --- flags and env against the real CLI ------------------------------------------------------------------
-
-FIELD_VALUES = {"spec.nodeName": "node-a", "metadata.namespace": "podmeter", "metadata.name": "podmeter-operator-x",
-                "status.podIP": "10.0.0.5", "status.hostIP": "10.0.0.1"}
-
-
-def resolved_env(objects: list[Obj], cont: Obj) -> dict[str, str]:
-    """The container's environment as the kubelet would set it (downward API and ConfigMap keys resolved)."""
-    maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
-    out: dict[str, str] = {}
-    for entry in cont.get("env", []):
-        source = entry.get("valueFrom")
-        if source is None:
-            out[entry["name"]] = str(entry["value"])
-        elif "fieldRef" in source:
-            out[entry["name"]] = FIELD_VALUES[source["fieldRef"]["fieldPath"]]
-        elif "configMapKeyRef" in source:
-            ref = source["configMapKeyRef"]
-            assert ref["name"] in maps, f"{entry['name']}: ConfigMap {ref['name']} is not rendered"
-            out[entry["name"]] = maps[ref["name"]][ref["key"]]
-        else:
-            raise AssertionError(f"unexpected env source {source}")
-    return out
-
-
-def parse_as_the_container(objects: list[Obj], cont: Obj) -> tuple[Any, dict[str, str]]:
-    env = resolved_env(objects, cont)
-    argv = list(cont.get("command", [])[1:]) + list(cont["args"])
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PODMETER_") and k != "KUBECONFIG"}
-    with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
-        parser = build_parser()
-        sub = parser._subparsers._group_actions[0].choices[argv[0]]  # type: ignore[union-attr]
-        known = {"PODMETER_" + o[2:].upper().replace("-", "_")
-                 for a in sub._actions for o in a.option_strings if o.startswith("--")}
-        unknown = {k for k in env if k.startswith("PODMETER_")} - known
-        assert not unknown, f"{argv[0]}: env vars that match no option (silently ignored): {sorted(unknown)}"
-        return parser.parse_args(argv), env
-
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_workload_parses_with_the_real_cli(overlay: str) -> None:

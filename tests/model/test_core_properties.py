@@ -1,6 +1,8 @@
 """Hypothesis: random event sequences against the core.
 
-After every step the incremental desired filter equals a recompute from the store; after the writer
+After every step the incremental desired filter equals a recompute from the store, and the addresses the
+step's delta handed over (``NodeView.apply``'s report, which the agent drains at) are exactly those whose
+holders, recomputed from the store before and after it, had a holder and changed; after the writer
 quiesces the datapath holds exactly the desired IPs (or, over capacity, a full map of desired IPs only).
 The event stream includes duplicates, lost events repaired by a relist, IPs drawn from a pool of 8 (so
 reuse is constant), namespace and configuration flips, and drift injected into the datapath.
@@ -18,7 +20,9 @@ from factories import make_namespace, make_pod
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.configuration import Interest
 from podmeter.model.datapath import DatapathError
+from podmeter.model.interest import holds_address
 from podmeter.model.records import Namespace, Pod
+from podmeter.model.view import NodeView
 
 pytestmark = pytest.mark.fast  # the pure tier: make test-fast
 
@@ -48,6 +52,16 @@ interests = st.builds(
 )
 
 
+def address_holders(view: NodeView) -> dict[str, frozenset[str]]:
+    """IP -> UIDs of the stored pods whose IP names them, from scratch."""
+    holders: dict[str, set[str]] = {}
+    for pod in view.pods.values():
+        if holds_address(pod):
+            for ip in pod.ips:
+                holders.setdefault(ip, set()).add(pod.uid)
+    return {ip: frozenset(uids) for ip, uids in holders.items()}
+
+
 class CoreMachine(RuleBasedStateMachine):
     """``server`` is the API server's truth; the writer sees it through events that may be lost."""
 
@@ -58,6 +72,8 @@ class CoreMachine(RuleBasedStateMachine):
         self.generation = 0
         self.lost_events = False
         self.drifted = False
+        self.holders: dict[str, frozenset[str]] = {}  # as recomputed after the last delta
+        self.deltas = 0
 
     @initialize(capacity=st.integers(min_value=2, max_value=10))
     def start(self, capacity: int) -> None:
@@ -146,6 +162,19 @@ class CoreMachine(RuleBasedStateMachine):
         view = self.writer.view
         recomputed = view.recompute()
         assert {ip: frozenset(view.desired.uids(ip)) for ip in view.desired} == recomputed
+
+    @invariant()
+    def the_handed_over_addresses_equal_the_recomputed_difference(self) -> None:
+        if not hasattr(self, "writer"):
+            return
+        now = address_holders(self.writer.view)
+        if self.writer.deltas == self.deltas:  # no delta since (a lost event, a flush, drift)
+            assert now == self.holders
+            return
+        assert self.writer.deltas == self.deltas + 1  # one delta per step
+        changed = {ip for ip, uids in self.holders.items() if now.get(ip) != uids}
+        assert self.writer.handed_over == changed
+        self.holders, self.deltas = now, self.writer.deltas
 
     @invariant()
     def store_mirrors_the_server_when_no_event_was_lost(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any
 
 import msgspec
 import pytest
@@ -20,10 +21,20 @@ from flow_support import FROM, TO, counts, flow_agent, key, sent_by
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.deltas import PODS, Delete, Upsert
 from podmeter.model.endpoints import AddressBook
-from podmeter.model.flow_records import FlowEnd, FlowFilter, FlowRecord, FlowRing, name_flows
-from podmeter.model.flow_series import OVERFLOW, WorkloadFlows
-from podmeter.model.flows import ICMP, TCP, UDP
+from podmeter.model.flow_records import (
+    EndpointCache,
+    FlowEnd,
+    FlowFilter,
+    FlowRecord,
+    FlowRing,
+    encode_json,
+    name_flows,
+    newest,
+)
+from podmeter.model.flow_series import OVERFLOW, DrainTotals, WorkloadFlows
+from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, FlowCounts, FlowKey
 from podmeter.model.records import Pod
+from podmeter.model.retina_flows import WorkloadFlowsAndRetina
 from podmeter.runtime.ticks import Tick
 
 pytestmark = pytest.mark.fast  # the pure tier: make test-fast
@@ -66,6 +77,25 @@ def test_finished_and_host_network_pods_name_nothing() -> None:
     host = make_pod("host", ips=("192.168.1.10",), host_network=True)
     book = AddressBook([done, host])
     assert book.endpoint("10.0.0.1") is None and book.endpoint("192.168.1.10") is None
+
+def test_the_struct_encoding_is_the_contracts_json_byte_for_byte() -> None:
+    """``encode_json`` (the NDJSON line of every reader) writes what ``to_json`` says, in its order."""
+    web = owned(make_pod("web-5d9f7-x", "shop", ips=("10.0.0.1", "fd00::1"), labels={"pod-template-hash": "5d9f7"}),
+                "ReplicaSet", "web-5d9f7")
+    book = AddressBook([web, make_pod("db\u2028\x1b", "sh\"op", ips=("10.0.0.2",))])
+    entries = [(key("10.0.0.1", "10.0.0.2", flags * 250, 65535 - flags, TCP if flags % 3 else UDP,
+                    FROM if flags % 2 else TO), counts(flags, 60 * flags, flags, at=flags * 999_999_937))
+               for flags in range(256)]
+    entries += [(key("fd00::1", "2001:db8::9", 128, 0, ICMPV6), counts()), (key("8.8.8.8", "10.0.0.1", 3, 1, ICMP),
+                                                                          counts()),
+                (key("10.0.0.1", "192.0.2.1", 0, 0, 47), counts(at=0))]
+    records = name_flows(entries, book, "node-\xe4", 1_790_000_000.0) + name_flows(entries[:9], book, "n", 0.0)
+    identified = [msgspec.structs.replace(r.source, endpoint=msgspec.structs.replace(r.source.endpoint, identity=i))
+                  if r.source.endpoint else r.source for i, r in enumerate(records[:40])]
+    records += [msgspec.structs.replace(r, verdict="dropped", drop_reason=("NO_SOCKET", None)[i % 2], tcp_retransmits=i,
+                                        source=identified[i]) for i, r in enumerate(records[:40])]
+    for record in records:
+        assert encode_json(record) == msgspec.json.encode(record.to_json()), record
 
 def test_flow_end_equality_is_by_value() -> None:
     assert FlowEnd("10.0.0.1", 1) == FlowEnd("10.0.0.1", 1)
@@ -202,3 +232,81 @@ def test_unnamed_same_node_packets_count_once_and_world_sources_still_count() ->
     flows = WorkloadFlows("node-a", limit=10, idle=60.0)
     flows.add(records, now=1.0)
     assert sum(t.packets for _, t in flows.values()) == 3 + 2
+    totals = WorkloadFlows("node-a", limit=10, idle=60.0)  # the agent's path: the entries, added up
+    totals.add_totals(DrainTotals(entries), EndpointCache(AddressBook(())), now=1.0)
+    assert sum(t.packets for _, t in totals.values()) == 3 + 2
+
+
+# --- a drain's totals against its records ----------------------------------------------------------------
+
+
+ADDRESSES = ["10.0.0.1", "10.0.0.2", "10.0.1.1", "10.9.0.9", "8.8.8.8", "fd00::1"]  # the last three: no pod here
+_entries = st.lists(st.tuples(
+    st.sampled_from(ADDRESSES), st.sampled_from(ADDRESSES), st.integers(0, 3), st.integers(0, 2),
+    st.sampled_from([TCP, UDP, ICMP]), st.sampled_from([FROM, TO]), st.integers(1, 9), st.integers(0, 6),
+), max_size=60)
+
+
+def _drain(rows: list[tuple[str, str, int, int, int, object, int, int]]) -> list[tuple[FlowKey, FlowCounts]]:
+    """One drain's entries: one per key (the kernel's), the later duplicates dropped."""
+    out: dict[FlowKey, FlowCounts] = {}
+    for source, destination, sport, dport, protocol, observation, packets, at in rows:
+        flow = key(source, destination, sport, dport, protocol, observation)  # type: ignore[arg-type]
+        out.setdefault(flow, counts(packets, 100 * packets, at=at * 1_000_000))
+    return list(out.items())
+
+
+def _book(named: bool) -> AddressBook:
+    far = make_pod("far", "batch", ips=("10.0.1.1",), node="node-b")  # a pod of another node
+    web = owned(make_pod("web-1", "shop", ips=("10.0.0.1",)), "StatefulSet", "web")
+    return AddressBook([web, make_pod("db-0", "shop", ips=("10.0.0.2",)), far] if named else [])
+
+
+@settings(max_examples=300, deadline=None)
+@given(_entries, st.booleans())
+def test_a_drains_totals_add_up_to_the_series_of_its_records(rows: list[Any], named: bool) -> None:
+    """``add_totals`` (the agent's path: entries added up per pair of addresses, no records made) gives
+    every series ``add`` gives from the drain's records, to-pod twins of unnamed sources included."""
+    entries, book = _drain(rows), _book(named)
+    from_records, from_totals = WorkloadFlowsAndRetina("node-a", 100, 60.0), WorkloadFlowsAndRetina("node-a", 100, 60.0)
+    from_records.add(name_flows(entries, book, "node-a", 0.0), 1.0)
+    from_totals.add_totals(DrainTotals(entries), EndpointCache(book), 1.0)
+    assert {p: (t.packets, t.bytes) for p, t in from_totals.values()} == {
+        p: (t.packets, t.bytes) for p, t in from_records.values()}
+    assert {k: (t.packets, t.bytes) for k, t in from_totals.retina.values()} == {
+        k: (t.packets, t.bytes) for k, t in from_records.retina.values()}
+
+
+@settings(max_examples=200, deadline=None)
+@given(_entries, st.integers(1, 4))
+def test_past_the_series_limit_totals_fold_every_record_they_would_have(rows: list[Any], limit: int) -> None:
+    entries, book = _drain(rows), _book(True)
+    flows = WorkloadFlows("node-a", limit, 60.0)
+    flows.add_totals(DrainTotals(entries), EndpointCache(book), 1.0)
+    reference = WorkloadFlows("node-a", 1000, 60.0)
+    reference.add(name_flows(entries, book, "node-a", 0.0), 1.0)
+    assert len(flows.pairs) <= limit + 1
+    assert sum(t.packets for t in flows.pairs.values()) == sum(t.packets for t in reference.pairs.values())
+    assert (flows.folded > 0) == (len(reference.pairs) > limit)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_entries, st.integers(0, 70))
+def test_newest_keeps_the_tail_of_the_stable_time_order(rows: list[Any], count: int) -> None:
+    entries = _drain(rows)
+    kept = newest(entries, count)
+    if len(entries) <= count:
+        assert kept == entries
+    else:
+        assert kept == sorted(entries, key=lambda e: e[1].last_ns)[len(entries) - count:]
+
+
+def test_records_passed_over_are_numbered_and_counted_as_fallen_out() -> None:
+    ring = FlowRing(3)
+    records = _records()
+    ring.extend(records[:2])
+    ring.extend(records[1:4], passed=5)  # a drain of 8: its 5 oldest never made
+    assert (ring.last_seq, len(ring), ring.first_seq, ring.dropped) == (10, 3, 8, 7)
+    assert [r for _, r in ring.after(0)] == records[1:4]
+    with pytest.raises(ValueError, match="a ring's worth"):
+        ring.extend(records[:2], passed=1)

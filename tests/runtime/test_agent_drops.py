@@ -61,7 +61,7 @@ class FakeDrops:
     def drops_lost(self) -> Mapping[str, int]:
         return self.lost
 
-def agent_with(drops: FakeDrops, **settings: bool) -> Agent:
+def agent_with(drops: FakeDrops, **settings: bool | str) -> Agent:
     datapath = MemoryDatapath()
     agent = Agent(AgentSettings(node_name="node-a", **settings), connection=None,  # type: ignore[arg-type]
                   datapath=datapath, flows=datapath, drops=drops)
@@ -121,7 +121,7 @@ def test_queue_purge_is_kept_out_of_the_drop_series_and_the_dropped_flows(includ
     series, not in Retina's (local and remote), not a dropped flow; --drops-include-lifecycle shows it as
     a drop, as before."""
     drops = FakeDrops()
-    agent = agent_with(drops, retina_remote=True, drops_include_lifecycle=include)
+    agent = agent_with(drops, retina_compat="remote", drops_include_lifecycle=include)
     agent.apply_batch([Upsert(PODS, pod("client", "10.0.0.1")), Upsert(PODS, pod("server", "10.0.0.2"))])
     drops.drop("10.0.0.1", OUT, "QUEUE_PURGE", 3)
     drops.drop("10.0.0.2", IN, "QUEUE_PURGE", 3)

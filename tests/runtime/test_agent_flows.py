@@ -133,3 +133,28 @@ async def test_a_follower_that_stops_reading_holds_nothing_and_is_told_what_it_m
         assert await anext(following) == record
         await following.aclose()
     assert (feed.followers, feed.lost) == (0, 84)
+
+
+async def test_a_drain_beyond_the_ring_makes_records_of_its_newest_counts_the_rest_and_the_series_all() -> None:
+    """A drain of more entries than ``--flow-buffer``: the ring gets the newest (by last packet), the older
+    ones are numbered and counted as fallen out (a follower is told it missed them), and the series count
+    every entry's packets."""
+    dp = MemoryDatapath()
+    agent = flow_agent(dp, flow_buffer=50)
+    web = make_pod("web", ips=("10.0.0.7",), observe=True)
+    agent.apply_batch([Upsert(PODS, web)])
+    start = time.monotonic_ns()
+    for i in range(120):  # flow i's last packet at start + i ms, in an order the kernel would not keep
+        dp.record_flow(key("10.0.0.7", "1.1.1.1", 10000 + (i * 37) % 120), 2, 200, start + ((i * 37) % 120) * 10**6)
+    follower = agent.flow_feed.open(FlowFilter(), follow=True)
+    async with follower:
+        agent.apply_batch([Tick.DRAIN])
+        following = follower.follow()
+        assert await anext(following) == Gap(70)
+        got = [await anext(following) for _ in range(50)]
+        await following.aclose()
+    assert [r.source.port for r in got] == list(range(10070, 10120))  # the newest 50, oldest first
+    ring = agent.flow_feed.ring
+    assert (agent.flow_feed.published, len(ring), ring.dropped) == (120, 50, 70)
+    assert sum(t.packets for _, t in agent.workload_flows.values()) == 240
+    assert agent.flows is not None and agent.flows.stats.last_entries == 120

@@ -50,9 +50,8 @@ class Links:
 
 
 def agent_with(links: Links | None) -> Agent:
-    agent = Agent(AgentSettings(node_name="node-a"), connection=None, datapath=MemoryDatapath())  # type: ignore[arg-type]
-    agent.links = links
-    return agent
+    return Agent(AgentSettings(node_name="node-a"), connection=None, datapath=MemoryDatapath(),  # type: ignore[arg-type]
+                 links=links)
 
 
 LISTED = [Replace(NAMESPACES, []), Replace(CONFIGURATIONS, [])]

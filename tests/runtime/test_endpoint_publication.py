@@ -23,9 +23,9 @@ from agent_harness import AgentHarness, Cluster
 from etcd_server import EtcdServer, etcd
 from factories import make_pod, with_changes
 from lab_server import LabServer, lab_apiserver
+from operator_support import OperatorProcess
 from podmeter.adapters.kube.connection import load_connection
 from podmeter.adapters.kube.slices import KubeSliceApi
-from podmeter.cli.operator import kube_client
 from podmeter.model.deltas import POD_SLICES, Delete, Upsert
 from podmeter.model.endpoint_slices import (
     MOST,
@@ -40,10 +40,10 @@ from podmeter.model.identity import IdentityKey, LabelFilter, key_of_flat
 from podmeter.model.records import Pod, decode_pod
 from podmeter.model.store import Store
 from podmeter.runtime.endpoint_publisher import EndpointPublisher, LastSync
-from test_operator_process import OperatorProcess, operators
+from podmeter.runtime.operator_process import kube_client
 from waiting import wait_for
 
-__all__ = ["etcd", "lab_apiserver", "operators"]
+__all__ = ["etcd", "lab_apiserver"]
 
 SLICES = "/apis/podmeter.io/v1alpha1/podslices"
 

@@ -19,11 +19,11 @@ from prometheus_client.registry import CollectorRegistry
 
 from etcd_server import EtcdServer, etcd
 from lab_server import LabServer
+from operator_support import OperatorProcess
 from podmeter.adapters.identity.etcd import EtcdIdentityBackend
-from podmeter.adapters.identity.etcd_audit import Entry, Layout, audit, parse_id, parse_key
+from podmeter.adapters.identity.etcd_audit import KINDS, Entry, Layout, audit, parse_id, parse_key
 from podmeter.adapters.metrics.operator_state import OperatorSnapshot, OperatorStateCollector
 from podmeter.model.identity import IdentityKey
-from test_operator_process import OperatorProcess
 from waiting import wait_for
 
 __all__ = ["etcd"]
@@ -232,6 +232,20 @@ def test_the_corrupt_counter_is_exported_by_kind() -> None:
     text = generate_latest(registry).decode()
     assert 'podmeter_identity_store_corrupt_total{kind="duplicate_id"} 2.0' in text
     assert 'podmeter_identity_store_corrupt_total{kind="not_a_number"} 1.0' in text
+    assert 'podmeter_identity_store_corrupt_total{kind="unpaired"} 0.0' in text  # known kinds exist at 0
+
+
+def test_a_healthy_operator_exports_its_error_counters_at_zero() -> None:
+    """A dashboard's panel of errors shows 0 for a healthy operator, not "No data": every label value
+    known in advance has its series before the first error."""
+    registry = CollectorRegistry()
+    registry.register(OperatorStateCollector(OperatorSnapshot))
+    text = generate_latest(registry).decode()
+    for kind in KINDS:
+        assert f'podmeter_identity_store_corrupt_total{{kind="{kind}"}} 0.0' in text
+    for op, reason in (("acquire", "backend"), ("acquire", "exhausted"), ("release", "backend"),
+                       ("key", "bad_labels"), ("start", "backend"), ("gc", "backend")):
+        assert f'podmeter_identity_errors_total{{op="{op}",reason="{reason}"}} 0.0' in text
 
 
 def test_the_operator_counts_a_forged_entry_in_its_metrics(

@@ -16,11 +16,11 @@ import pytest
 
 from etcd_server import ETCD, EtcdServer, Pki, pki
 from lab_server import LabServer
+from operator_support import OperatorProcess
 from podmeter.adapters.identity.base import IdentityBackendError
 from podmeter.adapters.identity.etcd import EtcdIdentityBackend
 from podmeter.adapters.identity.etcd_access import EtcdAccess, EtcdAccessError
 from podmeter.model.identity import IdentityKey
-from test_operator_process import OperatorProcess
 from waiting import free_port, http_get, stop_process, wait_for
 
 __all__ = ["pki"]
@@ -305,13 +305,14 @@ def test_the_operator_refuses_bad_etcd_options_at_once(args: list[str], message:
 
 def test_the_cli_passes_the_options_to_the_backend(pki: Pki) -> None:
     from podmeter.cli.main import build_parser
-    from podmeter.cli.operator import make_backend
+    from podmeter.cli.operator import settings_from
+    from podmeter.runtime.operator_process import make_backend
 
     args = build_parser().parse_args(["operator", "--identity-backend", "etcd", "--etcd-endpoints", "etcd:2379",
                                       "--etcd-cacert", str(pki.ca), "--etcd-cert", str(pki.client_cert),
                                       "--etcd-key", str(pki.client_key), "--etcd-username", "podmeter",
                                       "--etcd-password-file", "/run/pw"])
-    backend = make_backend(args)
+    backend = make_backend(settings_from(args).identities)
     assert isinstance(backend, EtcdIdentityBackend)
     assert backend._access == EtcdAccess(str(pki.ca), str(pki.client_cert), str(pki.client_key), "podmeter",
                                          "/run/pw")

@@ -10,32 +10,16 @@ import threading
 import time
 import tracemalloc
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from agent_harness import AgentHarness, Cluster, wait_for
 from factories import make_pod
 from lab_server import LabServer
+from metrics_support import pod_value, scrape
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.model.datapath import Direction
 from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Delete, Replace, Upsert
 from podmeter.runtime.agent import Agent, AgentSettings
 
 IN, OUT = Direction.INGRESS, Direction.EGRESS
-
-
-def scrape(agent: AgentHarness, retina: bool = False) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    exposition = PodTrafficExposition(agent.agent.ledger, agent.datapath.read_counters, retina)
-    text = agent.on_loop(exposition.render).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def pod_value(samples: dict, metric: str, pod: str, direction: str) -> float | None:  # type: ignore[type-arg]
-    for (name, labels), value in samples.items():
-        d = dict(labels)
-        if name == metric and d.get("pod") == pod and d.get("direction") == direction:
-            return float(value)
-    return None
 
 
 def send(agent: AgentHarness, ip: str, direction: Direction, packets: int, size: int) -> None:
@@ -194,3 +178,38 @@ def test_thousand_pods_leave_no_series_and_no_memory() -> None:
     assert datapath.counters == {} and datapath.entries == set()
     assert 'podmeter_node_packets_total{direction="egress"} 6000' in text
     assert after <= before + 1024, f"the ledger grew from {before} to {after} bytes"
+
+
+def test_an_ip_changing_hands_reads_its_own_counters_not_the_whole_map() -> None:
+    """The ledger's base for a new owner is the kernel's count of the IPs that moved, read key by key
+    (``Datapath.read_counters_of``); the whole counters map is read at scrapes only."""
+    from collections.abc import Iterable
+
+    from podmeter.adapters.datapath.memory import MemoryDatapath
+    from podmeter.model.datapath import Traffic
+
+    class Reads(MemoryDatapath):
+        whole = 0
+        narrow: list[set[str]] = []
+
+        def read_counters(self) -> dict[tuple[str, Direction], Traffic]:
+            Reads.whole += 1
+            return super().read_counters()
+
+        def read_counters_of(self, ips: Iterable[str]) -> dict[tuple[str, Direction], Traffic]:
+            ips = list(ips)
+            Reads.narrow.append(set(ips))
+            return super().read_counters_of(ips)
+
+    datapath = Reads(64)
+    agent = Agent(AgentSettings(node_name="node-a"), connection=None, datapath=datapath)  # type: ignore[arg-type]
+    pods = [make_pod(f"p{i}", ips=(f"10.6.0.{i}",), observe=True) for i in range(1, 21)]
+    agent.apply_batch([Replace(PODS, pods), Replace(NAMESPACES, []), Replace(CONFIGURATIONS, [])])
+    for pod in pods:
+        datapath.count(pod.ips[0], OUT, 3, 300)
+    Reads.narrow.clear()
+    late = make_pod("late", ips=("10.6.0.1",), observe=True)  # p1's delete is late: the IP changes hands
+    agent.apply_batch([Upsert(PODS, late)])
+    assert Reads.narrow == [{"10.6.0.1"}] and Reads.whole == 0
+    assert datapath.read_counters_of(["10.6.0.1", "10.9.9.9"]) == {("10.6.0.1", OUT): Traffic(3, 300)}
+    assert agent.ledger.owners["10.6.0.1"].uid == late.uid

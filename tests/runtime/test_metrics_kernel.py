@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from agent_harness import AgentHarness, Cluster
-from bpf_support import Topology, needs_root
+from bpf_support import UDP_HEADERS, Topology, needs_root, udp_echo
 from lab_server import LabServer
+from metrics_support import pod_value, scrape
 from podmeter.adapters.datapath.ebpf import AttachManager, EbpfDatapath
-from test_bpf_netns import UDP_HEADERS, udp_echo
-from test_metrics_agent import pod_value, scrape
 
 pytestmark = needs_root
 
@@ -37,6 +36,11 @@ def test_exact_per_pod_counts_from_real_udp(lab_apiserver: LabServer, topology: 
                 assert pod_value(samples, "podmeter_pod_packets_total", "seen", direction) == len(sizes)
                 assert pod_value(samples, "podmeter_pod_bytes_total", "seen", direction) == expected_bytes
                 assert pod_value(samples, "podmeter_pod_bytes_total", "unseen", direction) is None
+            # The narrow read (an IP changing hands) is the whole read's entries of those IPs, key by key.
+            narrow = agent.on_loop(lambda: datapath.read_counters_of([observed.ip, unobserved.ip, "10.99.0.1"]))
+            assert narrow == {(observed.ip, direction): value for (ip, direction), value
+                              in agent.on_loop(datapath.read_counters).items() if ip == observed.ip}
+            assert len(narrow) == 2
             cluster.delete_pod("shop", "seen")
             agent.wait_filter(set())
             final = scrape(agent)  # within the grace period: the final value, kept in userspace

@@ -1,11 +1,11 @@
 """The agent's real ``/metrics`` in each ``--retina-compat`` mode, linted by Debian's ``promtool check metrics``.
 
-The agent runs in-process through the command line's own serving code (``podmeter.cli.agent._serve``: the
-same HTTP app, renderers and flow drain as ``podmeter agent``) on the in-memory datapath, whose counters
-and flows are filled on the agent's loop exactly as the kernel program fills them; drops come from a drop
-source in memory (:class:`MemoryDrops`) filled the way the kernel's drop program fills its maps. ``_serve``
-installs its SIGTERM handler, which needs the main thread: the agent runs there and the test's steps in a
-thread.
+The agent runs in-process as the command runs it (``podmeter.runtime.agent_process.AgentProcess``, built
+from the settings the command line parses: the same HTTP app, renderers and flow drain as ``podmeter
+agent``) on the in-memory datapath, whose counters and flows are filled on the agent's loop exactly as the
+kernel program fills them; drops come from a drop source in memory (:class:`MemoryDrops`) filled the way the
+kernel's drop program fills its maps. ``AgentProcess.serve`` installs its SIGTERM handler, which needs the
+main thread: the agent runs there and the test's steps in a thread.
 
 promtool's findings are exact: none without ``--retina-compat``, and with it only the four that Retina's
 own names cause (docs/metrics.md, "Retina names").
@@ -31,11 +31,12 @@ from agent_harness import Cluster
 from lab_server import LabServer
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.adapters.kube.connection import load_connection
-from podmeter.cli.agent import _serve
+from podmeter.cli.agent import settings_from
 from podmeter.cli.main import build_parser
 from podmeter.model.datapath import Direction
 from podmeter.model.drops import HOOKS, DropDrain, DropFlowKey, DropKey
 from podmeter.model.flows import TCP, UDP, FlowCounts, FlowKey, Observation
+from podmeter.runtime.agent_process import AgentProcess
 from podmeter.runtime.datapaths import OpenDatapath
 from podmeter.runtime.drop_drain import DropTracing
 from waiting import free_port, wait_for
@@ -157,10 +158,13 @@ class RunningAgent:
             finally:
                 os.kill(os.getpid(), signal.SIGTERM)  # the agent's own handler: stop, as for the process
 
-        drops = DropTracing(self.drops)
-        opened = OpenDatapath(self.memory, self.memory)
-        main = self.loop.create_task(_serve(self.args, load_connection(str(self.args.kubeconfig)), opened, None,
-                                            drops))
+        opened = OpenDatapath(self.memory, self.memory, drops=DropTracing(self.drops))
+        settings = settings_from(self.args)
+
+        async def serve() -> int:
+            return await AgentProcess(settings, load_connection(settings.kubeconfig), opened).serve()
+
+        main = self.loop.create_task(serve())
         task.append(main)
         thread = threading.Thread(target=drive, daemon=True)
         thread.start()

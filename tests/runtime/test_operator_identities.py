@@ -19,7 +19,9 @@ from podmeter.model.deltas import PODS, Delete, Replace, Upsert
 from podmeter.model.identity import IdentityKey
 from podmeter.model.records import Pod
 from podmeter.model.store import Change, Store
-from podmeter.runtime.operator import Operator, OperatorSettings
+from podmeter.runtime.operator import Operator
+from podmeter.runtime.operator_process import http_app, metrics_registry
+from podmeter.runtime.settings import OperatorSettings
 
 __all__ = ["etcd"]
 
@@ -88,7 +90,7 @@ async def settle(op: Operator, source: StoreSource) -> None:
 
 
 def metric(op: Operator, name: str, labels: dict[str, str] | None = None) -> float:
-    value = op.registry.get_sample_value(name, labels or {})
+    value = metrics_registry(op).get_sample_value(name, labels or {})
     return 0.0 if value is None else value
 
 
@@ -262,7 +264,7 @@ async def test_http_endpoints() -> None:
     source.apply("ADDED", pod("u1", labels={"app": "web"}))
     source.apply("ADDED", pod("u2", labels={"app": "web", "pod-template-hash": "abc"}))
     await settle(op, source)
-    async with TestClient(TestServer(op.http_app())) as client:
+    async with TestClient(TestServer(http_app(op))) as client:
         assert (await (await client.get("/healthz")).text()) == "ok\n"
         assert (await client.get("/readyz")).status == 200
         text = await (await client.get("/metrics")).text()
@@ -361,7 +363,7 @@ async def test_a_failing_source_stops_the_operator() -> None:
 
 async def test_a_key_waiting_for_an_id_is_not_retried_on_every_event() -> None:
     source, backend = StoreSource(), MemoryIdentityBackend(first=256, last=256)
-    op = Operator(source, backend, settings=OperatorSettings(sweep_period=60, retry_period=60))
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=60, identity_retry_period=60))
     task = asyncio.create_task(op.run())
     source.apply("ADDED", pod("u1", labels={"app": "a"}))
     await settle(op, source)
@@ -384,7 +386,7 @@ async def test_a_key_waiting_for_an_id_is_not_retried_on_every_event() -> None:
 async def test_backend_failures_are_retried_by_the_timer(etcd: EtcdServer) -> None:
     source = StoreSource()
     backend = EtcdIdentityBackend([etcd.endpoint], lease_ttl=5, timeout=1)
-    op = Operator(source, backend, settings=OperatorSettings(sweep_period=60, retry_period=0.3))
+    op = Operator(source, backend, settings=OperatorSettings(sweep_period=60, identity_retry_period=0.3))
     task = asyncio.create_task(op.run())
     source.apply("ADDED", pod("u1", labels={"app": "a"}))
     await settle(op, source)

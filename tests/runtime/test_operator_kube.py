@@ -20,7 +20,9 @@ from podmeter.adapters.kube.lease import KubeLeaseStore
 from podmeter.adapters.kube.status import KubeConfigApi
 from podmeter.model.lease import LeaseConflict, LeaseRecord
 from podmeter.runtime.leadership import LeaderElector
-from podmeter.runtime.operator import ConfigurationStatus, Operator, OperatorSettings, ReflectorPodSource
+from podmeter.runtime.operator import ConfigurationStatus, Operator, ReflectorPodSource
+from podmeter.runtime.operator_process import metrics_registry
+from podmeter.runtime.settings import OperatorSettings
 
 __all__ = ["lab_apiserver"]
 
@@ -183,7 +185,7 @@ async def test_no_metrics_configuration_at_all_reads_as_valid(client: AsyncClien
         raise AssertionError(f"operator: {what}")
 
     def valid() -> float | None:
-        return op.registry.get_sample_value("podmeter_configuration_valid")
+        return metrics_registry(op).get_sample_value("podmeter_configuration_valid")
 
     task = asyncio.create_task(op.run())
     try:

@@ -8,33 +8,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from etcd_server import EtcdServer, etcd, free_port
+from etcd_server import EtcdServer, etcd
 from lab_server import LabServer
+from operator_support import LEASE_S, OperatorProcess
 from podmeter.adapters.identity.etcd import EtcdIdentityBackend
 from podmeter.adapters.identity.memory import MemoryIdentityBackend
 from podmeter.adapters.kube.backoff import Backoff
 from podmeter.adapters.kube.connection import load_connection
 from podmeter.adapters.kube.reflector import ReflectorSettings
 from podmeter.model.identity import IdentityKey
-from podmeter.runtime.operator import Operator, OperatorSettings, ReflectorPodSource
-from waiting import stop_process, wait_for
+from podmeter.runtime.operator import Operator, ReflectorPodSource
+from podmeter.runtime.operator_process import metrics_registry
+from podmeter.runtime.settings import OperatorSettings
+from waiting import wait_for
 
 __all__ = ["etcd"]
 
 APPS = ("report", "backup", "etl")
-LEASE_S = 3.0
 MC_PATH = "/apis/podmeter.io/v1alpha1/metricsconfigurations"
 
 
@@ -57,64 +57,6 @@ def ok(server: LabServer, method: str, path: str, body: Any = None,
 
 def namespace(server: LabServer, name: str) -> None:
     ok(server, "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-
-
-class OperatorProcess:
-    """``python -m podmeter operator`` with short timings; ``get(path)`` reads its HTTP endpoints."""
-
-    def __init__(self, server: LabServer, workdir: Path, name: str, extra: list[str]) -> None:
-        self.name, self.port = name, free_port()
-        self.log = workdir / f"{name}.log"
-        args = [
-            "--kubeconfig", str(server.kubeconfig), "--listen", f"127.0.0.1:{self.port}",
-            "--holder-identity", name, "--lease-namespace", "default",
-            "--lease-duration", str(LEASE_S), "--renew-deadline", "2", "--retry-period", "0.3",
-            "--sweep-period", "1", "--gc-period", "0.5", "--config-period", "0.3", *extra,
-        ]
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "podmeter", "operator", *args],
-                                         stdout=out, stderr=subprocess.STDOUT)
-        wait_for(self._up, what=f"{name} HTTP")
-
-    def _up(self) -> bool:
-        assert self.proc.poll() is None, self.log.read_text()
-        try:
-            return self.get("/readyz") == "ready\n"
-        except OSError:
-            return False
-
-    def get(self, path: str) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as resp:
-            return str(resp.read().decode())
-
-    def debug(self) -> dict[str, Any]:
-        return dict(json.loads(self.get("/debug/identities")))
-
-    def metric(self, name: str) -> float:
-        for line in self.get("/metrics").splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        return 0.0
-
-    def label_sets(self) -> set[str]:
-        return {d["labels"]["app"] for d in self.debug()["identities"] if d["id"] is not None}
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        stop_process(self.proc, sig)
-
-
-@pytest.fixture
-def operators(lab_apiserver: LabServer, tmp_path: Path) -> Iterator[Callable[..., OperatorProcess]]:
-    started: list[OperatorProcess] = []
-
-    def start(name: str, *extra: str) -> OperatorProcess:
-        op = OperatorProcess(lab_apiserver, tmp_path, name, list(extra))
-        started.append(op)
-        return op
-
-    yield start
-    for op in started:
-        op.stop()
 
 
 def test_450_job_pods_two_operators_on_etcd_leader_killed(
@@ -206,7 +148,7 @@ async def test_missed_deletes_across_compaction_are_released_by_relist(lab_apise
         await until(lambda: set(backend.held()) == expected, "the relist's deletes")
         assert source.reflector is not None and source.reflector.stats.relists.get("expired", 0) >= 1
         await asyncio.sleep(0.6)  # a sweep runs: nothing is left for it to repair
-        gc_released = op.registry.get_sample_value("podmeter_identity_gc_released_total")
+        gc_released = metrics_registry(op).get_sample_value("podmeter_identity_gc_released_total")
         assert gc_released == 0 and op.last_sweep is not None
     finally:
         task.cancel()
@@ -235,22 +177,24 @@ def test_bad_options_are_clear_errors(args: list[str], message: str, capsys: pyt
 
 def test_label_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from podmeter.cli.main import build_parser
-    from podmeter.cli.operator import label_filter
+    from podmeter.cli.operator import settings_from
+    from podmeter.runtime.operator_process import label_filter
 
     monkeypatch.setenv("PODMETER_EXCLUDE_LABELS", "example.com/*, run-id")
     monkeypatch.setenv("PODMETER_INCLUDE_LABELS", "job-name")
-    f = label_filter(build_parser().parse_args(["operator"]))
+    f = label_filter(settings_from(build_parser().parse_args(["operator"])).identities)
     assert f.excludes("example.com/x") and f.excludes("run-id") and f.excludes("controller-uid")
     assert not f.excludes("job-name")
 
 
 def test_etcd_backend_class_is_what_the_cli_builds() -> None:
     from podmeter.cli.main import build_parser
-    from podmeter.cli.operator import make_backend
+    from podmeter.cli.operator import settings_from
+    from podmeter.runtime.operator_process import make_backend
 
     args = build_parser().parse_args(["operator", "--identity-backend", "etcd", "--identity-range", "300-400",
                                       "--etcd-endpoints", "http://127.0.0.1:1,http://127.0.0.1:2"])
-    backend = make_backend(args)
+    backend = make_backend(settings_from(args).identities)
     assert isinstance(backend, EtcdIdentityBackend)
     assert (backend._first, backend._last, backend._endpoints) == (300, 400, [("127.0.0.1", 1), ("127.0.0.1", 2)])
 

@@ -27,7 +27,9 @@ from podmeter.adapters.kube.resources import PODS
 from podmeter.model.deltas import Replace
 from podmeter.model.records import Pod
 from podmeter.model.store import Change
-from podmeter.runtime.operator import Operator, OperatorSettings, ReflectorPodSource
+from podmeter.runtime.operator import Operator, ReflectorPodSource
+from podmeter.runtime.operator_process import http_app, metrics_registry
+from podmeter.runtime.settings import OperatorSettings
 
 __all__ = ["etcd", "lab_apiserver"]
 
@@ -58,7 +60,7 @@ async def test_a_dead_pod_source_is_logged_counted_turns_healthz_503_and_ends_ru
         caplog: pytest.LogCaptureFixture) -> None:
     source = DyingSource()
     op = Operator(source, MemoryIdentityBackend(), settings=OperatorSettings(sweep_period=60))
-    runner, port = await serve(op.http_app(), "127.0.0.1:0")
+    runner, port = await serve(http_app(op), "127.0.0.1:0")
     try:
         task = asyncio.create_task(op.run())
         await asyncio.wait_for(op.ready.wait(), 5)
@@ -67,8 +69,8 @@ async def test_a_dead_pod_source_is_logged_counted_turns_healthz_503_and_ends_ru
         with pytest.raises(RuntimeError, match="planted"):
             await asyncio.wait_for(task, 5)
         assert await status(port, "/healthz") == 503
-        assert op.registry.get_sample_value("podmeter_task_failures_total", {"task": "reflector-pods"}) == 1
-        assert op.registry.get_sample_value("process_start_time_seconds")  # what the restart alert reads
+        assert metrics_registry(op).get_sample_value("podmeter_task_failures_total", {"task": "reflector-pods"}) == 1
+        assert metrics_registry(op).get_sample_value("process_start_time_seconds")  # what the restart alert reads
         died = [r for r in caplog.records if r.levelno == logging.ERROR and "task reflector-pods died" in r.message]
         assert died and died[0].exc_info is not None  # with its traceback
     finally:

@@ -169,8 +169,7 @@ def test_an_attach_worker_that_dies_after_start_up_makes_the_agent_unhealthy(
     monkeypatch.setattr(attach_module, "read_links", read_links_or_fail)
     with AttachManager(datapath.programs, netns=topology.host_path, resync_interval=0.2) as manager:
         assert set(manager.attached()) == {pod.host_veth}
-        harness = AgentHarness(lab_apiserver)
-        harness.agent.links = manager
+        harness = AgentHarness(lab_apiserver, links=manager)
         with harness:
             assert harness.agent.supervisor.healthy
             broken[0] = True  # the next periodic pass fails on the worker thread; nobody calls sync()

@@ -32,7 +32,8 @@ from podmeter.adapters.kube.connection import load_connection
 from podmeter.adapters.kube.reflector import ReflectorSettings
 from podmeter.model.identity import IdentityKey
 from podmeter.runtime.agent import Agent
-from podmeter.runtime.operator import Operator, OperatorSettings, ReflectorPodSource
+from podmeter.runtime.operator import Operator, ReflectorPodSource
+from podmeter.runtime.settings import OperatorSettings
 
 __all__ = ["lab_apiserver"]
 

@@ -18,9 +18,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from podmeter.adapters.flow_serving import Busy, Encoded, FlowFeed, Gap, Reader
+from podmeter.adapters.flow_serving import Batch, Busy, Encoded, FlowFeed, Gap, Reader
 from podmeter.model.endpoints import Endpoint
-from podmeter.model.flow_records import VERDICTS, FlowFilter, FlowRecord
+from podmeter.model.flow_records import VERDICTS, FlowFilter, FlowRecord, encode_json
 
 # An endpoint's labels, flat (k1, v1, k2, v2, ...); () when unknown.
 Labels = Callable[[Endpoint], tuple[str, ...]]
@@ -81,7 +81,7 @@ ENCODED = 8192  # recent records' lines kept encoded, at most the ring's
 def _line_encoder(labels: Labels | None) -> Callable[[FlowRecord], bytes]:
     """A record as one NDJSON line, with both ends' labels when ``labels`` is given."""
     if labels is None:
-        return lambda record: _encode(record.to_json()) + b"\n"
+        return lambda record: encode_json(record) + b"\n"
 
     def labelled(record: FlowRecord) -> bytes:
         out = record.to_json()
@@ -123,13 +123,13 @@ def flows_handler(feed: FlowFeed, labels: Labels | None = None) -> Callable[[web
                     with reader.writing():
                         await response.write(chunk)
                 if follow:
-                    await _follow(reader, response, line)
+                    await _follow(reader, response, plain.lines if line is plain else _joiner(line))
                 with reader.writing():
                     if reader.cut_off is not None:
                         await response.write(_encode({"error": reader.cut_off}) + b"\n")
                     await response.write_eof()
                 await reader.finish()
-        except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the reader went away
+        except ConnectionError:  # reset, or aiohttp's "Connection lost" in a write: the reader went away
             pass
         return response
 
@@ -167,8 +167,14 @@ def _ender(request: web.Request) -> Callable[[str], Any]:
     return end
 
 
-async def _follow(reader: Reader, response: web.StreamResponse, line: Callable[[FlowRecord], bytes]) -> None:
-    async for item in reader.follow():
-        data = _encode({"lost": item.lost}) + b"\n" if isinstance(item, Gap) else line(item)
+def _joiner(line: Callable[[FlowRecord], bytes]) -> Callable[[Batch], bytes]:
+    return lambda batch: b"".join(map(line, batch.records))
+
+
+async def _follow(reader: Reader, response: web.StreamResponse, lines: Callable[[Batch], bytes]) -> None:
+    """New records as they come, a write per batch (one line per record, joined once for every follower
+    without a filter: ``Encoded.lines``)."""
+    async for item in reader.follow_batches():
+        data = _encode({"lost": item.lost}) + b"\n" if isinstance(item, Gap) else lines(item)
         with reader.writing():
             await response.write(data)

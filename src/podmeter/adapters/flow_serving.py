@@ -30,7 +30,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,6 +51,7 @@ ABANDON_GRACE = 1.0  # seconds an end through a stuck stream may take before its
 GIVE_BACK_DELAY = 1.0  # seconds after a burst of reads ends before its memory is given back
 SLICE_CHECK = 32  # records between two looks at the clock
 SLICE_RECORDS = 512  # records of the past a reader filters before it lets the event loop run others
+BATCH_RECORDS = 256  # records a follower is sent in one write at most (about 128 KiB of NDJSON)
 
 
 class Selector(Protocol):
@@ -68,11 +70,19 @@ class Gap:
 class Encoded:
     """The bytes of recent records in one encoding, made once for every reader that sends them (a record
     followed by ten clients is encoded once). Bounded by ``size``, the oldest out; it keeps a record alive
-    (so that its id is not reused while cached), so its size is at most the ring's."""
+    (so that its id is not reused while cached), so its size is at most the ring's.
+
+    :meth:`lines` joins the bytes of a :class:`Batch`; a whole batch (every record of its numbers, what a
+    follower without a filter reads) is joined once for every reader of those numbers too, so ten such
+    followers cost one encoding and one join per record, and each a write per batch. At most ``size``
+    records' worth of joined batches are kept (their numbers are unique in a feed: never reused)."""
 
     def __init__(self, encode: Callable[[FlowRecord], bytes], size: int) -> None:
         self.encode, self.size = encode, size
-        self._bytes: dict[int, tuple[FlowRecord, bytes]] = {}
+        # OrderedDicts: the oldest goes in O(1) (a dict's first key after many deletions is a scan)
+        self._bytes: OrderedDict[int, tuple[FlowRecord, bytes]] = OrderedDict()
+        self._joined: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self._joined_records = 0
 
     def __call__(self, record: FlowRecord) -> bytes:
         found = self._bytes.get(id(record))
@@ -80,30 +90,41 @@ class Encoded:
             return found[1]
         data = self.encode(record)
         if len(self._bytes) >= self.size:
-            del self._bytes[next(iter(self._bytes))]
+            self._bytes.popitem(last=False)
         self._bytes[id(record)] = (record, data)
         return data
+
+    def lines(self, batch: Batch) -> bytes:
+        """The bytes of the batch's records, one after the other."""
+        if not batch.whole:
+            return b"".join(map(self, batch.records))
+        key = (batch.low, batch.high)
+        found = self._joined.get(key)
+        if found is None:
+            found = self._joined[key] = b"".join(map(self, batch.records))
+            self._joined_records += len(batch.records)
+            while self._joined_records > self.size:
+                (low, high), _ = self._joined.popitem(last=False)
+                self._joined_records -= high - low + 1
+        return found
 
     def __len__(self) -> int:
         return len(self._bytes)
 
 
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """What a follower reads next: the records numbered ``low`` to ``high`` that its selector wants, in
+    order; ``whole`` when that is every one of them (a follower without a filter)."""
+
+    low: int
+    high: int
+    records: list[FlowRecord]
+    whole: bool
+
+
 class Busy(Exception):
     """No slot for another read (the message says which bound, and what to do)."""
-
-
-class _Slicer:
-    """Lets the event loop run once a reader has worked :data:`SLICE_SECONDS`."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.started = time.perf_counter()
-
-    async def tick(self) -> None:
-        self.count += 1
-        if self.count % SLICE_CHECK == 0 and time.perf_counter() - self.started > SLICE_SECONDS:
-            await asyncio.sleep(0)
-            self.started = time.perf_counter()
 
 
 class Reader:
@@ -177,26 +198,57 @@ class Reader:
     async def follow(self) -> AsyncIterator[FlowRecord | Gap]:
         """Every matching record published after the read opened, in order, none twice, and a
         :class:`Gap` wherever the ring overwrote records before this reader read them; until the read is
-        cut off (then ``cut_off`` says why)."""
-        ring, slicer = self.feed.ring, _Slicer()
+        cut off (then ``cut_off`` says why). One record at a time: :meth:`follow_batches` is the same in
+        batches, what the adapters send."""
+        async with contextlib.aclosing(self.follow_batches(1)) as batches:
+            async for item in batches:
+                if isinstance(item, Gap):
+                    yield item
+                else:
+                    for record in item.records:
+                        yield record
+
+    async def follow_batches(self, limit: int = BATCH_RECORDS) -> AsyncGenerator[Batch | Gap, None]:
+        """What :meth:`follow` yields, as :class:`Batch`\\ es of what the ring holds beyond the cursor (at
+        most ``limit`` numbers each, ending at multiples of ``limit``, so that followers at different
+        cursors read the same batches after their first: ``Encoded.lines`` joins them once) and
+        :class:`Gap`\\ s. A selector is applied :data:`SLICE_CHECK` records at a time, and the event
+        loop runs others once a reader has worked :data:`SLICE_SECONDS`."""
+        ring = self.feed.ring
+        everything = bool(getattr(self.selector, "everything", False))
+        matches = self.selector.matches
+        started = time.perf_counter()
         while not self._ended:
-            if self.cursor + 1 < ring.first_seq:
-                lost = ring.first_seq - self.cursor - 1
+            cursor, first, last = self.cursor, ring.first_seq, ring.last_seq
+            if cursor + 1 < first:
+                lost = first - cursor - 1
                 self.cursor += lost
                 self.feed.gaps += 1
                 self.feed.lost += lost
                 yield Gap(lost)
                 continue
-            if self.cursor >= ring.last_seq:
+            if cursor >= last:
                 self._wake.clear()
                 await self._wake.wait()
+                started = time.perf_counter()
                 continue
-            self.cursor += 1
-            record = ring.get(self.cursor)
-            if record is not None and self.selector.matches(record):
+            low, high = cursor + 1, min(last, (cursor // limit + 1) * limit)
+            if everything:
+                records = ring.span(cursor + 1, high)
+            else:
+                records = []
+                while cursor < high and time.perf_counter() - started <= SLICE_SECONDS:
+                    step = min(high, cursor + SLICE_CHECK)
+                    records.extend(r for r in ring.span(cursor + 1, step) if matches(r))
+                    cursor = step
+                high = cursor
+            self.cursor = high
+            if records:
                 self.last_sent = time.monotonic()
-                yield record
-            await slicer.tick()
+                yield Batch(low, high, records, everything)
+            if time.perf_counter() - started > SLICE_SECONDS:
+                await asyncio.sleep(0)
+                started = time.perf_counter()
 
     # --- writes and the end
 
@@ -290,11 +342,12 @@ class FlowFeed:
     def followers(self) -> int:
         return sum(1 for r in self._readers if r.following)
 
-    def publish(self, records: list[FlowRecord]) -> None:
-        """The writer task's only call: append, and wake the followers (which filter in their own tasks)."""
+    def publish(self, records: list[FlowRecord], passed: int = 0) -> None:
+        """The writer task's only call: append, and wake the followers (which filter in their own tasks).
+        ``passed``: records of the drain before these that nobody could read (``FlowRing.extend``)."""
         if not records:
             return
-        self.ring.extend(records)
+        self.ring.extend(records, passed)
         for reader in self._readers:
             if reader.following:
                 reader.woken()

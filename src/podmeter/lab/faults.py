@@ -19,7 +19,7 @@ from typing import Final
 
 from podmeter.model.deltas import PODS, Delete
 from podmeter.model.endpoint_slices import ClusterEndpoints, PodSlice
-from podmeter.model.view import NodeView, ViewDelta
+from podmeter.model.view import HandedOver, NodeView, ViewDelta
 
 FAULTS: Final = ("drop-deletes", "stale-endpoints")
 
@@ -33,10 +33,10 @@ def install(kind: str) -> None:
 
     apply = NodeView.apply
 
-    def drop_pod_deletes(self: NodeView, delta: ViewDelta) -> int:
+    def drop_pod_deletes(self: NodeView, delta: ViewDelta, handed_over: HandedOver = lambda ip: None) -> int:
         if isinstance(delta, Delete) and delta.collection is PODS:
             return 0  # the seeded bug: a pod's delete is lost, its IPs stay desired
-        return apply(self, delta)
+        return apply(self, delta, handed_over)
 
     NodeView.apply = drop_pod_deletes  # type: ignore[method-assign]
 

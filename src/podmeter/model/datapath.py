@@ -91,7 +91,12 @@ class Datapath(Protocol):
         ...
 
     def read_counters(self) -> dict[tuple[str, Direction], Traffic]:
-        """Current per-IP counters, summed over CPUs."""
+        """Current per-IP counters, summed over CPUs (every one: a scrape)."""
+        ...
+
+    def read_counters_of(self, ips: Iterable[str]) -> dict[tuple[str, Direction], Traffic]:
+        """Current counters of these IPs only, summed over CPUs, left in place (a lookup per key: an IP
+        that changed hands gets the kernel's count as its new owner's base without reading every entry)."""
         ...
 
     def take_counters(self, ips: Iterable[str]) -> dict[tuple[str, Direction], Traffic]:

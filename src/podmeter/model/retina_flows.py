@@ -29,11 +29,12 @@ Pure and synchronous; the metrics adapter reads :meth:`RetinaFlows.values` at sc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import NamedTuple
 
+from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_records import VERDICT_DROPPED, VERDICT_FORWARDED, FlowEnd, FlowRecord
-from podmeter.model.flow_series import OTHER, CappedTraffic, PairTraffic, WorkloadFlows
+from podmeter.model.flow_series import OTHER, CappedTraffic, DrainTotals, PairTraffic, WorkloadFlows
 from podmeter.model.flows import Observation
 
 UNKNOWN = "unknown"  # the value Retina writes for a label it has nothing for
@@ -82,10 +83,13 @@ def retina_workload(kind: str, name: str) -> tuple[str, str]:
 
 def end_values(end: FlowEnd) -> End:
     """The end's label values as Retina writes them: the pod's, or ``unknown`` where there is none."""
-    pod = end.endpoint
+    return address_values(end.ip, end.endpoint)
+
+
+def address_values(ip: str, pod: Endpoint | None) -> End:
     if pod is None:
-        return end.ip, UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN
-    return end.ip, pod.namespace, pod.pod, *retina_workload(pod.workload_kind, pod.workload)
+        return ip, UNKNOWN, UNKNOWN, UNKNOWN, UNKNOWN
+    return ip, pod.namespace, pod.pod, *retina_workload(pod.workload_kind, pod.workload)
 
 
 def key_of(record: FlowRecord) -> RetinaKey:
@@ -122,6 +126,26 @@ class RetinaFlows:
             if record.verdict == self.verdict:
                 series.add(key_of(record), record.packets, record.bytes, now, self._overflow)
 
+    def add_totals(self, drain: DrainTotals, names: Mapping[str, Endpoint | None], now: float) -> None:
+        """Add one flow drain's entries (forwarded: a flow drain holds no drop) as :meth:`add` adds their
+        records: per pair of addresses and direction, whatever the protocol (Retina's key has none)."""
+        if self.verdict != VERDICT_FORWARDED:
+            return
+        keys: dict[tuple[str, str, bool], list[int]] = {}
+        for (source, destination, _, from_pod), (packets, size, count) in drain.by_addresses.items():
+            total = keys.get((source, destination, from_pod))
+            if total is None:
+                keys[source, destination, from_pod] = [packets, size, count]
+            else:
+                total[0] += packets
+                total[1] += size
+                total[2] += count
+        series, overflow = self.series, self._overflow
+        for (source, destination, from_pod), (packets, size, count) in keys.items():
+            key = RetinaKey(EGRESS if from_pod else INGRESS, address_values(source, names[source]),
+                            address_values(destination, names[destination]))
+            series.add(key, packets, size, now, overflow, records=count)
+
     def expire(self, now: float) -> int:
         """Drop the keys idle for ``idle`` seconds or more; returns how many."""
         return self.series.expire(now)
@@ -145,6 +169,10 @@ class WorkloadFlowsAndRetina(WorkloadFlows):
         records = records if isinstance(records, list) else list(records)  # read twice
         super().add(records, now)
         self.retina.add(records, now)
+
+    def add_totals(self, drain: DrainTotals, names: Mapping[str, Endpoint | None], now: float) -> None:
+        super().add_totals(drain, names, now)
+        self.retina.add_totals(drain, names, now)
 
     def expire(self, now: float) -> int:
         self.retina.expire(now)

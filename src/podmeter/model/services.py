@@ -326,3 +326,4 @@ class ServiceNaming:
             return service, None
         return None, ip
 
+

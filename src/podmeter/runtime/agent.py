@@ -1,20 +1,29 @@
-"""``podmeter agent``: the composition root on one node.
+"""The agent's writer task: one node's pods, from the API server to the kernel's filter, in one loop.
 
-One pod event's path, in one pass: a reflector (this node's pods, the namespaces, the MetricsConfigurations,
-the cluster's PodSlices) puts a typed delta on the one queue; the writer task takes it, ``view.apply``
-stores it and moves the desired filter, ``writer.flush`` writes the filter's crossings to the datapath, and
-what the flush released (the final counters of IPs that left the filter) closes their owners' share in the
-traffic ledger, which then gives every IP whose holder changed to its new owner. Only the writer task
-touches the view, the writer and the ledger, so there is no lock to forget. Timers queue ticks
-(``runtime.ticks``): a periodic resync compares the filter with what the kernel really holds and repairs
-drift, an expiry drops traffic series whose grace is over. With ``watch_nodes`` (the Hubble API on), one more
-reflector keeps the cluster's nodes in ``nodes`` for the Hubble API's peer list, outside the queue: nodes
-move nothing in the filter, and readiness never waits for them.
+The path of one pod event, in one pass: a reflector (this node's pods, the namespaces, the
+MetricsConfigurations, the cluster's PodSlices) puts a typed delta on the one queue; the writer task takes
+a batch and, for each delta, ``view.apply`` stores it, moves the desired filter and keeps who the addresses
+it hands over named; then ``writer.flush`` writes the filter's crossings to the datapath, and what the flush
+released (the final counters of IPs that left the filter) closes their owners' share in the traffic
+ledger, which then gives every IP whose holder changed to its new owner (their counters read with the
+datapath's narrow ``read_counters_of``). Last, the drains of flows and drops have their own place: after
+the write, every ``--flow-interval`` and whenever the batch handed an address over, named with the view
+as it was before (``NodeView.take_handover``: invariant I8). Only the writer task touches the view, the
+writer and the ledgers, so there is no lock to forget.
+
+Timers queue ticks (``runtime.ticks``): a resync (the write of that batch compares the filter with what the
+kernel really holds and repairs drift), an expiry of the series whose grace is over, a drain. With
+``watch_nodes`` (the Hubble API on), one more reflector keeps the cluster's nodes in ``nodes`` for the
+Hubble API's peer list, outside the queue: nodes move nothing in the filter, and readiness never waits for
+them.
 
 Nothing is flushed before every collection has been listed once: a pod listed before its namespace would
 otherwise be judged without the namespace's annotation, and entries pinned by a predecessor would be
 judged against a partial store. The first flush is a resync, which adopts what the predecessor left and
 removes what nobody wants any more (invariant I6, docs/design.md).
+
+The process around it (the datapath it opens, the HTTP endpoints, the Hubble API) is
+``runtime.agent_process``.
 """
 
 from __future__ import annotations
@@ -22,27 +31,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.adapters.kube.connection import Connection
-from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
+from podmeter.adapters.kube.reflector import Reflector
 from podmeter.adapters.kube.resources import (
     METRICS_CONFIGURATIONS,
     NAMESPACES,
     NODES,
     POD_SLICES,
     PODS,
+    SERVICE_BACKENDS,
+    SERVICES,
     ResourceKind,
 )
 from podmeter.adapters.kube.transport import Transport
 from podmeter.adapters.metrics.agent_state import AgentSnapshot, FlowSnapshot
+from podmeter.adapters.metrics.retina import REMOTE
 from podmeter.model.configuration import MetricsConfiguration
 from podmeter.model.datapath import Datapath
 from podmeter.model.deltas import Collection, Delta, Replace
 from podmeter.model.drops import LIFECYCLE_REASONS, DropLedger, DropSource
+from podmeter.model.endpoints import Names
 from podmeter.model.flow_series import WorkloadFlows
 from podmeter.model.flows import FlowSource
 from podmeter.model.interest import holds_address
@@ -54,9 +66,13 @@ from podmeter.model.view import NodeView, ViewDelta
 from podmeter.runtime.datapaths import PodLinks
 from podmeter.runtime.drop_drain import DropDrainer
 from podmeter.runtime.flow_drain import FlowDrainer
+from podmeter.runtime.service_names import SERVICES_HINT, ServiceNames
+from podmeter.runtime.settings import AgentSettings
 from podmeter.runtime.supervision import Supervisor
 from podmeter.runtime.ticks import Tick, every
 from podmeter.runtime.writer import Pushed, Writer
+
+__all__ = ["Agent", "AgentSettings", "Item"]
 
 log = logging.getLogger("podmeter.agent")
 
@@ -74,55 +90,45 @@ LINKS_SETTLE_MAX = 15.0  # seconds the first push waits for the pods' links at m
 LINKS_POLL = 0.02  # seconds: how often the first push looks again whether the pods' links are attached
 
 
-@dataclass
-class AgentSettings:
-    node_name: str
-    resync_interval: float = 60.0
-    retry_interval: float = 1.0  # pause before retrying a flush the datapath refused
-    series_grace: float = 30.0  # a pod's traffic series outlives its observation by this much (2 scrapes)
-    flow_interval: float = 5.0  # seconds between two drains of the datapath's flows
-    flow_buffer: int = 8192  # recent flow records kept for `podmeter observe`
-    flow_series_limit: int = 2000  # workload pairs with a series of their own (then: the overflow series)
-    flow_series_idle: float = 300.0  # a workload pair's series goes after this long without traffic
-    watch_nodes: bool = False  # the cluster's nodes, for the Hubble API's peer list (on with --hubble-listen)
-    retina_remote: bool = False  # Retina's remote-context series too (--retina-compat=remote; model.retina_flows)
-    # Drops of a lifecycle reason (a socket's queues freed as it closes: model.drops.LIFECYCLE_REASONS) shown
-    # as drops, in the drop series and records (--drops-include-lifecycle); off: counted apart
-    drops_include_lifecycle: bool = False
-    reflector: Callable[[ResourceKind[Any]], ReflectorSettings] = field(
-        default=lambda kind: ReflectorSettings()
-    )
-
-
 Item = ViewDelta | Tick
 
 
 class Agent:
-    """The running agent. Invariant: only :meth:`_write_loop` mutates ``writer`` (and so the datapath)."""
+    """The running agent. Invariant: only :meth:`_write_loop` mutates ``writer`` (and so the datapath).
 
-    links: PodLinks | None = None  # which pod IPs reach a link the datapath counts on (set by the CLI for eBPF)
+    ``flows`` and ``drops``: the datapath's flow and drop sources (None: not drained); ``links``: which
+    pod IPs reach a link the datapath counts on (the eBPF attach manager; None: the datapath has none).
+    """
 
     def __init__(self, settings: AgentSettings, connection: Connection, datapath: Datapath,
-                 flows: FlowSource | None = None, drops: DropSource | None = None) -> None:
+                 flows: FlowSource | None = None, drops: DropSource | None = None, *,
+                 links: PodLinks | None = None, services: ServiceNames | None = None) -> None:
         self.settings = settings
         self.connection = connection
         self.datapath = datapath
-        self.view = NodeView(settings.node_name, track_moves=True)
+        self.links = links
+        # The cluster's Services (with flows only: they name flows' ends), fed like the nodes below.
+        self.services = services if flows is not None else None
+        node = settings.node_name
+        self.view = NodeView(node, track_moves=True, track_handovers=flows is not None or drops is not None)
         self.writer = Writer(self.view.desired, datapath)
         self.ledger = TrafficLedger(settings.series_grace)
         self.flow_feed = FlowFeed(settings.flow_buffer)
-        # With Retina's remote context, one table feeds both: the drains see one WorkloadFlows as ever.
-        self.workload_flows = (WorkloadFlowsAndRetina if settings.retina_remote and flows else WorkloadFlows)(
-            settings.node_name, settings.flow_series_limit, settings.flow_series_idle)
+        # With Retina's remote context (from the flow records), one table feeds both: the drains see one
+        # WorkloadFlows as ever, and the drop drain feeds Retina's drop series.
+        limit, idle = settings.flow_series_limit, settings.flow_series_idle
+        self.retina = (WorkloadFlowsAndRetina(node, limit, idle)
+                       if settings.retina_compat == REMOTE and flows is not None else None)
+        self.workload_flows = self.retina if self.retina is not None else WorkloadFlows(node, limit, idle)
         self.drop_ledger = DropLedger(  # per-pod drops and TCP health (runtime.drop_drain)
             settings.series_grace, frozenset() if settings.drops_include_lifecycle else LIFECYCLE_REASONS)
-        self.drops = (DropDrainer(drops, self.drop_ledger, settings.node_name, self.flow_feed, [self.view.cluster],
-                                  annotate_flows=flows is not None) if drops else None)
-        self.flows = (FlowDrainer(flows, settings.node_name, self.flow_feed, self.workload_flows, [self.view.cluster],
+        self.drops = (DropDrainer(drops, self.drop_ledger, node, self.flow_feed, [self.view.cluster],
+                                  annotate_flows=flows is not None,
+                                  series=self.retina.retina_drops.add if self.retina is not None else None)
+                      if drops else None)
+        self.flows = (FlowDrainer(flows, node, self.flow_feed, self.workload_flows, [self.view.cluster],
                                   annotate=self.drops.annotate if self.drops else None)
                       if flows else None)
-        if self.drops is not None and isinstance(self.workload_flows, WorkloadFlowsAndRetina):
-            self.drops.series = self.workload_flows.retina_drops.add  # Retina's drop series: the dropped records
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=10_000)
         self.synced: set[Collection[Any]] = set()
         self.ready = asyncio.Event()
@@ -131,6 +137,8 @@ class Agent:
         self._reflectors: list[Reflector[Any]] = []
         self.supervisor = Supervisor()
         self._retry_scheduled = False
+        self._resync_due = False  # a resync tick came: the next write is a resync
+        self._drain_due = False  # a drain tick came: the next drain place drains
         self._links_since: float | None = None  # when the first push began to wait for the pods' links
         # The cluster's nodes (settings.watch_nodes), applied on the event loop as their deltas come: they
         # move nothing in the view or the datapath, so they skip the writer's queue.
@@ -151,6 +159,8 @@ class Agent:
             self._reflectors.append(Reflector(kind, self._transport, self.queue.put, settings))
         if self.settings.watch_nodes:
             self._reflectors.append(self._nodes_reflector(self._transport))
+        if self.services is not None:
+            self._reflectors += self._service_reflectors(self._transport, self.services)
         spawn = self.supervisor.spawn
         for reflector in self._reflectors:
             spawn(reflector.run(), f"reflector-{reflector.kind.name}")
@@ -166,6 +176,15 @@ class Agent:
         settings = self.settings.reflector(NODES)
         settings.optional, settings.missing_statuses, settings.missing_hint = True, frozenset({403, 404}), NODES_HINT
         return Reflector(NODES, transport, self._apply_nodes, settings)
+
+    def _service_reflectors(self, transport: Transport, services: ServiceNames) -> list[Reflector[Any]]:
+        made: list[Reflector[Any]] = []
+        for kind, apply in ((SERVICES, services.apply_services), (SERVICE_BACKENDS, services.apply_backends)):
+            settings = self.settings.reflector(kind)
+            settings.optional, settings.missing_statuses = True, frozenset({403, 404})
+            settings.missing_hint = SERVICES_HINT
+            made.append(Reflector(kind, transport, apply, settings))
+        return made
 
     async def _apply_nodes(self, delta: Delta[Node]) -> None:
         self.nodes.apply(delta, self._node_changed)
@@ -190,7 +209,8 @@ class Agent:
     async def stop(self) -> None:
         """Stop watching, push what is queued, leave the datapath's pinned state in place."""
         await self.supervisor.cancel_all()
-        self._drain_queue()
+        while not self.queue.empty():
+            self._take(self.queue.get_nowait())
         if self.ready.is_set():
             self._settle(self.writer.flush())
         if self._transport is not None:
@@ -206,52 +226,32 @@ class Agent:
             self.apply_batch(batch)
 
     def apply_batch(self, items: list[Item]) -> None:
-        """Apply queued items, then push the result to the datapath. Only the writer task calls this
-        (tests and benchmarks drive it directly, without reflectors)."""
+        """One pass of the writer task: each item to its place (a delta to the view, a tick to its job),
+        then the write to the datapath, then the drains. Only the writer task calls this (tests and
+        benchmarks drive it directly, without reflectors)."""
         interest = self.view.interest
-        holders_before = self._drain_before_renames(items)
         for item in items:
-            self._apply(item)
-        self._give_pod_ips()  # before the filter write: the link attaches while the IP enters the filter
+            self._take(item)
         if self.view.interest != interest:
             config = self.view.configuration
             log.info("MetricsConfiguration %s", f"applied: {config.interest}" if config else "removed")
-        self._push()
-        if holders_before is not None:
-            self._drain(before_change=True, pods=holders_before)
+        self._give_pod_ips()  # before the filter write: the link attaches while the IP enters the filter
+        self._write()
+        self._drain()
 
-    def _drain_before_renames(self, items: list[Item]) -> list[Pod] | None:
-        """What the kernel counted before ``items`` change who an address names is named as the view is
-        now. A far end that changes hands (a PodSlice): drained here, before the change. A pod of this node
-        that gives up an address: drained after the filter write (so a delete's IP leaving the filter does
-        not wait for the drain), named by the pods returned here (None: no drain owed)."""
-        if (self.flows is None and self.drops is None) or not self.ready.is_set():
-            return None
-        renaming = [item for item in items if not isinstance(item, Tick) and self.view.renames(item)]
-        if not renaming:
-            return None
-        if any(item.collection is POD_SLICES.collection for item in renaming):
-            self._drain(before_change=True)
-            return None
-        return list(self.view.pods.values())
-
-    def _drain_queue(self) -> None:
-        while not self.queue.empty():
-            self._apply(self.queue.get_nowait())
-
-    def _apply(self, item: Item) -> None:
+    def _take(self, item: Item) -> None:
+        """A delta goes to the view; a tick's job runs here (expiry) or marks the write or the drain."""
         if item is Tick.RESYNC:
-            if self.ready.is_set():
-                self._resync()
+            self._resync_due = True
         elif item is Tick.RETRY:
             self._retry_scheduled = False
         elif item is Tick.EXPIRE:
-            self.ledger.expire(time.monotonic())
-            self.workload_flows.expire(time.monotonic())
-            self.drop_ledger.expire(time.monotonic())
+            now = time.monotonic()
+            self.ledger.expire(now)
+            self.workload_flows.expire(now)
+            self.drop_ledger.expire(now)
         elif item is Tick.DRAIN:
-            if self.ready.is_set():
-                self._drain()
+            self._drain_due = True
         elif not isinstance(item, Tick):
             self.view.apply(item)
             self._pods_changed = self._pods_changed or item.collection is PODS.collection
@@ -272,32 +272,40 @@ class Agent:
             self._pod_ips = ips
             self.links.set_pod_ips(ips)
 
-    def _drain(self, before_change: bool = False, pods: Iterable[Pod] | None = None) -> None:
-        """Drops first: the retransmits they hold go on the records of the flow drain that follows. A drain
-        that fails at a change of hands leaves entries whose holders are unknown: the next one names them
-        world (never the next holder). ``pods``: the holders to name with (default: the store now)."""
-        holders = list(self.view.pods.values()) if pods is None else pods
-        if self.drops is not None:
-            self.drops.drain(holders)
-        if self.flows is not None and not self.flows.drain(holders) and before_change:
-            self.flows.owed = True
+    # --- the write -------------------------------------------------------------------------------
 
-    def _push(self) -> None:
+    def _write(self) -> None:
+        """The filter's crossings to the datapath (a resync when one is due), once the agent is ready; the
+        first write, once every collection is listed and the pods' links are attached, is a resync."""
         if not self.ready.is_set():
-            if not self.synced >= REQUIRED or not self._links_settled():
-                return
-            if self.drops is not None:  # what was counted before anyone owned an IP: node totals only
-                self.drops.drain(self.view.pods.values())
-            if self.flows is not None:  # a predecessor's entries: who held the IPs then is unknown
-                self.flows.drain((), named=False)
-            self._resync(first=True)  # the first push: adopt or clean what a predecessor pinned
-            self.ready.set()
-            log.info("ready: %d pods, %d desired IPs", len(self.view.pods), len(self.view.desired))
+            if self.synced >= REQUIRED and self._links_settled():
+                self._become_ready()
             return
-        pushed = self.writer.flush()
+        if self._resync_due:
+            self._resync_due = False
+            pushed = self.writer.resync()
+            self.last_resync = time.time()
+        else:
+            pushed = self.writer.flush()
         if not pushed.ok or self.writer.dirty:
             self._schedule_retry()
         self._settle(pushed)
+
+    def _become_ready(self) -> None:
+        """What was counted before anyone owned an IP is nobody's: drops go to the node totals only, flows
+        (a predecessor's entries: who held the IPs then is unknown) are named world. Then the first resync
+        adopts or cleans what a predecessor pinned."""
+        self.view.take_handover()  # the drains below name with the view as it is: no change of hands owed
+        self._drain_due = False
+        if self.drops is not None:
+            self.drops.drain(self.view.pods.values())
+        if self.flows is not None:
+            self.flows.drain((), named=False)
+        self._resync_due = False
+        self._settle(self.writer.resync(), inherit=True)
+        self.last_resync = time.time()
+        self.ready.set()
+        log.info("ready: %d pods, %d desired IPs", len(self.view.pods), len(self.view.desired))
 
     def _links_settled(self) -> bool:
         """Whether the links of the pods listed are attached. The first push waits for it, so that what
@@ -314,10 +322,6 @@ class Agent:
             return True
         self._schedule_retry(LINKS_POLL)
         return False
-
-    def _resync(self, first: bool = False) -> None:
-        self._settle(self.writer.resync(), inherit=first)
-        self.last_resync = time.time()
 
     def _settle(self, pushed: Pushed, inherit: bool = False) -> None:
         """The ledger follows what the datapath did: IPs that left the filter close their owners' share
@@ -336,7 +340,7 @@ class Agent:
         moved = self.view.take_moved()
         if not moved:
             return
-        kernel = self.datapath.read_counters()
+        kernel = self.datapath.read_counters_of(moved)
         inherited = self.links.inherited(moved) if inherit and self.links is not None else frozenset()
         for ip in moved:
             owner = self.view.owner(ip)
@@ -349,6 +353,26 @@ class Agent:
         self._retry_scheduled = True
         asyncio.get_running_loop().call_later(self.settings.retry_interval if delay is None else delay,
                                               self.queue.put_nowait, Tick.RETRY)
+
+    # --- the drains ------------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """The drains' place, after the write: when the batch handed an address over, named with the view
+        as it was before (so the flows and drops counted until the filter write are their holders', and an
+        IP leaving the filter does not wait for the kernel's flip of the flow maps); else when a drain tick
+        came, named with the view as it is. Drops first: the retransmits they hold go on the records of the
+        flow drain that follows. A drain that fails at a change of hands leaves entries whose holders are
+        unknown: the next one names them world (never the next holder)."""
+        handover = self.view.take_handover()
+        due, self._drain_due = self._drain_due, False
+        if not self.ready.is_set() or (handover is None and not due):
+            return
+        pods: Iterable[Pod] = self.view.pods.values() if handover is None else handover.pods
+        others: Sequence[Names] = [self.view.cluster] if handover is None else [handover.cluster]
+        if self.drops is not None:
+            self.drops.drain(pods, others=others)
+        if self.flows is not None and not self.flows.drain(pods, others=others) and handover is not None:
+            self.flows.owed = True
 
     # --- views for the HTTP endpoints ------------------------------------------------------------
 

@@ -1,4 +1,9 @@
-"""Choosing and opening the agent's datapath: ``memory`` (no root, lab and tests) or ``ebpf`` (the kernel)."""
+"""Choosing and opening the agent's datapath: ``memory`` (no root, lab and tests) or ``ebpf`` (the kernel).
+
+:func:`open_datapath` opens what :class:`~podmeter.runtime.settings.DatapathSettings` asks for: the filter
+and counters, the flows, the pod links' attach manager and the drop tracing (``runtime.drop_drain``; only
+the eBPF datapath has it). The agent process (``runtime.agent_process``) builds the agent on what it opened.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from typing import Protocol
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.datapath import Datapath, LinkCounts
 from podmeter.model.flows import FlowSource
+from podmeter.runtime.drop_drain import DropTracing, open_drops
+from podmeter.runtime.settings import DatapathSettings
 
 log = logging.getLogger("podmeter.datapath")
 
@@ -49,14 +56,16 @@ class PodLinks(Protocol):
 
 @dataclass
 class OpenDatapath:
-    """A datapath with whatever it needs closed at shutdown (attach manager, descriptors)."""
+    """A datapath with whatever it needs closed at shutdown (attach manager, drop tracing, descriptors)."""
 
     datapath: Datapath
     flows: FlowSource | None = None  # the same object when the datapath aggregates flows
     closers: list[Callable[[], None]] = field(default_factory=list)
     links: PodLinks | None = None  # None: the datapath has no links (memory)
+    drops: DropTracing = field(default_factory=DropTracing)  # off unless the datapath traces drops
 
     def close(self) -> None:
+        self.drops.close()
         for close in reversed(self.closers):
             try:
                 close()
@@ -64,19 +73,21 @@ class OpenDatapath:
                 log.exception("error while closing the datapath")
 
 
-def open_datapath(kind: str, bpffs: str, filter_map_size: int, interfaces: tuple[str, ...] = (),
-                  patterns: tuple[str, ...] | None = None, *, flow_map_size: int = 65536) -> OpenDatapath:
-    """Open the datapath; raises with an actionable message (the agent refuses to start half-blind)."""
-    if kind == "memory":
-        memory = MemoryDatapath(filter_map_size, flow_capacity=flow_map_size)
-        return OpenDatapath(memory, memory)
-    if kind != "ebpf":
-        raise ValueError(f"--datapath must be ebpf or memory, not {kind!r}")
+def open_datapath(settings: DatapathSettings) -> OpenDatapath:
+    """Open the datapath; raises with an actionable message (the agent refuses to start half-blind). The
+    drop tracing never raises: a kernel without it gets a notice and an agent without drop metrics."""
+    if settings.kind == "memory":
+        memory = MemoryDatapath(settings.filter_map_size, flow_capacity=settings.flow_map_size)
+        return OpenDatapath(memory, memory, drops=_no_drops(settings))
+    if settings.kind != "ebpf":
+        raise ValueError(f"--datapath must be ebpf or memory, not {settings.kind!r}")
     from podmeter.adapters.datapath.ebpf import AttachManager, EbpfDatapath, InterfaceRule, LinkSelection
 
-    datapath = EbpfDatapath.open(bpffs, filter_size=filter_map_size, flow_size=flow_map_size)
+    bpffs = settings.bpffs
+    datapath = EbpfDatapath.open(bpffs, filter_size=settings.filter_map_size, flow_size=settings.flow_map_size)
     assert datapath.programs is not None, "EbpfDatapath.open loads the programs"
-    rule = InterfaceRule(patterns or (), interfaces)  # no patterns: pod links found by what they are
+    # No patterns: pod links found by what they are.
+    rule = InterfaceRule(settings.interface_patterns, settings.interfaces)
     # Only the links that carry this node's pods (the agent gives their IPs): other programs' veths are
     # not the agent's to count on. Patterns and names given are attached whatever they carry.
     # TCX links pinned beside the maps: they outlive this process, so a restart counts every packet.
@@ -88,5 +99,16 @@ def open_datapath(kind: str, bpffs: str, filter_map_size: int, interfaces: tuple
         datapath.close()
         raise
     log.info("eBPF datapath open: pins in %s, filter size %d, flow map size %d", bpffs, datapath.capacity,
-             flow_map_size)
-    return OpenDatapath(datapath, datapath, [datapath.close, manager.stop], links=manager)
+             settings.flow_map_size)
+    drops = open_drops(datapath, settings.drop_map_size)  # never fatal: a notice and drops off
+    return OpenDatapath(datapath, datapath, [datapath.close, manager.stop], links=manager, drops=drops)
+
+
+def _no_drops(settings: DatapathSettings) -> DropTracing:
+    """Drops are traced next to the eBPF datapath's filter map only."""
+    if settings.drop_map_size == 0:
+        notice = "drops and TCP health are off (--drop-map-size 0)"
+    else:
+        notice = "drops and TCP health are counted by the eBPF datapath only: off with this datapath"
+    logging.getLogger("podmeter.drops").info("%s", notice)
+    return DropTracing(None, [notice])

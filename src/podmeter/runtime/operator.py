@@ -10,8 +10,9 @@ Pieces, each testable alone:
   which stays 0 unless an event was lost).
 * :class:`ConfigurationStatus` validates the ``default`` MetricsConfiguration and writes its
   ``status.conditions`` (leader only).
-* :class:`Operator` composes them with a pod source, leader election and the HTTP endpoints; its metrics
-  are read from them at scrape time (``adapters.metrics.operator_state``).
+* :class:`Operator` composes them with a pod source and leader election; its state is read at scrape time
+  (:meth:`Operator.snapshot`, ``adapters.metrics.operator_state``). The process around it (the kube client,
+  the Lease, the backend, the publisher, the registry and the HTTP endpoints) is ``runtime.operator_process``.
 
 The pod source is a small interface (:class:`PodSource`): an async iterator of store changes
 ``(old, new)`` plus the store those changes were made to. :class:`ReflectorPodSource` feeds the kube
@@ -38,15 +39,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NoReturn, Protocol
 
-from aiohttp import web
-from prometheus_client import CollectorRegistry, ProcessCollector
-
-from podmeter.adapters.http import build_app
 from podmeter.adapters.identity.base import IdentityBackend, IdentityBackendError
 from podmeter.adapters.kube.connection import Connection
 from podmeter.adapters.kube.reflector import Reflector, ReflectorSettings
 from podmeter.adapters.kube.resources import PODS
-from podmeter.adapters.metrics.operator_state import OperatorSnapshot, OperatorStateCollector
+from podmeter.adapters.metrics.operator_state import OperatorSnapshot
 from podmeter.model.configuration import DEFAULT_NAME, accepted_condition
 from podmeter.model.deltas import Delta, Replace
 from podmeter.model.identity import BadIdentityKey, IdentityExhausted, IdentityKey, LabelFilter, PodRefs, key_of_flat
@@ -55,6 +52,7 @@ from podmeter.model.records import Pod
 from podmeter.model.store import Change, Store
 from podmeter.runtime.endpoint_publisher import EndpointPublisher
 from podmeter.runtime.leadership import LeaderElector
+from podmeter.runtime.settings import OperatorSettings
 from podmeter.runtime.supervision import Supervisor
 from podmeter.runtime.ticks import Tick, every
 
@@ -334,18 +332,8 @@ class ConfigurationStatus:
 # -- the process ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class OperatorSettings:
-    sweep_period: float = 30.0  # full recompute against the store
-    gc_period: float = 30.0  # backend GC (leader only); etcd removes after two rounds
-    config_period: float = 5.0  # MetricsConfiguration status (leader only)
-    retry_period: float = 2.0  # identity operations that failed are tried again
-    publish_period: float = 0.5  # endpoint slices (leader only): at most one sync this often
-    debug_remote: bool = False  # answer /debug/* to clients that are not on loopback too (--debug-remote)
-
-
 class Operator:
-    """Composes pod source, reconciler, backend, leader election, config status and HTTP.
+    """Composes pod source, reconciler, backend, leader election and config status.
 
     Events and sweeps run in one task, so a sweep always sees the store as of the last applied event.
     Only the leader runs the backend GC and writes the configuration status; every instance keeps its own
@@ -376,10 +364,6 @@ class Operator:
         self.store_gc_removed = 0
         self.publisher, self.connection = publisher, connection
         self.supervisor = Supervisor()
-        self.registry = CollectorRegistry()
-        # process_start_time_seconds among them: a restart is what the PodmeterTaskFailed alert sees.
-        ProcessCollector(registry=self.registry)
-        self.registry.register(OperatorStateCollector(self.snapshot))
 
     @property
     def is_leader(self) -> bool:
@@ -459,7 +443,7 @@ class Operator:
         """Periodic work: retries (every operator); store GC and configuration status (the leader)."""
         s = self.settings
         due = {"retry": 0.0, "gc": 0.0, "config": 0.0, "publish": 0.0}
-        jobs = {"retry": (s.retry_period, False, self.reconciler.retry),
+        jobs = {"retry": (s.identity_retry_period, False, self.reconciler.retry),
                 "gc": (s.gc_period, True, self._gc),
                 "config": (s.config_period, True, self._config),
                 "publish": (s.publish_period, True, self._publish)}
@@ -469,7 +453,7 @@ class Operator:
                 if now >= due[name] and (self.is_leader or not leader_only):
                     await job()
                     due[name] = now + period
-            await asyncio.sleep(min(s.retry_period, s.gc_period, s.config_period, s.publish_period, 1.0))
+            await asyncio.sleep(min(s.identity_retry_period, s.gc_period, s.config_period, s.publish_period, 1.0))
 
     async def _publish(self) -> None:
         """Publish the endpoints, once the store and the identities are complete (an operator that
@@ -498,7 +482,7 @@ class Operator:
             self.reconciler.stats.errors["config_status", type(exc).__name__] += 1
             log.warning("MetricsConfiguration status: %s: %s", type(exc).__name__, exc)
 
-    # -- metrics and HTTP ---------------------------------------------------------------------------
+    # -- what the metrics and the debug endpoint read -----------------------------------------------
 
     def snapshot(self) -> OperatorSnapshot:
         """The operator's state as the metrics export it, read now."""
@@ -531,10 +515,6 @@ class Operator:
         return {"published_endpoints": last.endpoints, "published_slices": last.slices,
                 "slice_writes": dict(p.writes), "slice_conflicts": p.conflicts, "slice_errors": p.errors,
                 "slice_writes_pending": last.pending}
-
-    def http_app(self) -> web.Application:
-        return build_app(self.registry, self.ready.is_set, {"/debug/identities": self.debug_identities},
-                         self.settings.debug_remote, healthy=lambda: self.supervisor.healthy)
 
     async def debug_identities(self) -> dict[str, Any]:
         body = self.reconciler.debug() | {"leader": self.is_leader, "last_sweep": self.last_sweep}

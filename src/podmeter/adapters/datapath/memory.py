@@ -64,6 +64,10 @@ class MemoryDatapath:
     def read_counters(self) -> dict[tuple[str, Direction], Traffic]:
         return dict(self.counters)
 
+    def read_counters_of(self, ips: Iterable[str]) -> dict[tuple[str, Direction], Traffic]:
+        counters = self.counters
+        return {(ip, d): counters[(ip, d)] for ip in ips for d in Direction if (ip, d) in counters}
+
     def take_counters(self, ips: Iterable[str]) -> dict[tuple[str, Direction], Traffic]:
         taken: dict[tuple[str, Direction], Traffic] = {}
         for ip in ips:

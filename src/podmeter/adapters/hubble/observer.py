@@ -112,15 +112,17 @@ class ObserverService:
             self.streams -= 1
 
     async def _follow(self, reader: Reader, context: aio.ServicerContext[Any, Any], until: float | None) -> None:
-        async for item in reader.follow():
+        encoded = self.messages.encoded
+        async for item in reader.follow_batches():
             if isinstance(item, Gap):
-                message = lost_message(item.lost, self.node_name)
-            elif until is not None and item.time > until:
-                return
-            else:
-                message = self.messages.encoded(item)
-            with reader.writing():
-                await context.write(message)
+                with reader.writing():
+                    await context.write(lost_message(item.lost, self.node_name))
+                continue
+            for record in item.records:  # one message per flow: Hubble's protocol
+                if until is not None and record.time > until:
+                    return
+                with reader.writing():
+                    await context.write(encoded(record))
 
     async def _past(self, request: observer_pb2.GetFlowsRequest, reader: Reader) -> list[FlowRecord]:
         # number 0 means "all" within a time window; a follower's window is only ever opened by since

@@ -8,7 +8,7 @@ status`, Hubble Relay and Hubble UI read podmeter's flows. One server, its servi
 - ``adapters.hubble.peer``: ``peer.Peer/Notify``, the cluster's nodes for Hubble Relay;
 - ``adapters.hubble.health``: ``grpc.health.v1.Health``.
 
-This module binds the address and registers the three; the agent's process (``cli.agent``) wires it.
+This module binds the address and registers the three; the agent process (``runtime.agent_process``) wires it.
 """
 
 from __future__ import annotations

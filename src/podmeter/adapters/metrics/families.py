@@ -1,16 +1,18 @@
 """Building metric families at scrape time: the helpers every podmeter collector uses.
 
 Collectors (``agent_state``, ``operator_state``) read a snapshot of the process's state on each scrape and
-turn it into families here, so no gauge is ever kept in sync by hand and a series for a label value that
-never occurred does not exist.
+turn it into families here, so no gauge is ever kept in sync by hand. A series for a label value that
+never occurred does not exist, unless the value is known in advance (:func:`with_zeros`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+K = TypeVar("K")
 # Values by label tuple (Mapping's key is invariant: one alternative per label count in use).
 Labelled = Mapping[tuple[str], int] | Mapping[tuple[str, str], int]
 
@@ -35,6 +37,12 @@ def counter(name: str, documentation: str, labels: tuple[str, ...] = (), values:
     for key, number in sorted((values or {}).items()):
         family.add_metric(list(key), number)
     return family
+
+
+def with_zeros(values: Mapping[K, int], known: Iterable[K]) -> dict[K, int]:
+    """``values`` with a 0 for each ``known`` label value not yet counted: a counter whose label values
+    are known in advance exists from the start, so a healthy process's panel shows 0, not "No data"."""
+    return {**dict.fromkeys(known, 0), **values}
 
 
 def by_one(values: Mapping[str, int]) -> Mapping[tuple[str], int]:

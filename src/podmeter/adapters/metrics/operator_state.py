@@ -12,8 +12,14 @@ from dataclasses import dataclass, field
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from podmeter.adapters.identity.etcd_audit import KINDS as CORRUPT_KINDS
 from podmeter.adapters.metrics.agent_state import watch_families
-from podmeter.adapters.metrics.families import by_one, counter, gauge
+from podmeter.adapters.metrics.families import by_one, counter, gauge, with_zeros
+
+# The (op, reason) pairs of identity errors known in advance (runtime.operator): exported from the start
+# as 0. A failed status write's reason is the exception's type, known only when it happens.
+IDENTITY_ERRORS = (("acquire", "backend"), ("acquire", "exhausted"), ("release", "backend"), ("key", "bad_labels"),
+                   ("start", "backend"), ("gc", "backend"))
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,9 @@ class OperatorStateCollector(Collector):
         yield counter("podmeter_identity_store_gc_removed", "Unreferenced IDs removed from the store.",
                       value=s.store_gc_removed)
         yield counter("podmeter_identity_store_corrupt", "Corrupt identity store entries found (never used).",
-                      ("kind",), by_one(s.store_corrupt))
-        yield counter("podmeter_identity_errors", "Identity operations that failed.", ("op", "reason"), s.errors)
+                      ("kind",), by_one(with_zeros(s.store_corrupt, CORRUPT_KINDS)))
+        yield counter("podmeter_identity_errors", "Identity operations that failed.", ("op", "reason"),
+                      with_zeros(s.errors, IDENTITY_ERRORS))
         yield counter("podmeter_drift_repaired", "Differences a periodic resync repaired.", ("kind",),
                       by_one(s.drift_repaired))
         yield counter("podmeter_task_failures", "Long-running tasks that died of an unexpected error.", ("task",),

@@ -2,8 +2,16 @@
 
 :meth:`DropTracer.open` takes the agent's ``filter`` map (the one the TC programs read, pinned under
 ``--bpffs``) and loads the tracing object against it (``bpf_map__reuse_fd``), so the drop programs observe
-exactly the IPs the agent observes. Its own maps are not pinned: they live as long as the agent holds
-them, like the tracepoint links, and the agent drains them every flow interval.
+exactly the IPs the agent observes. The agent drains its maps every flow interval.
+
+With ``pins`` (the agent: ``<--bpffs>/drops``) the maps and the tracepoint links are pinned, so they outlive
+the process, SIGKILL included, and the programs go on counting while no agent runs. A successor reuses each
+pinned map whose layout and size match (else a new one, said in the log), and **adopts** each pinned link
+that runs the very program it would attach (same name, instructions and maps: ``link_pins.TracingPins``),
+else replaces it: no gap, and never two links of one hook counting into the same maps. What the maps held
+when it started is a predecessor's: :attr:`DropTracer.inherited`, credited to pods by the agent only where
+the pinned ``owners`` record (:class:`OwnerRecord`) shows that the IP kept its owner. Without ``pins``
+(tests, benchmarks) maps and links live as long as the process holds them.
 
 Hooks (``tp_btf``: BTF-typed raw tracepoints, see docs/drops.md for why these):
 
@@ -26,9 +34,12 @@ program against) and left out, with a notice, if it is missing; drop reasons are
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import hashlib
 import logging
 import os
+import shutil
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -38,8 +49,10 @@ from typing import Any
 from podmeter.adapters.datapath.ebpf import btf, layout, preflight
 from podmeter.adapters.datapath.ebpf.errors import DatapathSetupError
 from podmeter.adapters.datapath.ebpf.libbpf import BpfCallError, Libbpf, libbpf
+from podmeter.adapters.datapath.ebpf.link_pins import PinnedTracing, TracingPins, program_identity
 from podmeter.adapters.datapath.ebpf.loader import BpfObject, Program
-from podmeter.adapters.datapath.ebpf.maps import BATCH_UNSUPPORTED, BpfMap
+from podmeter.adapters.datapath.ebpf.maps import BATCH_UNSUPPORTED, BpfMap, MapShape
+from podmeter.adapters.datapath.ebpf.pins import PinDir
 from podmeter.model.datapath import Direction
 from podmeter.model.drops import (
     HOOK_DROPS,
@@ -62,6 +75,9 @@ FILTER_MAP = "filter"
 DROPS_MAP, DROP_FLOWS_MAP, TCP_MAP, TCP_FLOWS_MAP, LOST_MAP = "drops", "drop_flows", "tcp", "tcp_flows", "drops_lost"
 DRAINED_MAPS = (DROPS_MAP, DROP_FLOWS_MAP, TCP_MAP, TCP_FLOWS_MAP)
 LOST_SLOTS = DRAINED_MAPS  # drops_lost slot i counts events that found DRAINED_MAPS[i] full
+PINNED_MAPS = (*DRAINED_MAPS, LOST_MAP)  # the object's own maps (the filter is the agent's, pinned apart)
+PIN_DIR = "drops"  # inside the agent's pin directory: the maps, links/<hook>, programs/<hook>, owners
+OWNERS_MAP = "owners"  # not the object's: written by the agent (OwnerRecord)
 DEFAULT_DROP_SIZE = 16384
 MAX_DROP_SIZE = 1 << 22
 
@@ -211,26 +227,180 @@ def _bind_tracing(lib: Libbpf) -> None:
         ("bpf_program__set_autoload", ctypes.c_int, [ctypes.c_void_p, ctypes.c_bool]),
         ("bpf_program__set_attach_target", ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p]),
         ("bpf_raw_tracepoint_open", ctypes.c_int, [ctypes.c_char_p, ctypes.c_int]),
+        ("bpf_map_create", ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_uint32,
+                                          ctypes.c_uint32, ctypes.c_void_p]),
     ):
         function = getattr(lib.lib, name)
         function.restype, function.argtypes = restype, argtypes
 
 
+# --- the owners record ---------------------------------------------------------------------------------------
+
+BPF_MAP_TYPE_HASH = 1
+BPF_F_NO_PREALLOC = 1
+OWNER_DIGEST_BYTES = 16
+
+
+class _MapCreateOpts(ctypes.Structure):
+    """``struct bpf_map_create_opts`` as libbpf 1.x has it (only ``sz`` and ``map_flags`` are set)."""
+
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("btf_fd", ctypes.c_uint32),
+        ("btf_key_type_id", ctypes.c_uint32),
+        ("btf_value_type_id", ctypes.c_uint32),
+        ("btf_vmlinux_value_type_id", ctypes.c_uint32),
+        ("inner_map_fd", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("map_extra", ctypes.c_uint64),
+        ("numa_node", ctypes.c_uint32),
+        ("map_ifindex", ctypes.c_uint32),
+    ]
+
+
+def owner_digest(uid: str) -> bytes:
+    """16 bytes naming a pod by its UID (a pod's IPs never change while it lives, so one UID holding an IP
+    at two moments held it all along)."""
+    return hashlib.blake2b(uid.encode(), digest_size=OWNER_DIGEST_BYTES).digest()
+
+
+def owners_shape(capacity: int) -> MapShape:
+    return MapShape(BPF_MAP_TYPE_HASH, layout.ADDRESS_BYTES, OWNER_DIGEST_BYTES, BPF_F_NO_PREALLOC, capacity)
+
+
+class OwnerRecord:
+    """Who owned each observed IP at the agent's last drain, pinned as ``drops/owners`` for its successor.
+
+    A map no program reads: key the IP (16 bytes, as in ``filter``), value :func:`owner_digest` of the
+    owning pod's UID. The agent drains at every change of hands, so what the drop maps hold for an IP
+    since the last drain was counted while the recorded owner held it. A successor credits what it
+    inherited for an IP only if the pod that holds the IP now is the one recorded
+    (:meth:`held_throughout`): that pod held the IP all along, the gap included. An IP without a record,
+    or with another owner's, was given to someone else meanwhile (or nobody knows): node totals only.
+    ``HASH`` without preallocation: memory follows the IPs recorded.
+    """
+
+    def __init__(self, bpf_map: BpfMap) -> None:
+        self.map = bpf_map
+        self.recorded: dict[bytes, bytes] = dict(bpf_map.collect_items())  # what the map holds
+        self._written: dict[str, str] = {}  # the owners last written, IP -> UID (digests cost ~1 us each)
+
+    @classmethod
+    def open(cls, pins: PinDir, capacity: int) -> OwnerRecord:
+        """The pinned record, or a new one (pinned) when there is none or it has another layout or size
+        (then what fits is copied)."""
+        wanted = owners_shape(capacity)
+        items: list[tuple[bytes, bytes]] = []
+        if pins.has(OWNERS_MAP):
+            pinned = pins.open(OWNERS_MAP)
+            if pinned.shape == wanted:
+                return cls(pinned)
+            with contextlib.closing(pinned):
+                if pinned.shape.compatible(wanted):
+                    items = pinned.collect_items()
+                else:
+                    log.warning("pinned map %s/%s (%s) is not an owners record: replaced by a new one",
+                                pins.path.name, OWNERS_MAP, _shape_text(pinned.shape))
+        created = create_map(OWNERS_MAP, wanted)
+        try:
+            if items:
+                copied = created.update_batch([k for k, _ in items], [v for _, v in items]).applied
+                if copied < len(items):
+                    log.warning("owners record resized to %d entries: %d of %d records kept", capacity,
+                                copied, len(items))
+            pins.install(created, OWNERS_MAP)
+        except BaseException:
+            created.close()
+            raise
+        return cls(created)
+
+    def held_throughout(self, owners: Mapping[str, str]) -> frozenset[str]:
+        """The IPs of ``owners`` (IP -> UID) whose recorded owner is that pod."""
+        recorded = self.recorded
+        return frozenset(ip for ip, uid in owners.items()
+                         if recorded.get(layout.address_bytes(ip)) == owner_digest(uid))
+
+    def write(self, owners: Mapping[str, str]) -> None:
+        """Make the record ``owners`` (IP -> UID): only what changed is written. A failed write leaves the
+        record as the kernel has it (re-read): never more than was true."""
+        if owners == self._written:
+            return
+        old, recorded = self._written, self.recorded
+        failure: Exception | None
+        try:
+            keep = {layout.address_bytes(ip) for ip in owners}
+            gone = [key for key in recorded if key not in keep]
+            changed = [(key, digest) for key, digest in (
+                (layout.address_bytes(ip), owner_digest(uid)) for ip, uid in owners.items() if old.get(ip) != uid)
+                if recorded.get(key) != digest]
+            deleted = self.map.delete_batch(gone)
+            written = self.map.update_batch([k for k, _ in changed], [v for _, v in changed])
+            failure = deleted.error or written.error
+        except (BpfCallError, ValueError) as error:
+            failure = error
+        if failure is not None:
+            log.warning("writing the owners record failed (%s): a successor credits the IPs it lacks to no pod",
+                        failure)
+            self.recorded = dict(self.map.collect_items())
+            self._written = {}
+            return
+        for key in gone:
+            del self.recorded[key]
+        self.recorded.update(changed)
+        self._written = dict(owners)
+
+    def close(self) -> None:
+        self.map.close()
+
+
+def create_map(name: str, shape: MapShape) -> BpfMap:
+    lib = libbpf()
+    _bind_tracing(lib)
+    opts = _MapCreateOpts(sz=ctypes.sizeof(_MapCreateOpts), map_flags=shape.map_flags)
+    fd = lib.call("bpf_map_create", shape.type, name.encode(), shape.key_size, shape.value_size,
+                  shape.max_entries, ctypes.byref(opts))
+    try:
+        return BpfMap(fd, name, lib)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def remove_pins(path: str | os.PathLike[str]) -> bool:
+    """Unpin every map, link and program of the drop tracer under ``path`` (``<--bpffs>/drops``): the links
+    detach and the maps go once no process holds them. Whether there was anything."""
+    if not os.path.lexists(path):
+        return False
+    shutil.rmtree(path)
+    return True
+
+
+# --- the tracer ------------------------------------------------------------------------------------------------
+
+
 class DropTracer:
     """The loaded drop and TCP programs, their links and maps: the agent's ``DropSource``.
 
-    Calls may come from the writer task (:meth:`drain_drops`) and a scrape (:meth:`drops_lost`,
-    :attr:`hooks`) on other threads: each is a self-contained sequence of map syscalls. :meth:`close`
-    comes last and detaches everything.
+    Calls may come from the writer task (:meth:`drain_drops`, :meth:`record_owners`) and a scrape
+    (:meth:`drops_lost`, :attr:`hooks`) on other threads: each is a self-contained sequence of map
+    syscalls. :meth:`close` comes last; it detaches everything, except what is pinned (``pins``), which
+    stays attached and counting for the next agent.
     """
 
     def __init__(self, maps: dict[str, BpfMap], programs: dict[str, Program], links: dict[str, int],
-                 reasons: DropReasons, notices: list[str]) -> None:
+                 reasons: DropReasons, notices: list[str], *, owners: OwnerRecord | None = None,
+                 inherited: bool = False, pinned: bool = False) -> None:
         self.maps = maps
-        self.programs = programs  # by hook
-        self.links = links  # hook -> link fd (closing it detaches)
+        self.programs = programs  # by hook (an adopted link's: the program pinned beside it)
+        self.links = links  # hook -> link fd (closing it detaches, unless pinned)
         self.reasons = reasons
         self.notices = notices
+        self.owners = owners
+        self.pinned = pinned
+        # The drained maps were a predecessor's (reused from their pins): what they hold now was counted
+        # before this agent knew who owned the IPs.
+        self.inherited = inherited
+        self.adopted: set[str] = set()  # hooks whose pinned link was adopted, not attached anew
 
     @classmethod
     def open(
@@ -238,6 +408,7 @@ class DropTracer:
         filter_map: BpfMap | None,
         size: int = DEFAULT_DROP_SIZE,
         *,
+        pins: str | os.PathLike[str] | None = None,
         btf_path: str | os.PathLike[str] = btf.VMLINUX,
         tracepoints: Mapping[str, str] | None = None,
         object_path: Path | None = None,
@@ -246,9 +417,11 @@ class DropTracer:
         ``filter_map`` None: the object's own empty filter of ``size`` entries, in ``maps["filter"]``
         (benchmarks).
 
-        ``tracepoints`` renames hooks (tests: a tracepoint this kernel lacks). Raises
-        :class:`DropsUnavailable` when nothing can be traced (no BTF, no hook, the verifier refused);
-        a hook that is missing alone is left out and named in :attr:`notices`.
+        ``pins``: a directory (in a bpffs, inside the pin directory whose lock the caller holds) where
+        the maps, the links and their programs are pinned, reused and adopted (see the module's
+        docstring); None: nothing is pinned. ``tracepoints`` renames hooks (tests: a tracepoint this
+        kernel lacks). Raises :class:`DropsUnavailable` when nothing can be traced (no BTF, no hook, the
+        verifier refused); a hook that is missing alone is left out and named in :attr:`notices`.
         """
         if not 1 <= size <= MAX_DROP_SIZE:
             raise ValueError(f"the drop map size must be between 1 and {MAX_DROP_SIZE}, not {size}")
@@ -265,26 +438,39 @@ class DropTracer:
         if not chosen.programs:
             raise DropsUnavailable("; ".join(chosen.notices) or "no hook to attach")
         path = object_path or preflight.object_path(OBJECT_NAME)
+        pin_dir = tracing = None
         try:
-            maps, programs = _load(path, filter_map, size, chosen)
+            if pins is not None:
+                pin_dir, tracing = PinDir(pins), TracingPins(pins)
+                pin_dir.ensure()
+                tracing.ensure()
+                for name in (*pin_dir.remove_leftovers(), *tracing.remove_leftovers()):
+                    log.warning("removed %s/%s left by an interrupted pin", pin_dir.path.name, name)
+            maps, programs, reused = _load(path, filter_map, size, chosen, pin_dir)
         except DropsUnavailable:
             raise
-        except (DatapathSetupError, BpfCallError) as error:
+        except (DatapathSetupError, OSError) as error:  # BpfCallError is an OSError
             raise DropsUnavailable(f"loading {path.name} failed, drops and TCP health are off: {error}") from error
-        links: dict[str, int] = {}
-        notices = list(chosen.notices)
-        lib = libbpf()
-        for hook, program in programs.items():
-            fd = lib.lib.bpf_raw_tracepoint_open(None, program.fd)
-            if fd < 0:
-                notices.append(f"attaching {program.name} to {chosen.tracepoints[hook]} failed "
-                               f"({os.strerror(-fd)}): {hook} is not traced")
-                continue
-            links[hook] = fd
-        tracer = cls(maps, programs, links, DropReasons.from_btf(kernel), notices)
-        if not links:
+        tracer = cls(maps, programs, {}, DropReasons.from_btf(kernel), list(chosen.notices),
+                     inherited=reused, pinned=pin_dir is not None)
+        try:
+            if pin_dir is not None:
+                capacity = (filter_map or maps[FILTER_MAP]).shape.max_entries
+                tracer.owners = OwnerRecord.open(pin_dir, capacity)
+            tracer._attach(chosen.tracepoints, tracing)
+            if tracing is not None:
+                for hook in tracing.prune(set(tracer.links)):
+                    log.info("pinned tracing link of %s removed: it is not traced any more", hook)
+        except OSError as error:
             tracer.close()
-            raise DropsUnavailable("; ".join(notices))
+            raise DropsUnavailable(f"attaching the drop programs failed, drops and TCP health are off: {error}") \
+                from error
+        except BaseException:
+            tracer.close()
+            raise
+        if not tracer.links:
+            tracer.close()
+            raise DropsUnavailable("; ".join(tracer.notices))
         return tracer
 
     # --- the DropSource protocol ----------------------------------------------------------------
@@ -317,13 +503,26 @@ class DropTracer:
                          [(key, size) for key, _, size in taken])
 
     def drops_lost(self) -> dict[str, int]:
-        """Events that found each drained map full, since the maps were created (summed over CPUs)."""
+        """Events that found each drained map full, since the maps were created (summed over CPUs; pinned
+        maps: since the first agent that created them)."""
         lost_map = self.maps[LOST_MAP]
         out = {}
         for slot, name in enumerate(LOST_SLOTS):
             raw = lost_map.lookup(struct.pack("=I", slot))
             out[name] = 0 if raw is None else sum(memoryview(raw).cast("Q"))
         return out
+
+    # --- across restarts (runtime.drop_drain) ---------------------------------------------------
+
+    def held_throughout(self, owners: Mapping[str, str]) -> frozenset[str]:
+        """The IPs of ``owners`` (IP -> pod UID) that the predecessor recorded with that same owner: what
+        it left in the maps for them is that pod's. None recorded (no pins): none."""
+        return self.owners.held_throughout(owners) if self.owners is not None else frozenset()
+
+    def record_owners(self, owners: Mapping[str, str]) -> None:
+        """The owners as of the drain just made (IP -> pod UID), for a successor (no pins: nothing)."""
+        if self.owners is not None:
+            self.owners.write(owners)
 
     # --- reading without draining (tests, inspection) -------------------------------------------
 
@@ -332,7 +531,7 @@ class DropTracer:
         return self.maps[name].collect_items()
 
     def close(self) -> None:
-        """Detach (close the links), then close programs and maps."""
+        """Close the links (detaching those not pinned), then programs and maps (pinned ones stay)."""
         for fd in self.links.values():
             os.close(fd)
         self.links = {}
@@ -340,6 +539,8 @@ class DropTracer:
             program.close()
         for bpf_map in self.maps.values():
             bpf_map.close()
+        if self.owners is not None:
+            self.owners.close()
 
     def __enter__(self) -> DropTracer:
         return self
@@ -348,6 +549,47 @@ class DropTracer:
         self.close()
 
     # --- internals ------------------------------------------------------------------------------
+
+    def _attach(self, tracepoints: Mapping[str, str], pins: TracingPins | None) -> None:
+        """Attach each loaded program to its tracepoint; with ``pins``, adopt the link pinned for its hook
+        instead when it runs this very program on these maps, else replace it."""
+        ours = frozenset(self.maps[name].id for name in PINNED_MAPS)
+        for hook, program in list(self.programs.items()):
+            old = pins.find(hook) if pins is not None else None
+            if old is not None:
+                identity = program_identity(program.fd)
+                if old.tracepoint == tracepoints[hook] and old.program is not None \
+                        and old.program.same_program(identity):
+                    self.links[hook] = old.link_fd
+                    self.programs[hook] = Program(old.program_fd, program.name)
+                    program.close()
+                    self.adopted.add(hook)
+                    log.info("tracing link of %s adopted from its pin (program %s, id %d)", hook, program.name,
+                             old.program.id)
+                    continue
+                # One that counts into these maps goes before ours comes (no drop counted twice); one that
+                # counts elsewhere after (no drop missed).
+                counts_here = old.program is None or bool(old.program.map_ids & ours)
+                log.warning("pinned tracing link of %s replaced: %s", hook,
+                            _mismatch(old, tracepoints[hook], identity))
+                if counts_here:
+                    assert pins is not None
+                    pins.unpin(hook)
+                    old.close()
+            fd = libbpf().lib.bpf_raw_tracepoint_open(None, program.fd)
+            if fd < 0:
+                self.notices.append(f"attaching {program.name} to {tracepoints[hook]} failed "
+                                    f"({os.strerror(-fd)}): {hook} is not traced")
+                if old is not None:
+                    old.close()
+                continue
+            self.links[hook] = fd
+            try:
+                if pins is not None:
+                    pins.pin(hook, fd, program.fd)
+            finally:
+                if old is not None:
+                    old.close()  # its pin was replaced: it detaches now
 
     def _take(self, name: str, key: struct.Struct,
               value: struct.Struct) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
@@ -364,9 +606,24 @@ class DropTracer:
             yield from zip(key.iter_unpack(keys), value.iter_unpack(values), strict=True)
 
 
-def _load(path: Path, filter_map: BpfMap | None, size: int,
-          chosen: Plan) -> tuple[dict[str, BpfMap], dict[str, Program]]:
+def _mismatch(old: PinnedTracing, tracepoint: str, ours: Any) -> str:
+    if old.tracepoint != tracepoint:
+        return f"it is attached to {old.tracepoint or 'another hook'}, not {tracepoint}"
+    if old.program is None:
+        return "the program it runs is not the one pinned beside it"
+    if old.program.name != ours.name or old.program.tag != ours.tag:
+        return (f"it runs another program ({old.program.name}, tag {old.program.tag.hex()}; this agent's: "
+                f"{ours.name}, tag {ours.tag.hex()})")
+    return "its program counts into other maps (they were replaced)"
+
+
+def _load(path: Path, filter_map: BpfMap | None, size: int, chosen: Plan,
+          pins: PinDir | None) -> tuple[dict[str, BpfMap], dict[str, Program], bool]:
+    """Load the chosen programs; with ``pins``, against the pinned maps that match (layout and size),
+    pinning the others (replacing a pin that does not match, said in the log). Returns the maps, the
+    programs, and whether the drained maps were reused (a predecessor's entries are in them)."""
     obj = _TracingObject(path)
+    old: dict[str, BpfMap] = {}
     try:
         wanted = set(chosen.programs.values())
         for name in ALL_PROGRAMS:
@@ -379,24 +636,71 @@ def _load(path: Path, filter_map: BpfMap | None, size: int,
             obj.set_max_entries(FILTER_MAP, size)
         for name in DRAINED_MAPS:
             obj.set_max_entries(name, size)
+        reused = _reuse_pinned(obj, pins, old) if pins is not None else set()
         obj.load()
         maps: dict[str, BpfMap] = {}
         programs: dict[str, Program] = {}
         try:
-            for name in (*DRAINED_MAPS, LOST_MAP, *(() if filter_map is not None else (FILTER_MAP,))):
+            for name in (*PINNED_MAPS, *(() if filter_map is not None else (FILTER_MAP,))):
                 maps[name] = obj.take_map(name)
             for hook, program in chosen.programs.items():
                 programs[hook] = obj.take_program(program)
+            if pins is not None:
+                _pin_new(pins, maps, old, reused)
         except BaseException:
             for bpf_map in maps.values():
                 bpf_map.close()
             for taken in programs.values():
                 taken.close()
             raise
-        return maps, programs
+        return maps, programs, bool(reused & set(DRAINED_MAPS))
     finally:
         obj.close()
+        for bpf_map in old.values():
+            bpf_map.close()
 
+
+def _reuse_pinned(obj: BpfObject, pins: PinDir, old: dict[str, BpfMap]) -> set[str]:
+    """Load against each pinned map of the layout and size the object declares; fill ``old`` with the
+    pins found. The names reused."""
+    reused = set()
+    for name in PINNED_MAPS:
+        if not pins.has(name):
+            continue
+        try:
+            pinned = old[name] = pins.open(name)
+        except BpfCallError as error:  # not a map: replaced below
+            log.warning("pinned %s/%s cannot be opened as a map (%s): replaced", pins.path.name, name, error)
+            continue
+        if pinned.shape == obj.map_shape(name):
+            obj.reuse(name, pinned)
+            reused.add(name)
+    return reused
+
+
+def _pin_new(pins: PinDir, maps: dict[str, BpfMap], old: dict[str, BpfMap], reused: set[str]) -> None:
+    for name in PINNED_MAPS:
+        if name in reused:
+            continue
+        if name in old:
+            log.warning("pinned map %s/%s (%s) does not match this agent's (%s): replaced by a new one, its %s "
+                        "undrained entries are lost", pins.path.name, name, _shape_text(old[name].shape),
+                        _shape_text(maps[name].shape), _count(old[name]))
+        elif pins.has(name):
+            log.warning("pinned %s/%s is not a map: replaced by a new one", pins.path.name, name)
+        pins.install(maps[name], name)
+
+
+def _shape_text(shape: MapShape) -> str:
+    return (f"type {shape.type}, key {shape.key_size} B, value {shape.value_size} B, flags {shape.map_flags:#x}, "
+            f"{shape.max_entries} entries")
+
+
+def _count(bpf_map: BpfMap) -> str:
+    try:
+        return str(len(bpf_map.collect_keys()))
+    except BpfCallError:  # counting is only for the log line
+        return "undrained"
 
 
 def attach_program(path: Path, program: str, tracepoint: str) -> tuple[Program, int]:

@@ -207,6 +207,8 @@ class Flow(_message.Message):
     TYPE_FIELD_NUMBER: _builtins.int
     NODE_NAME_FIELD_NUMBER: _builtins.int
     EVENT_TYPE_FIELD_NUMBER: _builtins.int
+    SOURCE_SERVICE_FIELD_NUMBER: _builtins.int
+    DESTINATION_SERVICE_FIELD_NUMBER: _builtins.int
     TRAFFIC_DIRECTION_FIELD_NUMBER: _builtins.int
     TRACE_OBSERVATION_POINT_FIELD_NUMBER: _builtins.int
     DROP_REASON_DESC_FIELD_NUMBER: _builtins.int
@@ -247,6 +249,14 @@ class Flow(_message.Message):
     @_builtins.property
     def event_type(self) -> Global___CiliumEventType: ...
     @_builtins.property
+    def source_service(self) -> Global___Service:
+        """the Service whose frontend the source is (a reply through one)"""
+
+    @_builtins.property
+    def destination_service(self) -> Global___Service:
+        """the Service whose frontend the destination is (docs/services.md)"""
+
+    @_builtins.property
     def is_reply(self) -> _wrappers_pb2.BoolValue:
         """left unset: podmeter does not track connections"""
 
@@ -262,15 +272,17 @@ class Flow(_message.Message):
         Type: Global___FlowType.ValueType = ...,
         node_name: _builtins.str = ...,
         event_type: Global___CiliumEventType | None = ...,
+        source_service: Global___Service | None = ...,
+        destination_service: Global___Service | None = ...,
         traffic_direction: Global___TrafficDirection.ValueType = ...,
         trace_observation_point: Global___TraceObservationPoint.ValueType = ...,
         drop_reason_desc: Global___DropReason.ValueType = ...,
         is_reply: _wrappers_pb2.BoolValue | None = ...,
         Summary: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["IP", b"IP", "destination", b"destination", "event_type", b"event_type", "is_reply", b"is_reply", "l4", b"l4", "source", b"source", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["IP", b"IP", "destination", b"destination", "destination_service", b"destination_service", "event_type", b"event_type", "is_reply", b"is_reply", "l4", b"l4", "source", b"source", "source_service", b"source_service", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["IP", b"IP", "Summary", b"Summary", "Type", b"Type", "destination", b"destination", "drop_reason_desc", b"drop_reason_desc", "event_type", b"event_type", "is_reply", b"is_reply", "l4", b"l4", "node_name", b"node_name", "source", b"source", "time", b"time", "trace_observation_point", b"trace_observation_point", "traffic_direction", b"traffic_direction", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["IP", b"IP", "Summary", b"Summary", "Type", b"Type", "destination", b"destination", "destination_service", b"destination_service", "drop_reason_desc", b"drop_reason_desc", "event_type", b"event_type", "is_reply", b"is_reply", "l4", b"l4", "node_name", b"node_name", "source", b"source", "source_service", b"source_service", "time", b"time", "trace_observation_point", b"trace_observation_point", "traffic_direction", b"traffic_direction", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -514,6 +526,28 @@ class Endpoint(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Endpoint: _TypeAlias = Endpoint  # noqa: Y015
+
+@_typing.final
+class Service(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    namespace: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        namespace: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Service: _TypeAlias = Service  # noqa: Y015
 
 @_typing.final
 class Workload(_message.Message):
