@@ -1,7 +1,7 @@
 """The agent's CPU per flow, end to end: a real ``podmeter agent --datapath ebpf`` on real traffic.
 
 Run (root, ``make bpf``): ``.venv/bin/python -m bench.agent_flows [--flows 1000,10000,100000] [--intervals 10]``
-(``--quick``: 1,000 and 10,000 flows, 4 intervals each).
+(about 5.5 minutes; ``--quick``: 1,000 and 10,000 flows, 4 intervals each, about 2 minutes).
 
 The node is a private network namespace (the agent, the lab API server and every reader run in it, so the
 agent attaches to this bench's links only): ``SENDERS`` pods, each a namespace of its own wired to it by a
@@ -9,7 +9,9 @@ veth, and ``GHOSTS`` more pods that exist only in the API server (names without 
 ``podmeter agent`` does, with ``--flow-interval 5`` (``--interval``), drops and TCP health on (their
 default), the Hubble API on a Unix socket, and reads on it all the time:
 
-* ``--followers`` (10) ``podmeter observe -f`` processes (the real command, its output thrown away);
+* ``--followers`` (10) reads of ``/debug/flows?follow=1``, what ``podmeter observe -f`` asks for: threads of
+  one process that count the lines (ten ``observe`` processes formatting every line would take the
+  machine's two cores from the agent), or with ``--observe`` the real command, its output thrown away;
 * one Hubble ``GetFlows`` follower (``follow: true``, what ``hubble observe -f`` sends; a process of its own);
 * ``/metrics`` scraped every ``--scrape`` (15) seconds, as Prometheus would: the workload-pair series and
   everything else the agent renders.
@@ -32,10 +34,14 @@ reference, in the same run, is the same agent with the same readers and no traff
 records (everything the agent did, idle work included); ``us_per_flow_record_above_idle`` without the idle
 part. RSS (``/proc/<pid>/status``) after the warm-up and every interval; ``rss_growth_mib``: at the largest
 ``N``, RSS after the last interval minus after the warm-up. Targets: 0.5 % of one core at 10,000 flows per
-5 s drain, 4 % at 100,000 (2 µs per record), RSS flat.
+5 s drain, 4 % at 100,000 (2 µs per record), RSS flat. Then the sizes from ``--without-hubble`` (10,000)
+on again with the Hubble follower stopped (``agent_cpu_fraction_*_without_hubble_follower``: what one
+follower of the Hubble API costs is the difference). ``--agent-src DIR`` runs the agent from another source
+tree (``PYTHONPATH``), for a before/after comparison in the same conditions.
 
 ``--profile FILE`` (needs ``py-spy``: ``pip install py-spy``) records the agent during the largest ``N``'s
-windows (``py-spy record --format raw``: collapsed stacks, for ``flamegraph.pl`` or a sort by count).
+windows (``py-spy record --gil --format raw``: collapsed stacks of the thread holding the GIL, for
+``flamegraph.pl`` or a sort by count).
 
 Everything (namespaces, pins under /sys/fs/bpf, processes) is removed at the end. Prints a table; the last
 line is one JSON object.

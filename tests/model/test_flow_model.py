@@ -57,8 +57,8 @@ def test_both_ends_are_named_with_their_workloads_and_unknown_addresses_are_worl
     by_dst = {r.destination.ip: r for r in records}
     tcp = by_dst["10.0.0.2"].to_json()
     assert tcp["source"] | {"identity": None} == {
-        "ip": "10.0.0.1", "port": 43210, "namespace": "shop", "pod": "web-5d9f7-x", "workload": "web",
-        "workload_kind": "Deployment", "node": "node-a", "identity": None, "world": False}
+        "ip": "10.0.0.1", "port": 43210, "service": None, "namespace": "shop", "pod": "web-5d9f7-x",
+        "workload": "web", "workload_kind": "Deployment", "node": "node-a", "identity": None, "world": False}
     assert tcp["destination"]["workload"] == "db" and tcp["destination"]["workload_kind"] == "StatefulSet"
     assert (tcp["protocol"], tcp["packets"], tcp["bytes"], tcp["tcp_flags"]) == ("TCP", 3, 180, ["SYN", "ACK"])
     assert tcp["observation"] == "from-pod" and tcp["node"] == "node-a" and tcp["time"] == 1005.0

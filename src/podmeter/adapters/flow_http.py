@@ -3,7 +3,8 @@
 Query parameters: ``last=N`` (the last N matching records; default 20 without ``follow``, 0 with it),
 ``follow=1`` (then keep streaming new records until the client goes), and the filters of
 :class:`~podmeter.model.flow_records.FlowFilter`: ``namespace``, ``pod``, ``from_pod``, ``to_pod``,
-``workload``, ``protocol``, ``port``, ``since`` (wall-clock seconds), ``verdict`` (forwarded, dropped);
+``workload``, ``service``, ``from_service``, ``to_service``, ``protocol``, ``port``, ``since`` (wall-clock
+seconds), ``verdict`` (forwarded, dropped);
 ``labels=1`` adds each end's labels (a pod of this node: its own; another node's: its identity's). A
 bad parameter is a 400 that says which. The path is under ``/debug/``, so the debug endpoints' access rule
 applies (loopback only unless the agent runs with ``--debug-remote``): records name pods and IPs.
@@ -49,8 +50,8 @@ def _flag(params: Mapping[str, str], name: str) -> bool:
 
 def parse_query(params: Mapping[str, str]) -> tuple[FlowFilter, int, bool]:
     """The filter, how many past records, and whether to follow; :class:`BadQuery` names a bad one."""
-    known = {"last", "follow", "labels", "namespace", "pod", "from_pod", "to_pod", "workload", "protocol", "port",
-             "since", "verdict"}
+    known = {"last", "follow", "labels", "namespace", "pod", "from_pod", "to_pod", "workload", "service",
+             "from_service", "to_service", "protocol", "port", "since", "verdict"}
     unknown = sorted(set(params) - known)
     if unknown:
         raise BadQuery(f"unknown parameter {unknown[0]!r} (known: {', '.join(sorted(known))})")
@@ -69,7 +70,8 @@ def parse_query(params: Mapping[str, str]) -> tuple[FlowFilter, int, bool]:
         raise BadQuery(f"verdict={verdict!r}: expected one of {', '.join(VERDICTS)}")
     wanted = FlowFilter(
         namespace=params.get("namespace"), pod=params.get("pod"), from_pod=params.get("from_pod"),
-        to_pod=params.get("to_pod"), workload=params.get("workload"), protocol=params.get("protocol"),
+        to_pod=params.get("to_pod"), workload=params.get("workload"), service=params.get("service"),
+        from_service=params.get("from_service"), to_service=params.get("to_service"), protocol=params.get("protocol"),
         port=_int(params, "port", 0, 65535), since=since, verdict=verdict,
     )
     return wanted, (0 if follow else DEFAULT_LAST) if last is None else last, follow

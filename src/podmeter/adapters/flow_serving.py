@@ -6,6 +6,8 @@ Hubble's ``GetFlows`` are two encodings of the same reads.
   the last record it looked at; its own task applies its filter, in slices that let the event loop run
   between them (at most :data:`SLICE_SECONDS` at a time), so no filter, however costly, delays the datapath
   writes, ``/readyz`` or another reader. Nothing is queued per reader: what the feed holds is the ring.
+  A follower reads in batches (:meth:`Reader.follow_batches`), one write each, and a record's bytes are
+  made once for every reader (:class:`Encoded`; an unfiltered follower's batch is joined once for all).
 * **A reader that falls behind is told what it lost.** When the ring overwrote records before a follower
   read them, it gets a :class:`Gap` with their number (counted in ``lost``), then goes on from the oldest
   record still held; it is never cut off for one big drain.

@@ -49,6 +49,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--from-pod", help="flows whose source is this pod: NAME or NAMESPACE/NAME")
     p.add_argument("--to-pod", help="flows whose destination is this pod: NAME or NAMESPACE/NAME")
     p.add_argument("--workload", help="flows with either end this workload: NAME or NAMESPACE/NAME, or world")
+    p.add_argument("--service", help="flows with either end this Service: NAME or NAMESPACE/NAME")
+    p.add_argument("--from-service", help="flows whose source is this Service (replies): NAME or NAMESPACE/NAME")
+    p.add_argument("--to-service", help="flows whose destination is this Service: NAME or NAMESPACE/NAME")
     p.add_argument("--protocol", help="tcp, udp, icmp (either), icmpv4, icmpv6")
     p.add_argument("--port", type=_port, help="flows with either end on this port")
     p.add_argument("--verdict", choices=("forwarded", "dropped"),
@@ -99,7 +102,8 @@ def query(args: argparse.Namespace) -> dict[str, str]:
         params["last"] = str(args.last)
     if args.labels:
         params["labels"] = "1"
-    for name in ("namespace", "pod", "from_pod", "to_pod", "workload", "protocol", "port", "since", "verdict"):
+    for name in ("namespace", "pod", "from_pod", "to_pod", "workload", "service", "from_service", "to_service",
+                 "protocol", "port", "since", "verdict"):
         value = getattr(args, name)
         if value is not None:
             params[name] = str(value)
@@ -419,9 +423,15 @@ def _end(end: _Fields) -> str:
     where = _host_port(ip, end.integer("port")) if end.present("port") else ip
     if end.flag("world"):
         return f"world {where}"
+    service = ""
+    if end.present("service"):
+        named = end.object("service")
+        service = f"service:{named.text('namespace')}/{named.text('name')} "
+        if not end.present("pod"):
+            return f"{service}{where}"  # the backend not known (yet)
     labels = end.labels("labels")
     shown = "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "} " if labels else ""
-    return f"{end.text('namespace')}/{end.text('pod')} {shown}{where}"
+    return f"{service}{end.text('namespace')}/{end.text('pod')} {shown}{where}"
 
 
 def _host_port(ip: str, port: int) -> str:

@@ -1,7 +1,8 @@
 """Flow records: drained kernel entries with both ends named, kept in a bounded ring, filtered for readers.
 
 :func:`name_flows` turns the entries of one drain into :class:`FlowRecord`\\ s with the address book of the
-moment their packets were counted (``model.endpoints``). A :class:`FlowRing` keeps the most recent
+moment their packets were counted (``model.endpoints``); of a drain larger than the ring only the newest
+become records (:func:`newest`: nobody could read the others). A :class:`FlowRing` keeps the most recent
 records for ``podmeter observe`` (bounded: the oldest fall out, and how many did is counted), each with a
 sequence number so that a follower can ask for "everything after the last one I saw". A
 :class:`FlowFilter` says which records a reader wants.
@@ -23,6 +24,7 @@ import msgspec
 
 from podmeter.model.endpoints import Endpoint, Names
 from podmeter.model.flows import ICMP, ICMPV6, TCP, FlowEntry, Observation, protocol_name, tcp_flag_names
+from podmeter.model.services import ServiceName, ServiceNaming
 
 VERDICT_FORWARDED = "forwarded"
 VERDICT_DROPPED = "dropped"  # the kernel dropped the packets (model.drops)
@@ -31,11 +33,18 @@ _PORTLESS = frozenset({ICMP, ICMPV6})
 
 
 class FlowEnd(msgspec.Struct, frozen=True, gc=False):
-    """One end of a flow: its address and port, and the pod it was (None: ``world``)."""
+    """One end of a flow: its address and port as on the wire, the pod it was (None: no pod known), and
+    the Service whose frontend the address is (``model.services``: then ``endpoint`` is the backend pod
+    that served the connection, None while the node's conntrack does not know it). Neither: ``world``."""
 
     ip: str
     port: int
     endpoint: Endpoint | None = None
+    service: ServiceName | None = None
+
+    @property
+    def world(self) -> bool:
+        return self.endpoint is None and self.service is None
 
 
 class FlowRecord(msgspec.Struct, frozen=True, gc=False):
@@ -80,11 +89,17 @@ class FlowRecord(msgspec.Struct, frozen=True, gc=False):
         return out
 
 
+class _JsonService(msgspec.Struct, gc=False):
+    namespace: str
+    name: str
+
+
 class _JsonEnd(msgspec.Struct, gc=False):
     """One end as :meth:`FlowRecord.to_json` writes it (the same keys in the same order)."""
 
     ip: str
     port: int | None
+    service: _JsonService | None
     namespace: str | None
     pod: str | None
     workload: str | None
@@ -137,25 +152,28 @@ def encode_json(record: FlowRecord) -> bytes:
 
 
 def _json_end(end: FlowEnd, portless: bool) -> _JsonEnd:
-    e = end.endpoint
+    e, s = end.endpoint, end.service
     port = None if portless else end.port
+    service = None if s is None else _JsonService(s.namespace, s.name)
     if e is None:
-        return _JsonEnd(end.ip, port, None, None, None, None, None, None, True)
-    return _JsonEnd(end.ip, port, e.namespace, e.pod, e.workload, e.workload_kind, e.node, e.identity, False)
+        return _JsonEnd(end.ip, port, service, None, None, None, None, None, None, s is None)
+    return _JsonEnd(end.ip, port, service, e.namespace, e.pod, e.workload, e.workload_kind, e.node, e.identity,
+                    False)
 
 
 def _end_json(end: FlowEnd, portless: bool) -> dict[str, Any]:
-    e = end.endpoint
+    e, s = end.endpoint, end.service
     return {
         "ip": end.ip,
         "port": None if portless else end.port,
+        "service": None if s is None else {"namespace": s.namespace, "name": s.name},
         "namespace": e.namespace if e else None,
         "pod": e.pod if e else None,
         "workload": e.workload if e else None,
         "workload_kind": e.workload_kind if e else None,
         "node": e.node if e else None,
         "identity": e.identity if e else None,
-        "world": e is None,
+        "world": end.world,
     }
 
 
@@ -184,7 +202,8 @@ class EndpointCache(dict[str, "Endpoint | None"]):
 _BY_TIME = attrgetter("time")
 
 
-def name_flows(entries: Iterable[FlowEntry], names: Names, node: str, wall_offset: float) -> list[FlowRecord]:
+def name_flows(entries: Iterable[FlowEntry], names: Names, node: str, wall_offset: float,
+               services: ServiceNaming | None = None) -> list[FlowRecord]:
     """Name both ends of each drained entry. ``wall_offset`` turns the kernel's monotonic nanoseconds into
     wall-clock seconds (wall time minus monotonic time, taken at the drain). Endpoints are looked up once
     per address per drain (``names`` may be the drain's :class:`EndpointCache`, then shared). The records
@@ -194,6 +213,8 @@ def name_flows(entries: Iterable[FlowEntry], names: Names, node: str, wall_offse
     entries right after their drain are named in about 85 ms (``bench.flows``; 100 with attribute access,
     keywords and a lookup function)."""
     ends = names if isinstance(names, EndpointCache) else EndpointCache(names)
+    if services is not None:
+        return _name_with_services(entries, ends, node, wall_offset, services)
     record, end = FlowRecord, FlowEnd
     out = [
         record(last_ns / 1e9 + wall_offset, first_ns / 1e9 + wall_offset, node,
@@ -202,6 +223,25 @@ def name_flows(entries: Iterable[FlowEntry], names: Names, node: str, wall_offse
         for (source, destination, source_port, destination_port, protocol, observation),
             (packets, size, first_ns, last_ns, tcp_flags) in entries
     ]
+    out.sort(key=_BY_TIME)
+    return out
+
+
+def _name_with_services(entries: Iterable[FlowEntry], ends: EndpointCache, node: str, wall_offset: float,
+                        services: ServiceNaming) -> list[FlowRecord]:
+    """:func:`name_flows` when some Service has a frontend: each end is also asked which Service it is,
+    and a frontend is named by the backend that served the connection (``ServiceNaming.ends``)."""
+    out = []
+    for (source, destination, source_port, destination_port, protocol, observation), \
+            (packets, size, first_ns, last_ns, tcp_flags) in entries:
+        (source_service, source_ip), (destination_service, destination_ip) = services.ends(
+            (protocol, source, source_port, destination, destination_port))
+        out.append(FlowRecord(
+            last_ns / 1e9 + wall_offset, first_ns / 1e9 + wall_offset, node,
+            FlowEnd(source, source_port, ends[source_ip] if source_ip is not None else None, source_service),
+            FlowEnd(destination, destination_port, ends[destination_ip] if destination_ip is not None else None,
+                    destination_service),
+            protocol, observation, packets, size, tcp_flags))
     out.sort(key=_BY_TIME)
     return out
 
@@ -246,11 +286,17 @@ def _end_matches(end: FlowEnd, pod: tuple[str | None, str]) -> bool:
     return e is not None and e.pod == name and (namespace is None or e.namespace == namespace)
 
 
+def _service_matches(end: FlowEnd, service: tuple[str | None, str]) -> bool:
+    s = end.service
+    namespace, name = service
+    return s is not None and s.name == name and (namespace is None or s.namespace == namespace)
+
+
 def _workload_matches(end: FlowEnd, workload: tuple[str | None, str]) -> bool:
     e = end.endpoint
     namespace, name = workload
     if e is None:
-        return name == "world" and namespace is None
+        return name == "world" and namespace is None and end.service is None
     return e.workload == name and (namespace is None or e.namespace == namespace)
 
 
@@ -266,6 +312,9 @@ class FlowFilter:
     from_pod: str | None = None
     to_pod: str | None = None
     workload: str | None = None
+    service: str | None = None  # either end is this Service's frontend (or its backend, named with it)
+    from_service: str | None = None
+    to_service: str | None = None
     protocol: str | None = None
     port: int | None = None
     since: float | None = None  # wall-clock seconds: records whose last packet is at or after this
@@ -298,6 +347,12 @@ class FlowFilter:
         if self.from_pod is not None and not _end_matches(record.source, _split_pod(self.from_pod)):
             return False
         if self.to_pod is not None and not _end_matches(record.destination, _split_pod(self.to_pod)):
+            return False
+        if self.service is not None and not any(_service_matches(e, _split_pod(self.service)) for e in ends):
+            return False
+        if self.from_service is not None and not _service_matches(record.source, _split_pod(self.from_service)):
+            return False
+        if self.to_service is not None and not _service_matches(record.destination, _split_pod(self.to_service)):
             return False
         return self.workload is None or any(_workload_matches(e, _split_pod(self.workload)) for e in ends)
 

@@ -14,6 +14,10 @@ Each packet is counted once per node: at the point where it leaves a pod of this
 one when it came from elsewhere (another node, the node itself, the world). A packet between two pods of
 the node is seen at both points and counted at the first.
 
+The agent adds a drain's entries without making a record of each (:class:`DrainTotals`,
+:meth:`WorkloadFlows.add_totals`: per pair of addresses first, then per pair of workloads); :meth:`add`
+does the same from records, by the same rule (a property test holds the two equal).
+
 Pure and synchronous; the metrics adapter reads :meth:`WorkloadFlows.values` at scrape time.
 """
 

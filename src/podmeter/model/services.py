@@ -17,11 +17,12 @@ The next stage: :class:`ServiceNaming` is what ``model.flow_records.name_flows``
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, Final
 
 import msgspec
 
+from podmeter.model.flows import FlowEntry, FlowKey
 from podmeter.model.records import DecodeError, canonical_ip, decode_wire
 
 SERVICE_NAME_LABEL: Final = "kubernetes.io/service-name"
@@ -326,4 +327,23 @@ class ServiceNaming:
             return service, None
         return None, ip
 
-
+    def real_ends(self, entries: Sequence[FlowEntry]) -> list[FlowEntry]:
+        """``entries`` with each frontend a translation names replaced by its backend (address and port):
+        the ends the packets really had, which the workload series count (a reply a client receives from a
+        ClusterIP is the backend's, counted once where it left the backend's pod if that is here)."""
+        by_tuple = self.translations.of
+        out: list[FlowEntry] = []
+        for entry in entries:
+            (src, dst, sport, dport, protocol, observation), counts = entry
+            translated = by_tuple((protocol, src, sport, dst, dport))
+            if translated is None:
+                out.append(entry)
+            elif translated.end == "destination" and (dst, dport) == translated.frontend:
+                backend, port = translated.backend
+                out.append((FlowKey(src, backend, sport, port, protocol, observation), counts))
+            elif translated.end == "source" and (src, sport) == translated.frontend:
+                backend, port = translated.backend
+                out.append((FlowKey(backend, dst, port, dport, protocol, observation), counts))
+            else:
+                out.append(entry)
+        return out

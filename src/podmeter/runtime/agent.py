@@ -127,7 +127,7 @@ class Agent:
                                   series=self.retina.retina_drops.add if self.retina is not None else None)
                       if drops else None)
         self.flows = (FlowDrainer(flows, node, self.flow_feed, self.workload_flows, [self.view.cluster],
-                                  annotate=self.drops.annotate if self.drops else None)
+                                  annotate=self.drops.annotate if self.drops else None, services=self.services)
                       if flows else None)
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=10_000)
         self.synced: set[Collection[Any]] = set()

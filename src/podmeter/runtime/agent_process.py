@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
+from podmeter.adapters.conntrack import TranslationReader
 from podmeter.adapters.flow_http import flows_handler
 from podmeter.adapters.http import build_app, parse_listen, serve
 from podmeter.adapters.kube.connection import Connection, ConnectionConfigError, load_connection
@@ -37,6 +38,7 @@ from podmeter.model.endpoints import Endpoint
 from podmeter.runtime.agent import Agent
 from podmeter.runtime.datapaths import OpenDatapath, open_datapath
 from podmeter.runtime.logs import setup_logging
+from podmeter.runtime.service_names import ServiceNames
 from podmeter.runtime.settings import AgentProcessSettings, HubbleSettings
 
 if TYPE_CHECKING:
@@ -93,7 +95,11 @@ class AgentProcess:
         # The cluster's nodes are watched for the peers the Hubble API announces to Relay; on a local
         # address it announces only this node.
         core = replace(settings.agent, watch_nodes=hubble is not None and not hubble.address.local)
-        self.agent = Agent(core, connection, opened.datapath, opened.flows, drops.source, links=opened.links)
+        # Flows to Services are named by the Service, and by the backend the node's conntrack says served
+        # them: with a kernel datapath (its links are the node's), never with the memory one.
+        services = ServiceNames(TranslationReader().read if opened.links is not None else None)
+        self.agent = Agent(core, connection, opened.datapath, opened.flows, drops.source, links=opened.links,
+                           services=services)
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)

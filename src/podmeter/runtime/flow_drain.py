@@ -26,6 +26,7 @@ from podmeter.model.flow_records import EndpointCache, FlowRecord, name_flows, n
 from podmeter.model.flow_series import DrainTotals, WorkloadFlows
 from podmeter.model.flows import FlowSource
 from podmeter.model.records import Pod
+from podmeter.runtime.service_names import ServiceNames
 
 log = logging.getLogger("podmeter.flows")
 
@@ -63,8 +64,10 @@ class FlowDrainer:
 
     def __init__(self, source: FlowSource, node: str, feed: FlowFeed, series: WorkloadFlows,
                  others: Sequence[Names] = (), *,
-                 annotate: Callable[[list[FlowRecord]], list[FlowRecord]] | None = None) -> None:
+                 annotate: Callable[[list[FlowRecord]], list[FlowRecord]] | None = None,
+                 services: ServiceNames | None = None) -> None:
         self.source, self.node, self.feed, self.series = source, node, feed, series
+        self.services = services  # the cluster's Services (runtime.service_names): the names of frontends
         self.others = list(others)
         self.annotate = annotate  # e.g. the drop drainer's retransmits (runtime.drop_drain)
         self.stats = DrainStats()
@@ -105,12 +108,14 @@ class FlowDrainer:
                 self.stats.unnamed += len(entries)
             wall_offset = time.time() - time.monotonic()  # the kernel stamps CLOCK_MONOTONIC nanoseconds
             ends = EndpointCache(names)  # each address named once, for the records and the series
+            services = self.services.naming() if self.services is not None and named else None
             kept = newest(entries, self.feed.ring.capacity)
-            records = name_flows(kept, ends, self.node, wall_offset)
+            records = name_flows(kept, ends, self.node, wall_offset, services)
             if self.annotate is not None:
                 records = self.annotate(records)
             self.feed.publish(records, passed=len(entries) - len(kept))
-            self.series.add_totals(DrainTotals(entries), ends, time.monotonic())
+            counted = services.real_ends(entries) if services is not None else entries
+            self.series.add_totals(DrainTotals(counted), ends, time.monotonic())
         self.stats.entries += len(entries)
         self.stats.last_entries = len(entries)
         self.stats.last_seconds = time.perf_counter() - started

@@ -24,7 +24,9 @@ of its values does (OR). What each field means for podmeter's records:
   one of the values; ``DROP_REASON_UNKNOWN`` selects the dropped records without one.
 - ``source_cluster_name``/``destination_cluster_name``: podmeter knows one cluster, ``default``: a pod end
   is in it, a world end in none. An empty name is refused (as Hubble does).
-- ``uuid``, ``source_fqdn``/``destination_fqdn``, ``source_service``/``destination_service``, ``http_*``
+- ``source_service``/``destination_service``: ``NS/PREFIX`` as pods, the Service whose frontend the end is
+  (docs/services.md).
+- ``uuid``, ``source_fqdn``/``destination_fqdn``, ``http_*``
   (status code, method, path, URL, header), ``dns_query``, ``reply``, ``trace_id``, ``ip_trace_id``,
   ``source_ip_xlated``: podmeter's records carry none of these (no L7; no translated source, observed at the
   pod, before any SNAT), so a filter that sets one matches no record (in an allow list it selects nothing,
@@ -71,7 +73,7 @@ SCTP = 132
 PROTOCOLS: dict[str, int | None] = {"tcp": TCP, "udp": UDP, "icmpv4": ICMP, "icmpv6": ICMPV6, "sctp": SCTP,
                                     "http": None, "dns": None, "kafka": None}
 DEFAULT_NAMESPACE = "default"
-ABSENT = ("uuid", "source_fqdn", "destination_fqdn", "source_service", "destination_service", "http_status_code",
+ABSENT = ("uuid", "source_fqdn", "destination_fqdn", "http_status_code",
           "http_method", "http_path", "http_url", "http_header", "dns_query", "reply", "trace_id", "ip_trace_id",
           "source_ip_xlated")
 # Filter fields about what a record has but podmeter does not know: the field, its number, and why.
@@ -127,6 +129,25 @@ def _pods(values: Sequence[str], side: Side) -> Check:
     def check(record: FlowRecord) -> bool:
         e = side(record).endpoint
         return e is not None and any((ns is None or e.namespace == ns) and e.pod.startswith(prefix)
+                                     for ns, prefix in wanted)
+    return check
+
+
+def _services(values: Sequence[str], side: Side) -> Check:
+    """``NS/NAME-PREFIX`` (or ``NAME-PREFIX`` in the default namespace), as pods: the Service whose frontend
+    the end is (docs/services.md)."""
+    wanted = []
+    for value in values:
+        namespace, slash, prefix = value.partition("/")
+        if not slash:
+            namespace, prefix = DEFAULT_NAMESPACE, value
+        if not namespace and not prefix:
+            raise BadFilter(f"service filter {value!r}: expected [NAMESPACE/][SERVICE-NAME-PREFIX]")
+        wanted.append((namespace or None, prefix))
+
+    def check(record: FlowRecord) -> bool:
+        s = side(record).service
+        return s is not None and any((ns is None or s.namespace == ns) and s.name.startswith(prefix)
                                      for ns, prefix in wanted)
     return check
 
@@ -414,6 +435,10 @@ def compile_filter(message: flow_pb2.FlowFilter, labels: LabelSource = no_labels
             checks.append(_labels(selectors, side, labels))
         if clusters:
             checks.append(_clusters(clusters, side))
+    if m.source_service:
+        checks.append(_services(m.source_service, _source))
+    if m.destination_service:
+        checks.append(_services(m.destination_service, _destination))
     if m.protocol:
         checks.append(_protocols(m.protocol))
     if m.verdict:

@@ -284,6 +284,9 @@ class FlowMessages:
         )
         if kind == MESSAGE_TYPE_DROP:
             flow.drop_reason_desc = drop_reason(record)
+        for end, field in ((record.source, flow.source_service), (record.destination, flow.destination_service)):
+            if end.service is not None:
+                field.name, field.namespace = end.service.name, end.service.namespace
         return flow
 
     def encoded(self, record: FlowRecord) -> bytes:
@@ -295,7 +298,10 @@ class FlowMessages:
         return observer_pb2.GetFlowsResponse(flow=flow, node_name=record.node, time=flow.time)
 
     def serialized(self, record: FlowRecord) -> bytes:
-        """``self.response(record).SerializeToString()``, written by hand."""
+        """``self.response(record).SerializeToString()``, written by hand (a flow through a Service, whose
+        fields sit in the middle of the tail, is serialized by protobuf)."""
+        if record.source.service is not None or record.destination.service is not None:
+            return self.response(record).SerializeToString()
         seconds = record.time
         whole = int(seconds)
         if whole != self._second[0]:  # the records of a drain share few seconds
