@@ -5,7 +5,8 @@ connections that the status filter leaves in the kernel.
 A private "node" netns with a client pod and a backend pod, a kube-proxy-style nftables DNAT from a
 frontend to the backend, and N UDP "connections" (one datagram each from N source ports: each is a
 conntrack entry with a rewritten destination), plus N untranslated ones straight to the backend. Then the
-dump is timed (median of rounds) and read against `conntrack -L --dst-nat -o` counts.
+dump is timed (median of rounds) beside its reference, Debian's `conntrack -L --dst-nat` listing the same
+entries, in the same run.
 
     sudo .venv/bin/python -m bench.conntrack                  # N = 1,000 and 10,000
     sudo .venv/bin/python -m bench.conntrack --sizes 1000 30000
@@ -16,6 +17,8 @@ Root only. Its last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import math
+import shutil
 import socket
 import statistics
 import subprocess
@@ -83,6 +86,16 @@ class Node:
                 times.append(time.perf_counter() - start)
         return statistics.median(times) * 1000, found
 
+    def tool_ms(self, rounds: int) -> float:
+        """The reference: Debian's `conntrack -L --dst-nat` listing the same entries (a process of its own)."""
+        argv = ["ip", "netns", "exec", self.host, "conntrack", "-L", "--dst-nat"]
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            subprocess.run(argv, check=True, capture_output=True)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1000
+
 
 def measure(size: int, rounds: int) -> dict[str, float]:
     with Node() as node:
@@ -90,7 +103,9 @@ def measure(size: int, rounds: int) -> dict[str, float]:
         node.connections(size, "10.77.2.2", 9, 10000)  # untranslated: left in the kernel by the filter
         time.sleep(0.5)
         dump_ms, found = node.dump_ms(rounds)
-    return {"entries": found, "dump_ms": dump_ms, "us_per_translation": dump_ms * 1000 / max(found, 1)}
+        tool_ms = node.tool_ms(rounds) if shutil.which("conntrack") else math.nan
+    return {"entries": found, "dump_ms": dump_ms, "us_per_translation": dump_ms * 1000 / max(found, 1),
+            "tool_ms": tool_ms}
 
 
 def main() -> None:
@@ -106,8 +121,10 @@ def main() -> None:
             raise SystemExit(f"expected {size} translated connections, the dump gave {found['entries']}")
         figures[f"dump_ms_{size}"] = found["dump_ms"]
         figures[f"us_per_translation_{size}"] = found["us_per_translation"]
-        rows.append((f"dump_ms at {size:,} translated", found["dump_ms"], None,
-                     f"+{size:,} untranslated; {found['us_per_translation']:.2f} us per translation"))
+        figures[f"conntrack_tool_ms_{size}"] = found["tool_ms"]
+        figures[f"ratio_vs_conntrack_tool_{size}"] = found["dump_ms"] / found["tool_ms"]
+        rows.append((f"dump_ms at {size:,} translated", found["dump_ms"], found["tool_ms"],
+                     f"vs conntrack -L --dst-nat; +{size:,} untranslated; {found['us_per_translation']:.2f} us each"))
     table(rows)
     json_line(figures)
 
