@@ -148,6 +148,21 @@ def test_flows_through_a_cluster_ip_name_the_service_and_the_backend_that_served
     pairs = [line for line in metrics.splitlines() if line.startswith("podmeter_workload_flow_bytes_total{")]
     assert any('destination_workload="web-' in line for line in pairs), pairs
     assert not [line for line in pairs if '"world"' in line], "no Service traffic counted as the world's"
+    # The per-Service series count the same packets as the pairs, and the connections opened.
+    requests = sum(_value(line) for line in pairs if 'source_workload="client"' in line and '"web-' in line)
+    replies = sum(_value(line) for line in pairs if 'destination_workload="client"' in line and '"web-' in line)
+    service = [line for line in metrics.splitlines() if line.startswith("podmeter_service_")]
+    labels = 'service_namespace="shop",service="web",client_namespace="shop"'
+    assert requests > 30 * PAYLOAD and replies > 30 * PAYLOAD
+    assert sum(_value(line) for line in service if line.startswith("podmeter_service_bytes_total{") and labels in line
+               and 'direction="request"' in line) == requests
+    assert sum(_value(line) for line in service if line.startswith("podmeter_service_bytes_total{") and labels in line
+               and 'direction="reply"' in line) == replies
+    assert sum(_value(line) for line in service if line.startswith("podmeter_service_connections_total{")) == 30
+
+
+def _value(line: str) -> float:
+    return float(line.rsplit(" ", 1)[1])
 
 
 def _get(topology: Topology, port: int, path: str) -> str:

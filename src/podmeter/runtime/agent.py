@@ -60,6 +60,7 @@ from podmeter.model.flows import FlowSource
 from podmeter.model.interest import holds_address
 from podmeter.model.records import Node, Pod
 from podmeter.model.retina_flows import WorkloadFlowsAndRetina
+from podmeter.model.service_series import ServiceTraffic
 from podmeter.model.store import Store
 from podmeter.model.traffic import TrafficLedger
 from podmeter.model.view import NodeView, ViewDelta
@@ -126,8 +127,10 @@ class Agent:
                                   annotate_flows=flows is not None,
                                   series=self.retina.retina_drops.add if self.retina is not None else None)
                       if drops else None)
+        self.service_traffic = ServiceTraffic(node, limit, idle)  # per Service and client workload
         self.flows = (FlowDrainer(flows, node, self.flow_feed, self.workload_flows, [self.view.cluster],
-                                  annotate=self.drops.annotate if self.drops else None, services=self.services)
+                                  annotate=self.drops.annotate if self.drops else None, services=self.services,
+                                  service_traffic=self.service_traffic)
                       if flows else None)
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=10_000)
         self.synced: set[Collection[Any]] = set()
@@ -249,6 +252,7 @@ class Agent:
             now = time.monotonic()
             self.ledger.expire(now)
             self.workload_flows.expire(now)
+            self.service_traffic.expire(now)
             self.drop_ledger.expire(now)
         elif item is Tick.DRAIN:
             self._drain_due = True

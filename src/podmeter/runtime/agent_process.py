@@ -33,6 +33,7 @@ from podmeter.adapters.metrics.flow_traffic import render_workload_flows
 from podmeter.adapters.metrics.pod_drops import PodDropExposition
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.adapters.metrics.retina import LOCAL, render_remote
+from podmeter.adapters.metrics.service_traffic import render_service_traffic
 from podmeter.model.endpoint_slices import endpoint_labels
 from podmeter.model.endpoints import Endpoint
 from podmeter.runtime.agent import Agent
@@ -115,7 +116,8 @@ class AgentProcess:
         drop_series = PodDropExposition(agent.drop_ledger, lambda: drops.hooks,
                                         drops.source.drops_lost if drops.source else None,
                                         agent.drops.stats if agent.drops else None, local)
-        renderers = [traffic.render, lambda: render_workload_flows(agent.workload_flows)]
+        renderers = [traffic.render, lambda: render_workload_flows(agent.workload_flows),
+                     lambda: render_service_traffic(agent.service_traffic)]
         retina = agent.retina
         if retina is not None:
             renderers.append(lambda: render_remote(retina.retina, retina.retina_drops))

@@ -26,6 +26,7 @@ from podmeter.model.flow_records import EndpointCache, FlowRecord, name_flows, n
 from podmeter.model.flow_series import DrainTotals, WorkloadFlows
 from podmeter.model.flows import FlowSource
 from podmeter.model.records import Pod
+from podmeter.model.service_series import ServiceTraffic
 from podmeter.runtime.service_names import ServiceNames
 
 log = logging.getLogger("podmeter.flows")
@@ -65,9 +66,10 @@ class FlowDrainer:
     def __init__(self, source: FlowSource, node: str, feed: FlowFeed, series: WorkloadFlows,
                  others: Sequence[Names] = (), *,
                  annotate: Callable[[list[FlowRecord]], list[FlowRecord]] | None = None,
-                 services: ServiceNames | None = None) -> None:
+                 services: ServiceNames | None = None, service_traffic: ServiceTraffic | None = None) -> None:
         self.source, self.node, self.feed, self.series = source, node, feed, series
         self.services = services  # the cluster's Services (runtime.service_names): the names of frontends
+        self.service_traffic = service_traffic  # their series (model.service_series)
         self.others = list(others)
         self.annotate = annotate  # e.g. the drop drainer's retransmits (runtime.drop_drain)
         self.stats = DrainStats()
@@ -115,7 +117,10 @@ class FlowDrainer:
                 records = self.annotate(records)
             self.feed.publish(records, passed=len(entries) - len(kept))
             counted = services.real_ends(entries) if services is not None else entries
-            self.series.add_totals(DrainTotals(counted), ends, time.monotonic())
+            now = time.monotonic()
+            self.series.add_totals(DrainTotals(counted), ends, now)
+            if services is not None and self.service_traffic is not None:
+                self.service_traffic.add(entries, ends, services, now)
         self.stats.entries += len(entries)
         self.stats.last_entries = len(entries)
         self.stats.last_seconds = time.perf_counter() - started
