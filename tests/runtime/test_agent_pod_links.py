@@ -128,3 +128,27 @@ def test_the_first_push_credits_a_predecessors_counters_to_pods_on_adopted_links
     series = {s.name: value for s, direction, value in agent.ledger.series_values(memory.read_counters())
               if direction is Direction.EGRESS}
     assert series == {"web": Traffic(8, 800), "db": Traffic(1, 100)}
+
+
+def test_a_predecessors_flows_are_named_by_the_pods_whose_links_were_adopted_only() -> None:
+    """web's link was adopted: the flows the kernel aggregated while no agent ran are web's. db's link is
+    new (its IP may have been another pod's meanwhile): its flows stay world, and so do far ends."""
+    import time
+
+    from flow_support import key
+
+    memory = MemoryDatapath()
+    memory.entries |= {"10.1.0.5", "10.1.0.6"}
+    now = time.monotonic_ns()
+    memory.record_flow(key("10.1.0.5", "1.1.1.1"), 4, 400, now)
+    memory.record_flow(key("10.1.0.6", "1.1.1.1"), 3, 300, now)
+    links = Links(inherited=frozenset({"10.1.0.5"}))
+    agent = Agent(AgentSettings(node_name="node-a"), connection=None, datapath=memory, flows=memory,  # type: ignore[arg-type]
+                  links=links)
+    pods = [make_pod("web", ips=("10.1.0.5",), observe=True), make_pod("db", ips=("10.1.0.6",), observe=True)]
+    agent.apply_batch([Replace(PODS, pods), *LISTED])
+    assert agent.ready.is_set()
+    named = {r.source.ip: r.source.endpoint for _, r in agent.flow_feed.ring.after(0)}
+    web = named["10.1.0.5"]
+    assert web is not None and web.pod == "web"
+    assert named["10.1.0.6"] is None

@@ -296,20 +296,30 @@ class Agent:
         self._settle(pushed)
 
     def _become_ready(self) -> None:
-        """What was counted before anyone owned an IP is nobody's: drops go to the node totals only, flows
-        (a predecessor's entries: who held the IPs then is unknown) are named world. Then the first resync
-        adopts or cleans what a predecessor pinned."""
+        """What was counted before anyone owned an IP is nobody's but where a link says whose: drops go to
+        the node totals only (the drop drainer credits a predecessor's by its owner record), a
+        predecessor's flows are named by the pods whose links were adopted (a pod keeps its link for life:
+        the same pod), every other address world (who held it while no agent ran is unknown), far ends
+        too. Then the first resync adopts or cleans what a predecessor pinned."""
         self.view.take_handover()  # the drains below name with the view as it is: no change of hands owed
         self._drain_due = False
         if self.drops is not None:
             self.drops.drain(self.view.pods.values())
         if self.flows is not None:
-            self.flows.drain((), named=False)
+            kept = self._pods_on_inherited_links()
+            self.flows.drain(kept, named=bool(kept), others=[])
         self._resync_due = False
         self._settle(self.writer.resync(), inherit=True)
         self.last_resync = time.time()
         self.ready.set()
         log.info("ready: %d pods, %d desired IPs", len(self.view.pods), len(self.view.desired))
+
+    def _pods_on_inherited_links(self) -> list[Pod]:
+        if self.links is None:
+            return []
+        pods = [pod for pod in self.view.pods.values() if holds_address(pod)]
+        inherited = self.links.inherited(ip for pod in pods for ip in pod.ips)
+        return [pod for pod in pods if inherited.issuperset(pod.ips)]
 
     def _links_settled(self) -> bool:
         """Whether the links of the pods listed are attached. The first push waits for it, so that what
