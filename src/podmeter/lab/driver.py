@@ -63,6 +63,7 @@ class Hooks:
                           rng: random.Random) -> None: ...
     def induce_drops(self, step: sc.InduceDrops, pods: list[tuple[str, str]], rng: random.Random) -> None: ...
     def induce_loss(self, step: sc.InduceLoss, pods: list[tuple[str, str]], rng: random.Random) -> None: ...
+    def service_calls(self, step: sc.ServiceCalls, pods: list[tuple[str, str]]) -> None: ...
 
 
 class Driver:
@@ -131,6 +132,8 @@ class Driver:
             self.hooks.induce_drops(step, self._live(step.namespace), self.rng)
         elif isinstance(step, sc.InduceLoss):
             self.hooks.induce_loss(step, self._live(step.namespace), self.rng)
+        elif isinstance(step, sc.ServiceCalls):
+            self.hooks.service_calls(step, self._live(step.namespace))
         else:
             handlers[type(step)](step)
 

@@ -241,6 +241,8 @@ def misnamed(records: Iterable[Record], held: Mapping[str, set[str]]) -> list[tu
     for record in records:
         for role in ("source", "destination"):
             end = record[role]
+            if end.get("service"):
+                continue  # a Service's frontend, named by its backend: the services step checks those
             name = end_name(end)
             if name != WORLD and name not in held.get(str(end["ip"]), set()):
                 total = found.setdefault((str(end["ip"]), name), [0, 0])

@@ -34,7 +34,7 @@ from typing import Any
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf.links import dump_links
 from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP
-from podmeter.lab import runinfo
+from podmeter.lab import runinfo, servicecheck
 from podmeter.lab import scenario as sc
 from podmeter.lab.apiserver.client import AdminClient
 from podmeter.lab.checks import Checker, Observation, Samples, Truth, metric_sum, parse_metrics, read_truth
@@ -561,6 +561,23 @@ class LabRun(Hooks):
         for i in range(min(step.pairs, len(endpoints) // 2)):
             src, dst = endpoints[2 * i], endpoints[2 * i + 1]
             self._timed(functools.partial(self._one_exchange, step, src, dst))
+
+    def service_calls(self, step: sc.ServiceCalls, pods: list[tuple[str, str]]) -> None:
+        assert self.client is not None
+        if self.datapath != "ebpf" or not self.options.service_proxy:
+            why = "memory mode has no packets" if self.datapath != "ebpf" else "--no-service-proxy"
+            self.result.traffic.append({"kind": "service", "protocol": "tcp", "skipped": why})
+            return
+        interval = self.scenario.agent.flow_interval
+
+        def drained(before: float | None) -> bool:
+            return self.flow_client.wait_for_drains(before, 2, time.monotonic() + 3 * interval + 3)
+
+        endpoints = self._endpoints(pods)
+        backends, clients = servicecheck.taking_part(step, endpoints)
+        self.checker.traffic_pods.update(e.pod for e in (*backends, *clients))  # I5: traffic the lab sent
+        self._timed(functools.partial(servicecheck.run_step, step, self.client, self.flow_client, endpoints,
+                                      drained))
 
     def _timed(self, check: Callable[[], dict[str, Any]]) -> None:
         """A check's record, with when it ran (``at_s``: seconds since the steps started, the samples' and

@@ -210,8 +210,25 @@ class InduceLoss(_Step, tag="loss"):
     port: Annotated[int, msgspec.Meta(ge=1024, le=65535)] = 5298
 
 
+class ServiceCalls(_Step, tag="services"):
+    """Connections through a Service (:mod:`podmeter.lab.servicecheck`): a ClusterIP Service selecting the
+    running pods whose names start with ``backends`` (their ``app`` label), ``connections`` TCP connections
+    from one pod starting with ``clients`` to the ClusterIP, each sending ``size`` bytes that the backend
+    echoes. The node's Service proxy picks a backend per connection; each backend's server says which
+    connections it served, and the agent's records must name each by the Service and that backend. The
+    Service is deleted at the end; skipped in memory mode and with ``--no-service-proxy``."""
+
+    namespace: Name
+    backends: Name
+    clients: Name
+    connections: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 30
+    size: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 2000
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 80
+    target_port: Annotated[int, msgspec.Meta(ge=1024, le=65535)] = 8080
+
+
 Step = (CreatePods | DeletePods | Churn | Annotate | UnobserveThenDelete | Configure | Fault | CompactionGap
-        | KillAgent | KillOperator | Traffic | ReuseDuringFlow | InduceDrops | InduceLoss)
+        | KillAgent | KillOperator | Traffic | ReuseDuringFlow | InduceDrops | InduceLoss | ServiceCalls)
 
 
 class NamespaceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

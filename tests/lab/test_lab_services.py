@@ -1,0 +1,40 @@
+"""The lab through a real Service: the shipped ``services`` scenario passes with the eBPF datapath. The lab's
+API server allocates the ClusterIP, its EndpointSlice controller lists the ready backends, the node's
+Service proxy rewrites each connection to one of them, and every measured connection's record names the
+Service and the backend that served it (the backends' own account); a replica added between the two steps
+serves too. Without the proxy (a real kube-proxy's job) the step says it is skipped.
+
+Root only (namespaces, veths, nftables, bpffs), like tests/lab/test_lab_run.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from podmeter.lab.run import LabOptions, LabRun
+from podmeter.lab.scenario import load_scenario, parse_scenario
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the lab's eBPF mode needs root")
+
+
+def test_connections_through_a_service_are_named_by_the_backend_that_served_each(tmp_path: Path) -> None:
+    result = LabRun(load_scenario("services"), LabOptions(tmp_path, progress=False)).run()
+    assert result.error is None and result.failures == [], result.failures
+    assert result.passed
+    calls = [t for t in result.traffic if t.get("kind") == "service"]
+    assert [t["connections"] for t in calls] == [40, 20] and all(t["ok"] for t in calls), calls
+    assert all(sum(t["per_backend"].values()) == t["connections"] for t in calls)
+    assert len(calls[0]["backends"]) == 3 and len(calls[1]["backends"]) == 4
+    assert set(calls[1]["per_backend"]) - set(calls[0]["backends"]), "the new replica served too"
+    assert calls[0]["cluster_ip"].startswith("10.96.")
+
+
+def test_without_the_service_proxy_the_step_is_skipped_and_says_why(tmp_path: Path) -> None:
+    text = (Path(__file__).parents[2] / "src/podmeter/lab/scenarios/services.yaml").read_text()
+    scenario = parse_scenario(text.replace("duration: 30", "duration: 18"))
+    result = LabRun(scenario, LabOptions(tmp_path, progress=False, service_proxy=False)).run()
+    assert result.passed, result.failures
+    assert [t.get("skipped") for t in result.traffic if t.get("kind") == "service"] == ["--no-service-proxy"] * 2
