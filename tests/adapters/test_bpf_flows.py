@@ -8,7 +8,6 @@ UDP, TCP and ICMP flows at both observation points against what was sent or an A
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import gc
 import ipaddress
@@ -36,7 +35,7 @@ from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.adapters.datapath.ebpf.datapath import FlowMaps
 from podmeter.adapters.datapath.ebpf.libbpf import libbpf
 from podmeter.adapters.datapath.ebpf.loader import Program
-from podmeter.adapters.datapath.ebpf.maps import ENOTSUPP, BpfMap
+from podmeter.adapters.datapath.ebpf.maps import ENOTSUPP
 from podmeter.adapters.datapath.ebpf.netns import netns
 from podmeter.model.datapath import Direction, Traffic
 from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, FlowCounts, FlowEntry, FlowKey, Observation
@@ -571,25 +570,6 @@ def test_a_restart_keeps_the_active_map_and_drains_what_both_maps_hold(
     assert totals(again.drain_flows()) == {**undrained, leftover: (7, 700, 0)}
     assert not flow_maps(again).standby_dirty
     assert again.drain_flows() == []
-
-
-def test_the_single_flows_map_of_an_older_agent_is_replaced_and_its_entries_drained(
-    open_flows: Callable[..., EbpfDatapath], pin_dir: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    pin_dir.mkdir(mode=0o700)
-    run("bpftool", "map", "create", str(pin_dir / "flows"), "type", "hash", "key", "40", "value", "40",
-        "entries", "128", "name", "flows")
-    undrained = {key(POD_V4, PEER_V4, 5, 6 + n, UDP, FROM): (3 + n, 300, 0) for n in range(3)}
-    with contextlib.closing(BpfMap.open_pinned(str(pin_dir / "flows"))) as old:
-        for flow, (packets, size, _) in undrained.items():
-            old.update(layout.flow_key(flow), layout.flow_value(FlowCounts(packets, size, 1, 2, 0)))
-    with caplog.at_level(logging.WARNING, logger="podmeter.datapath.ebpf"):
-        dp = open_flows(flow_size=128)
-    assert "is a single flows map" in caplog.text and "its 3 undrained entries moved to the next drain" in caplog.text
-    assert flow_maps(dp).slot.shape.type == 12 and active_name(dp) == "flows_a"
-    assert totals(dp.drain_flows()) == undrained
-    assert sorted(path.name for path in pin_dir.iterdir()) == ["counters", "filter", "flows", "flows_a", "flows_b",
-                                                                "flows_fill", "flows_lost", "flows_share"]
 
 
 @pytest.mark.parametrize("slot", ["empty", "stray map"])

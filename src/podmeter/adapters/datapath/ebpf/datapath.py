@@ -112,33 +112,13 @@ def map_sizes(filter_size: int, flow_size: int) -> dict[str, int]:
     }
 
 
-def _load_owned(pins: PinDir, path: Path, filter_size: int, flow_size: int) -> tuple[Loaded, list[tuple[bytes, bytes]]]:
-    """Load with the maps of a pin directory this process owns (cleaning a crashed resize first); also
-    returns the entries of a single flows map an older agent pinned (see :func:`_take_single_flows_map`)."""
+def _load_owned(pins: PinDir, path: Path, filter_size: int, flow_size: int) -> Loaded:
+    """Load with the maps of a pin directory this process owns (cleaning a crashed resize first)."""
     for name in pins.remove_leftovers():
         log.warning("removed %s left by an interrupted map resize", name)
-    single = _take_single_flows_map(pins)
     replace = frozenset({FLOWS_MAP}) if _slot_unproven(pins) else frozenset()
-    loaded = load(path, pins, map_sizes(filter_size, flow_size), [FROM_POD, TO_POD], TRANSIENT_MAPS,
-                  replace=replace)
-    return loaded, single
-
-
-def _take_single_flows_map(pins: PinDir) -> list[tuple[bytes, bytes]]:
-    """A ``flows`` pin that is one flows hash map (an agent before the double buffer): read its entries
-    and unpin it, so that the load creates the slot map under that name. The caller puts the entries in
-    the new standby map: they are in the first drain (lost only if the agent dies before it writes them,
-    as when any transient map is replaced)."""
-    if not pins.has(FLOWS_MAP):
-        return []
-    with contextlib.closing(pins.open(FLOWS_MAP)) as single:
-        if single.shape.type == BPF_MAP_TYPE_ARRAY_OF_MAPS or not FLOW_MAP_SHAPE.compatible(single.shape):
-            return []
-        items = single.collect_items()
-    pins.unpin(FLOWS_MAP)
-    log.warning("pinned map %s is a single flows map (an agent before the double buffer): replaced, its %d "
-                "undrained entries moved to the next drain", FLOWS_MAP, len(items))
-    return items
+    return load(path, pins, map_sizes(filter_size, flow_size), [FROM_POD, TO_POD], TRANSIENT_MAPS,
+                replace=replace)
 
 
 def _slot_unproven(pins: PinDir) -> bool:
@@ -284,16 +264,6 @@ class FlowMaps:
         raw = None if self.fill is None else self.fill.lookup(layout.FLOWS_FILL_KEY)
         return 0 if raw is None else int(layout.FLOWS_FILL.unpack(raw)[0])
 
-    def restore(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Put undrained entries (of an older agent's single map) in the standby map, which no program
-        reaches: the next drain takes them first."""
-        roles = self.roles() or self.adopt()
-        outcome = roles[1].update_batch([key for key, _ in items], [value for _, value in items])
-        self.standby_dirty = True
-        if outcome.error is not None:
-            log.warning("flows: %d of %d undrained entries restored (%s)", outcome.applied, len(items),
-                        outcome.error)
-
     def close(self) -> None:
         for bpf_map in (self.slot, self.a, self.b, self.fill, self.share):
             if bpf_map is not None:
@@ -391,21 +361,17 @@ class EbpfDatapath:
         pins.ensure()
         pins.lock()
         try:
-            loaded, single = _load_owned(pins, path, filter_size, flow_size)
+            loaded = _load_owned(pins, path, filter_size, flow_size)
         except BaseException:
             pins.unlock()
             raise
         programs = Programs(loaded.programs[FROM_POD], loaded.programs[TO_POD])
-        datapath = cls.from_loaded(loaded, programs, pins)
-        if single and datapath.flows is not None:
-            datapath.flows.restore(single)
-        return datapath
+        return cls.from_loaded(loaded, programs, pins)
 
     @classmethod
     def open_pinned(cls, bpffs: str | os.PathLike[str] = DEFAULT_BPFFS) -> EbpfDatapath:
         """Open the maps another process pinned (read and write, no programs, no ownership). The flows
-        maps are opened when pinned (an agent older than flows pinned none; one older than the double
-        buffer pinned a single ``flows`` hash map, which a reader ignores)."""
+        maps are opened when pinned (a ``flows`` pin of another layout is ignored)."""
         pins = PinDir(bpffs)
         opened: list[BpfMap] = []
         try:
