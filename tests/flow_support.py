@@ -4,14 +4,25 @@ are observed, and drop drains."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import sys
 from collections import Counter
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry
 
 from factories import make_pod
 from podmeter.adapters.datapath.memory import MemoryDatapath
+from podmeter.adapters.flow_http import flows_handler
+from podmeter.adapters.flow_serving import FlowFeed
+from podmeter.adapters.http import build_app, serve
 from podmeter.model.datapath import Direction
 from podmeter.model.deltas import CONFIGURATIONS, NAMESPACES, PODS, Replace
 from podmeter.model.drops import DropDrain, DropKey, DropLedger, TcpEvent
-from podmeter.model.flows import TCP, FlowCounts, FlowKey, Observation
+from podmeter.model.endpoints import AddressBook
+from podmeter.model.flow_records import FlowRecord, name_flows
+from podmeter.model.flows import ICMP, TCP, UDP, FlowCounts, FlowKey, Observation
 from podmeter.model.records import Pod
 from podmeter.runtime.agent import Agent, AgentSettings
 
@@ -50,3 +61,37 @@ def drops_of(ledger: DropLedger) -> dict[str, dict[tuple[Direction, str], int]]:
 def drain_of(*drops: tuple[str, Direction, str, int], tcp: tuple[tuple[str, TcpEvent, int], ...] = ()) -> DropDrain:
     return DropDrain([(DropKey(ip, d, r), n) for ip, d, r, n in drops], [],
                      [((ip, event), n) for ip, event, n in tcp], [])
+
+
+# --- podmeter observe against a served feed ------------------------------------------------------------
+
+
+def sample_records(n: int, start: int = 0) -> list[FlowRecord]:
+    """Records from shop/web (a bare pod): odd ones to shop/db, even ones to the world; TCP, UDP, ICMP in
+    turn; record i at i seconds (what ``podmeter observe``'s tests print and filter)."""
+    book = AddressBook([make_pod("web", "shop", ips=("10.0.0.1",)), make_pod("db", "shop", ips=("10.0.0.2",))])
+    protocols = (TCP, UDP, ICMP)
+    entries = [(FlowKey("10.0.0.1", "10.0.0.2" if i % 2 else "8.8.8.8", 40000 + i, 5432, protocols[i % 3],
+                        Observation.FROM_POD),
+                FlowCounts(1, 100 + i, i * 10**9, i * 10**9, 0b10 if protocols[i % 3] == TCP else 0))
+               for i in range(start, start + n)]
+    return name_flows(entries, book, "node-a", 0.0)
+
+
+@contextlib.asynccontextmanager
+async def served(feed: FlowFeed) -> AsyncIterator[int]:
+    """The agent's HTTP app serving ``feed``'s flows on a free loopback port."""
+    app = build_app(CollectorRegistry(), lambda: True, {}, debug_streams={"/debug/flows": flows_handler(feed)})
+    runner, port = await serve(app, "127.0.0.1:0")
+    try:
+        yield port
+    finally:
+        await runner.cleanup()
+
+
+async def observe(port: int, *args: str) -> tuple[int, list[str], str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "podmeter", "observe", "--server", f"127.0.0.1:{port}", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    return proc.returncode or 0, out.decode().splitlines(), err.decode()

@@ -25,7 +25,7 @@ from podmeter.adapters.hubble.proto import flow_pb2, observer_pb2
 from podmeter.adapters.hubble.server import HubbleServer, parse_listen
 from podmeter.model.flow_records import FlowFilter
 from podmeter.model.flows import UDP
-from test_hubble_observer import records
+from record_support import records
 
 
 class LoopLag:

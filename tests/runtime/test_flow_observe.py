@@ -23,37 +23,15 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from factories import make_pod
+from flow_support import observe, sample_records, served
 from podmeter.adapters.flow_http import flows_handler
 from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.adapters.http import build_app, serve
-from podmeter.model.endpoints import AddressBook, Endpoint
-from podmeter.model.flow_records import FlowRecord, name_flows
-from podmeter.model.flows import ICMP, TCP, UDP, FlowCounts, FlowKey, Observation
+from podmeter.model.endpoints import Endpoint
+from podmeter.model.flow_records import FlowRecord
 
 CONTRACT_END = {"ip", "port", "namespace", "pod", "workload"}
 CONTRACT = {"time", "source", "destination", "protocol", "packets", "bytes", "tcp_flags", "observation", "node"}
-
-
-def records(n: int, start: int = 0) -> list[FlowRecord]:
-    book = AddressBook([make_pod("web", "shop", ips=("10.0.0.1",)), make_pod("db", "shop", ips=("10.0.0.2",))])
-    protocols = (TCP, UDP, ICMP)
-    entries = [(FlowKey("10.0.0.1", "10.0.0.2" if i % 2 else "8.8.8.8", 40000 + i, 5432, protocols[i % 3],
-                        Observation.FROM_POD),
-                FlowCounts(1, 100 + i, i * 10**9, i * 10**9, 0b10 if protocols[i % 3] == TCP else 0))
-               for i in range(start, start + n)]
-    return name_flows(entries, book, "node-a", 0.0)
-
-
-@contextlib.asynccontextmanager
-async def served(feed: FlowFeed) -> AsyncIterator[int]:
-    """The agent's HTTP app serving ``feed``'s flows on a free loopback port."""
-    app = build_app(CollectorRegistry(), lambda: True, {}, debug_streams={"/debug/flows": flows_handler(feed)})
-    runner, port = await serve(app, "127.0.0.1:0")
-    try:
-        yield port
-    finally:
-        await runner.cleanup()
 
 
 @pytest.fixture
@@ -63,17 +41,9 @@ async def agent_http() -> AsyncIterator[tuple[FlowFeed, int]]:
         yield feed, port
 
 
-async def observe(port: int, *args: str) -> tuple[int, list[str], str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "podmeter", "observe", "--server", f"127.0.0.1:{port}", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 30)
-    return proc.returncode or 0, out.decode().splitlines(), err.decode()
-
-
 async def test_last_n_prints_the_last_n_in_order_as_contract_json(agent_http: tuple[FlowFeed, int]) -> None:
     feed, port = agent_http
-    feed.publish(records(10))
+    feed.publish(sample_records(10))
     code, lines, err = await observe(port, "--last", "3", "-o", "json")
     assert code == 0, err
     got = [json.loads(line) for line in lines]
@@ -87,7 +57,7 @@ async def test_last_n_prints_the_last_n_in_order_as_contract_json(agent_http: tu
 
 async def test_compact_output_reads_at_a_glance(agent_http: tuple[FlowFeed, int]) -> None:
     feed, port = agent_http
-    feed.publish(records(1, start=1))
+    feed.publish(sample_records(1, start=1))
     code, lines, _ = await observe(port, "--last", "1")
     assert code == 0
     assert "node-a: shop/web 10.0.0.1:40001 -> shop/db 10.0.0.2:5432 UDP from-pod 1 pkts 101 B" in lines[0]
@@ -101,7 +71,7 @@ async def test_every_filter_reaches_the_server_through_the_command(agent_http: t
     """Records 0..10 from shop/web (a bare pod: its own workload): odd ones to shop/db, even ones to the world;
     TCP, UDP, ICMP in turn; record i at i seconds; 9 and 10 dropped."""
     feed, port = agent_http
-    feed.publish(records(9) + dropped(records(2, start=9)))
+    feed.publish(sample_records(9) + dropped(sample_records(2, start=9)))
     cases: dict[tuple[str, ...], int] = {
         ("--namespace", "shop"): 11, ("--namespace", "other"): 0,
         ("--pod", "db"): 5, ("--pod", "shop/web"): 11, ("--pod", "other/web"): 0,
@@ -125,7 +95,7 @@ async def test_every_filter_reaches_the_server_through_the_command(agent_http: t
 async def test_follow_streams_new_flows_as_they_are_published(agent_http: tuple[FlowFeed, int],
                                                                caplog: pytest.LogCaptureFixture) -> None:
     feed, port = agent_http
-    feed.publish(records(5))  # history: not shown with --follow alone
+    feed.publish(sample_records(5))  # history: not shown with --follow alone
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "podmeter", "observe", "--server", f"127.0.0.1:{port}", "--follow", "-o", "json",
         "--protocol", "tcp", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -135,7 +105,7 @@ async def test_follow_streams_new_flows_as_they_are_published(agent_http: tuple[
                 break
             await asyncio.sleep(0.05)
         assert feed.followers == 1
-        feed.publish(records(6, start=100))
+        feed.publish(sample_records(6, start=100))
         assert proc.stdout is not None
         got = [json.loads(await asyncio.wait_for(proc.stdout.readline(), 10)) for _ in range(2)]
         assert [r["source"]["port"] for r in got] == [40102, 40105]  # the TCP ones, in order
@@ -157,7 +127,7 @@ HISTORY = 40_000  # records of some 480 bytes each: far more than the loopback's
 
 @functools.cache
 def history() -> tuple[FlowRecord, ...]:
-    return tuple(records(HISTORY))
+    return tuple(sample_records(HISTORY))
 
 
 async def read_until(response: aiohttp.ClientResponse, final: int) -> list[int]:
@@ -182,13 +152,13 @@ async def test_records_published_while_a_long_history_goes_out_reach_the_followe
             session.get(url) as response:
         assert response.status == 200
         await asyncio.sleep(0.2)  # not reading: the agent waits for room in the socket with most of the history
-        feed.publish(records(50, start=HISTORY))
+        feed.publish(sample_records(50, start=HISTORY))
         got = await read_until(response, 100 + HISTORY - 1)
         for _ in range(100):
             if feed.followers:
                 break
             await asyncio.sleep(0.05)
-        feed.publish(records(5, start=HISTORY + 50))  # published once the follower surely follows
+        feed.publish(sample_records(5, start=HISTORY + 50))  # published once the follower surely follows
         got += await read_until(response, 100 + HISTORY + 54)
     assert missing(got, HISTORY + 55) == []
     assert got == [100 + i for i in range(HISTORY + 55)]  # the history, then all that came after, in order
@@ -202,7 +172,7 @@ async def test_a_follower_holds_its_slot_from_the_start_so_a_refusal_is_a_503_no
         assert first.status == 200  # its history still going out: the agent waits for it to read
         async with session.get("/debug/flows?follow=1") as second:
             assert second.status == 503 and "too many readers" in await second.text()
-        feed.publish(records(1, start=HISTORY))
+        feed.publish(sample_records(1, start=HISTORY))
         got = await read_until(first, 100 + HISTORY)
     assert got == [100 + i for i in range(HISTORY + 1)]
 
@@ -244,7 +214,7 @@ async def test_labels_on_request_name_each_end_s_labels() -> None:
                     debug_streams={"/debug/flows": flows_handler(feed, labels)})
     runner, port = await serve(app, "127.0.0.1:0")
     try:
-        feed.publish(records(2))
+        feed.publish(sample_records(2))
         code, plain, err = await observe(port, "--last", "2", "-o", "json")
         assert code == 0, err
         assert not seen  # labels are looked up only when asked

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from flow_support import observe, sample_records, served
 from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.cli.observe import MAX_LINE
 from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_records import FlowEnd, FlowRecord
 from podmeter.model.flows import TCP, Observation
-from test_flow_observe import observe, records, served
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -37,7 +37,7 @@ FAKE = "\x1b[2K\r10.0.0.66:1 -> shop/vault 10.0.0.2:443 TCP [SYN] from-pod 1 pkt
 
 def record() -> dict[str, Any]:
     """A record as the agent writes it (a TCP one, so every field the compact line shows is there)."""
-    return next(r for r in records(3) if r.protocol == TCP).to_json()
+    return next(r for r in sample_records(3) if r.protocol == TCP).to_json()
 
 
 @contextlib.asynccontextmanager
