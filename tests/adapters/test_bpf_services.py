@@ -20,6 +20,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from agent_harness import Cluster
 from bpf_support import Pod, Topology, needs_root
 from lab_server import LabServer
@@ -88,8 +90,11 @@ def call(client: Pod, address: str, port: int) -> int:
         return int(sock.getsockname()[1])
 
 
-def test_flows_through_a_cluster_ip_name_the_service_and_the_backend_that_served_each(
-        topology: Topology, server: LabServer, pin_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["ClusterIP", "NodePort"])
+def test_flows_through_a_service_name_the_service_and_the_backend_that_served_each(
+        topology: Topology, server: LabServer, pin_dir: Path, tmp_path: Path, kind: str) -> None:
+    """ClusterIP: to the allocated address and the Service's port. NodePort: to the node's own address (the
+    client's gateway) and the allocated node port, rewritten by the same proxy to a local backend."""
     run = subprocess.run
     run(["ip", "netns", "exec", topology.host, "sysctl", "-qw", "net.ipv4.ip_forward=1"], check=True)
     client, *backends = (topology.add_pod() for _ in range(4))
@@ -102,7 +107,8 @@ def test_flows_through_a_cluster_ip_name_the_service_and_the_backend_that_served
         for index, backend in enumerate(backends):
             cluster.pod("shop", f"web-{index}", backend.ip)
         status, _, service = server.request("POST", "/api/v1/namespaces/shop/services", {
-            "metadata": {"name": "web"}, "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]}})
+            "metadata": {"name": "web"},
+            "spec": {"type": kind, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}})
         assert status == 201, service
         endpoint_slice = {
             "metadata": {"name": "web-1", "labels": {"kubernetes.io/service-name": "web"}}, "addressType": "IPv4",
@@ -112,14 +118,17 @@ def test_flows_through_a_cluster_ip_name_the_service_and_the_backend_that_served
                                          endpoint_slice)
         assert status == 201, made
         apply(ruleset(rules([service], [made])))
-    cluster_ip = service["spec"]["clusterIP"]
+    if kind == "NodePort":
+        cluster_ip, service_port = client.host_ip, service["spec"]["ports"][0]["nodePort"]
+    else:
+        cluster_ip, service_port = service["spec"]["clusterIP"], 80
     proc, port = agent(topology, server, pin_dir, tmp_path / "agent.log")
     served: Counter[str] = Counter()
     stop = threading.Event()
     threads = [echo_server(b, 8080, served, stop) for b in backends]
     try:
         wait_for(lambda: _ready(topology, port), 30, "the agent ready", (tmp_path / "agent.log").read_text)
-        ports = [call(client, cluster_ip, 80) for _ in range(30)]
+        ports = [call(client, cluster_ip, service_port) for _ in range(30)]
         wait_for(lambda: _requests_seen(records(topology, port, to_service="shop/web"), ports), 20,
                  "every connection's request drained")
         found = records(topology, port)
@@ -138,7 +147,7 @@ def test_flows_through_a_cluster_ip_name_the_service_and_the_backend_that_served
     for record in by_port.values():
         destination = record["destination"]
         assert destination["service"] == {"namespace": "shop", "name": "web"}
-        assert destination["port"] == 80 and destination["world"] is False  # the wire's, named by the backend
+        assert destination["port"] == service_port and destination["world"] is False  # the wire's
         named[next(b.ip for i, b in enumerate(backends) if destination["pod"] == f"web-{i}")] += 1
     assert named == served, "each connection named by the backend that served it"
     replies = [r for r in found if r["source"]["ip"] == cluster_ip and r["destination"]["ip"] == client.ip]
