@@ -152,3 +152,14 @@ def test_a_predecessors_flows_are_named_by_the_pods_whose_links_were_adopted_onl
     web = named["10.1.0.5"]
     assert web is not None and web.pod == "web"
     assert named["10.1.0.6"] is None
+
+
+def test_a_healthy_agent_exports_its_error_counters_at_zero() -> None:
+    """A dashboard's panel of decode errors or repaired drift shows 0 for a healthy agent, not "No data"."""
+    agent = agent_with(None)
+    agent.apply_batch([Replace(PODS, []), *LISTED])
+    text = exposition(agent)
+    for kind in ("leaked", "missing"):
+        assert f'podmeter_drift_repaired_total{{kind="{kind}"}} 0.0' in text
+    for resource in ("pods", "namespaces", "metricsconfigurations"):
+        assert f'podmeter_decode_errors_total{{resource="{resource}"}} 0.0' in text

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from podmeter.adapters.metrics.families import by_one, counter, gauge, labelled_gauge
+from podmeter.adapters.metrics.families import by_one, counter, gauge, labelled_gauge, with_zeros
 from podmeter.model.datapath import LinkCounts
+
+DRIFT_KINDS = ("leaked", "missing")  # what a resync repairs (runtime.writer): exported from the start as 0
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class AgentStateCollector(Collector):
                     int(s.ready))
         yield counter("podmeter_filter_write_errors", "Failed filter writes.", ("op", "errno"), s.write_errors)
         yield counter("podmeter_drift_repaired", "Filter entries repaired by a resync.", ("kind",),
-                      by_one(s.drift_repaired))
+                      by_one(with_zeros(s.drift_repaired, DRIFT_KINDS)))
         yield counter("podmeter_resyncs", "Periodic resyncs of the filter against the kernel.", value=s.resyncs)
         yield gauge("podmeter_unusable_pod_ips", "Addresses of stored pods podmeter ignores (zone-scoped IPv6).",
                     s.unusable_pod_ips)
@@ -152,5 +154,5 @@ def watch_families(events: Mapping[tuple[str, str], int], relists: Mapping[tuple
     yield counter("podmeter_watch_events", "Watch events received.", ("resource", "type"), events)
     yield counter("podmeter_watch_relists", "Lists and relists.", ("resource", "reason"), relists)
     yield counter("podmeter_decode_errors", "Objects skipped because they could not be decoded.",
-                  ("resource",), by_one(decode_errors))
+                  ("resource",), by_one(with_zeros(decode_errors, store_objects)))  # 0 for each watched one
     yield labelled_gauge("podmeter_store_objects", "Objects in the store.", "resource", store_objects)
