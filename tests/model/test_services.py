@@ -136,6 +136,16 @@ def test_a_frontend_names_its_service_and_a_node_port_only_at_a_node_address() -
     assert found.backend("10.0.1.5", 8080, TCP) == WEB and found.backend("10.0.9.9", 1, TCP) is None
 
 
+def test_an_address_two_services_list_is_named_by_port_and_one_without_ports_by_none() -> None:
+    web = decode_service_backends(endpoint_slice(["10.0.1.5"], [{"port": 8080}]))
+    metrics = ServiceBackends("shop", "metrics-x", "m", "metrics", ("10.0.1.5",), ((TCP, 9090),), "1")
+    portless = ServiceBackends("shop", "empty-x", "e", "empty", ("10.0.1.6",), (), "1")
+    index = ServiceIndex([], [web, metrics, portless])
+    assert index.backend("10.0.1.5", 8080, TCP) == WEB
+    assert index.backend("10.0.1.5", 9090, TCP) == ServiceName("shop", "metrics")
+    assert index.backend("10.0.1.5", 1, TCP) is None and index.backend("10.0.1.6", 80, TCP) is None
+
+
 CLIENT, BACKEND, VIP = "10.0.2.7", "10.0.1.5", "10.96.0.10"
 ORIGINAL = (TCP, CLIENT, 40000, VIP, 80)
 REPLY = (TCP, BACKEND, 8080, CLIENT, 40000)

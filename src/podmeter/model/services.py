@@ -209,12 +209,14 @@ class ServiceIndex:
 
     Invariants: a frontend maps to the Service that declares it (two Services claiming one frontend, which
     the API server forbids for ClusterIPs: the one stored last); a backend address and port maps to the
-    Service whose EndpointSlice lists it with that port."""
+    Service whose EndpointSlice lists it with that port. Backends are keyed by address alone, the common
+    case (one Service per pod address: a name shared by all its endpoints), with a port map only for an
+    address more than one Service lists (``bench.services``: memory per endpoint)."""
 
     def __init__(self, services: Iterable[Service], backends: Iterable[ServiceBackends] = ()) -> None:
         self._frontends: dict[Frontend, ServiceName] = {}
         self._node_ports: dict[tuple[int, int], ServiceName] = {}
-        self._backends: dict[Frontend, ServiceName] = {}
+        self._backends: dict[str, ServiceName | dict[tuple[int, int], ServiceName]] = {}
         for service in services:
             named = ServiceName(service.namespace, service.name)
             for served in service.ports:
@@ -222,13 +224,24 @@ class ServiceIndex:
                     self._frontends[(address, served.port, served.protocol)] = named
                 if served.node_port:
                     self._node_ports[(served.node_port, served.protocol)] = named
+        self._index_backends(backends)
+
+    def _index_backends(self, backends: Iterable[ServiceBackends]) -> None:
+        by_port: dict[str, dict[tuple[int, int], ServiceName]] = {}
+        names: dict[tuple[str, str], ServiceName] = {}  # one record per Service, shared by its endpoints
         for backend in backends:
             if not backend.service:
                 continue
-            named = ServiceName(backend.namespace, backend.service)
+            key = (backend.namespace, backend.service)
+            named = names.get(key) or names.setdefault(key, ServiceName(*key))
             for address in backend.addresses:
+                ports = by_port.setdefault(address, {})
                 for protocol, number in backend.ports:
-                    self._backends[(address, number, protocol)] = named
+                    ports[(number, protocol)] = named
+        for address, ports in by_port.items():
+            held = set(ports.values())
+            if held:  # a slice without ports names no backend
+                self._backends[address] = next(iter(held)) if len(held) == 1 else ports
 
     def __len__(self) -> int:
         return len(self._frontends) + len(self._node_ports)
@@ -242,8 +255,10 @@ class ServiceIndex:
         return found
 
     def backend(self, ip: str, port: int, protocol: int) -> ServiceName | None:
-        """The Service whose EndpointSlice lists ``ip:port`` as a backend."""
-        return self._backends.get((ip, port, protocol))
+        """The Service whose EndpointSlice lists ``ip:port`` as a backend (the only Service listing ``ip``,
+        whatever the port: a translated connection's backend port is one its slice lists)."""
+        found = self._backends.get(ip)
+        return found.get((port, protocol)) if isinstance(found, dict) else found
 
 
 # --- which backend served a translated connection ------------------------------------------------------
