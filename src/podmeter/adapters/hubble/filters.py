@@ -116,15 +116,22 @@ def _destination(record: FlowRecord) -> FlowEnd:
     return record.destination
 
 
-def _pods(values: Sequence[str], side: Side) -> Check:
+def _named(values: Sequence[str], what: str) -> list[tuple[str | None, str]]:
+    """``NS/PREFIX``, ``NS/`` or ``PREFIX`` (namespace ``default``) -> (namespace or None, name prefix), as
+    Hubble reads its pod and Service filters."""
     wanted = []
     for value in values:
         namespace, slash, prefix = value.partition("/")
         if not slash:
             namespace, prefix = DEFAULT_NAMESPACE, value
         if not namespace and not prefix:
-            raise BadFilter(f"pod filter {value!r}: expected [NAMESPACE/][POD-NAME-PREFIX]")
+            raise BadFilter(f"{what} filter {value!r}: expected [NAMESPACE/][{what.upper()}-NAME-PREFIX]")
         wanted.append((namespace or None, prefix))
+    return wanted
+
+
+def _pods(values: Sequence[str], side: Side) -> Check:
+    wanted = _named(values, "pod")
 
     def check(record: FlowRecord) -> bool:
         e = side(record).endpoint
@@ -134,16 +141,8 @@ def _pods(values: Sequence[str], side: Side) -> Check:
 
 
 def _services(values: Sequence[str], side: Side) -> Check:
-    """``NS/NAME-PREFIX`` (or ``NAME-PREFIX`` in the default namespace), as pods: the Service whose frontend
-    the end is (docs/services.md)."""
-    wanted = []
-    for value in values:
-        namespace, slash, prefix = value.partition("/")
-        if not slash:
-            namespace, prefix = DEFAULT_NAMESPACE, value
-        if not namespace and not prefix:
-            raise BadFilter(f"service filter {value!r}: expected [NAMESPACE/][SERVICE-NAME-PREFIX]")
-        wanted.append((namespace or None, prefix))
+    """The Service whose frontend the end is (docs/services.md), named as pods are."""
+    wanted = _named(values, "service")
 
     def check(record: FlowRecord) -> bool:
         s = side(record).service
