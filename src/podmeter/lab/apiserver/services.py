@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import ipaddress
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,17 +101,7 @@ class IpRange:
 
     def next_free(self, used: set[str], rng: random.Random) -> str:
         """A free address: from a random start in the upper band, then in the lower band."""
-        bands = [(self.first + self.offset, self.last), (self.first, self.first + self.offset - 1)]
-        for low, high in bands:
-            if high < low:
-                continue
-            span = high - low + 1
-            start = rng.randrange(span)
-            for step in range(span):
-                candidate = self.text(low + (start + step) % span)
-                if candidate not in used:
-                    return candidate
-        raise AllocationError("range is full")
+        return self.text(_next_free(self.first, self.last, self.offset, lambda n: self.text(n) in used, rng))
 
 
 class PortRange:
@@ -139,17 +129,22 @@ class PortRange:
         return None
 
     def next_free(self, used: set[int], rng: random.Random) -> int:
-        bands = [(self.base + self.offset, self.top), (self.base, self.base + self.offset - 1)]
-        for low, high in bands:
-            if high < low:
-                continue
-            span = high - low + 1
-            start = rng.randrange(span)
-            for step in range(span):
-                candidate = low + (start + step) % span
-                if candidate not in used:
-                    return candidate
-        raise AllocationError("range is full")
+        return _next_free(self.base, self.top, self.offset, used.__contains__, rng)
+
+
+def _next_free(first: int, last: int, offset: int, taken: Callable[[int], bool], rng: random.Random) -> int:
+    """The real allocators' order: from a random start in the upper band (``first + offset`` on), then in
+    the lower band, the first number not ``taken``."""
+    for low, high in ((first + offset, last), (first, first + offset - 1)):
+        if high < low:
+            continue
+        span = high - low + 1
+        start = rng.randrange(span)
+        for step in range(span):
+            candidate = low + (start + step) % span
+            if not taken(candidate):
+                return candidate
+    raise AllocationError("range is full")
 
 
 @dataclass
