@@ -64,6 +64,7 @@ class Hooks:
     def induce_drops(self, step: sc.InduceDrops, pods: list[tuple[str, str]], rng: random.Random) -> None: ...
     def induce_loss(self, step: sc.InduceLoss, pods: list[tuple[str, str]], rng: random.Random) -> None: ...
     def service_calls(self, step: sc.ServiceCalls, pods: list[tuple[str, str]]) -> None: ...
+    def dns_lookups(self, step: sc.DnsLookups, pods: list[tuple[str, str]]) -> None: ...
 
 
 class Driver:
@@ -134,6 +135,9 @@ class Driver:
             self.hooks.induce_loss(step, self._live(step.namespace), self.rng)
         elif isinstance(step, sc.ServiceCalls):
             self.hooks.service_calls(step, self._live(step.namespace))
+        elif isinstance(step, sc.DnsLookups):
+            pods = list(dict.fromkeys(self._live(step.namespace) + self._live(step.server_namespace)))
+            self.hooks.dns_lookups(step, pods)
         else:
             handlers[type(step)](step)
 

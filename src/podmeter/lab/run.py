@@ -34,7 +34,7 @@ from typing import Any
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf.links import dump_links
 from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP
-from podmeter.lab import runinfo, servicecheck
+from podmeter.lab import dnscheck, runinfo, servicecheck
 from podmeter.lab import scenario as sc
 from podmeter.lab.apiserver.client import AdminClient
 from podmeter.lab.checks import Checker, Observation, Samples, Truth, metric_sum, parse_metrics, read_truth
@@ -564,20 +564,44 @@ class LabRun(Hooks):
 
     def service_calls(self, step: sc.ServiceCalls, pods: list[tuple[str, str]]) -> None:
         assert self.client is not None
-        if self.datapath != "ebpf" or not self.options.service_proxy:
-            why = "memory mode has no packets" if self.datapath != "ebpf" else "--no-service-proxy"
-            self.result.traffic.append({"kind": "service", "protocol": "tcp", "skipped": why})
+        if self._skipped_without_packets("service", "tcp"):
             return
-        interval = self.scenario.agent.flow_interval
-
-        def drained(before: float | None) -> bool:
-            return self.flow_client.wait_for_drains(before, 2, time.monotonic() + 3 * interval + 3)
-
         endpoints = self._endpoints(pods)
         backends, clients = servicecheck.taking_part(step, endpoints)
         self.checker.traffic_pods.update(e.pod for e in (*backends, *clients))  # I5: traffic the lab sent
         self._timed(functools.partial(servicecheck.run_step, step, self.client, self.flow_client, endpoints,
-                                      drained))
+                                      self._drained_twice))
+
+    def dns_lookups(self, step: sc.DnsLookups, pods: list[tuple[str, str]]) -> None:
+        assert self.client is not None
+        if self._skipped_without_packets("dns", "udp"):
+            return
+        if shutil.which("dnsmasq") is None:
+            log.warning("dns step skipped: dnsmasq is not installed (scripts/setup.sh installs it)")
+            self.result.traffic.append({"kind": "dns", "protocol": "udp", "skipped": "dnsmasq is not installed"})
+            return
+        endpoints = self._endpoints(pods)
+        servers, clients = dnscheck.taking_part(step, endpoints)
+        self.checker.traffic_pods.update(e.pod for e in (*servers, *clients))  # I5: traffic the lab sent
+        flows = self.flow_client
+
+        def records(since: float) -> list[dict[str, Any]] | None:
+            return flows.records(since - WINDOW_SLACK, protocol="dns")
+
+        parts = dnscheck.Parts(self.client, flows.metrics, records, self._drained_twice, flows.drains)
+        self._timed(functools.partial(dnscheck.run_step, step, parts, endpoints))
+
+    def _skipped_without_packets(self, kind: str, protocol: str) -> bool:
+        """A step that needs packets through the node's Service proxy, recorded as skipped without them."""
+        if self.datapath == "ebpf" and self.options.service_proxy:
+            return False
+        why = "memory mode has no packets" if self.datapath != "ebpf" else "--no-service-proxy"
+        self.result.traffic.append({"kind": kind, "protocol": protocol, "skipped": why})
+        return True
+
+    def _drained_twice(self, before: float | None) -> bool:
+        interval = self.scenario.agent.flow_interval
+        return self.flow_client.wait_for_drains(before, 2, time.monotonic() + 3 * interval + 3)
 
     def _timed(self, check: Callable[[], dict[str, Any]]) -> None:
         """A check's record, with when it ran (``at_s``: seconds since the steps started, the samples' and

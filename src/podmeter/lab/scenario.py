@@ -227,8 +227,27 @@ class ServiceCalls(_Step, tag="services"):
     target_port: Annotated[int, msgspec.Meta(ge=1024, le=65535)] = 8080
 
 
+LookupName = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9.])?$")]
+
+
+class DnsLookups(_Step, tag="dns"):
+    """Cluster DNS (:mod:`podmeter.lab.dnscheck`): a ``kube-dns`` Service in ``server_namespace`` backed by
+    dnsmasq in the running pod whose name starts with ``servers``, the resolver of the pods starting with
+    ``clients`` pointed at it (search list, ``ndots:5``), and glibc looking each of ``names`` up ``rounds``
+    times from each client: the agent's per-pod DNS counts must equal the server's log. Skipped in memory
+    mode and with ``--no-service-proxy``."""
+
+    namespace: Name
+    clients: Name
+    server_namespace: Name
+    servers: Name
+    names: Annotated[list[LookupName], msgspec.Meta(min_length=1, max_length=50)]
+    rounds: Annotated[int, msgspec.Meta(ge=1, le=100)] = 2
+
+
 Step = (CreatePods | DeletePods | Churn | Annotate | UnobserveThenDelete | Configure | Fault | CompactionGap
-        | KillAgent | KillOperator | Traffic | ReuseDuringFlow | InduceDrops | InduceLoss | ServiceCalls)
+        | KillAgent | KillOperator | Traffic | ReuseDuringFlow | InduceDrops | InduceLoss | ServiceCalls
+        | DnsLookups)
 
 
 class NamespaceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -350,10 +369,11 @@ def _semantic_problems(scenario: Scenario) -> list[str]:
         if not _DNS_LABEL.match(spec.name):
             problems.append(f"$.namespaces[{i}].name: {spec.name!r} is not a DNS-1123 label")
     for i, step in enumerate(scenario.steps):
-        ns = getattr(step, "namespace", None)
-        if ns is not None and ns not in declared:
-            problems.append(f"$.steps[{i}].namespace: {ns!r} is not declared under namespaces "
-                            f"(declared: {', '.join(sorted(declared)) or 'none'})")
+        for key in ("namespace", "server_namespace"):
+            ns = getattr(step, key, None)
+            if ns is not None and ns not in declared:
+                problems.append(f"$.steps[{i}].{key}: {ns!r} is not declared under namespaces "
+                                f"(declared: {', '.join(sorted(declared)) or 'none'})")
         if step.at > scenario.duration:
             problems.append(f"$.steps[{i}].at: {step.at} is after the duration ({scenario.duration})")
         if isinstance(step, Configure) and step.include and step.exclude:
