@@ -112,3 +112,14 @@ def test_real_dnsmasq_and_glibc_make_the_search_path_storm(two_pods: tuple[Endpo
     assert seen.responses[client.ip]["REFUSED"] >= 1  # the absolute name: no upstream
     assert sum(seen.queries[client.ip].values()) == sum(seen.responses[client.ip].values())
     assert {"no-such-service.shop.svc.cluster.local", "no-such-service"} <= seen.names[client.ip]
+
+
+def test_the_report_has_a_dns_table_per_client_pod() -> None:
+    from podmeter.lab import report
+
+    seen = {"queries": {"A": 5}, "responses": {"NXDOMAIN": 3, "NOERROR": 2}, "names": ["web.shop.svc.cluster.local"]}
+    check = {"kind": "dns", "per_pod": {"shop/client-1": seen}}
+    html = "".join(report._dns_section([{"kind": "service"}, check]))
+    assert "<h2>DNS</h2>" in html and "shop/client-1" in html
+    assert "NXDOMAIN 3, NOERROR 2" in html and "web.shop.svc.cluster.local" in html
+    assert report._dns_section([{"kind": "service"}]) == []

@@ -183,6 +183,7 @@ def _html(result: LabResult, plots: list[Path], out: Path) -> str:
                           _flow_cell(t), _check_result(t)]
                          for t in result.traffic]) if result.traffic else "<p>none in this scenario</p>")
     parts += _flow_failures(result.traffic)
+    parts += _dns_section(result.traffic)
     parts += _nodes_section(result)  # a multi-node run: one line per node, the cross-node matrix
     parts.append("<h2>Flows</h2>")
     parts += _flows_section(result.flows, plots)
@@ -607,6 +608,24 @@ def _flow_failures(checks: list[dict[str, Any]]) -> list[str]:
         parts.append(f"<p><b>flow check failed: {html.escape(title)}</b></p><ul>{items}</ul>"
                      f"<details><summary>expected and found</summary><pre>{detail}</pre></details>")
     return parts
+
+
+def _dns_section(checks: list[dict[str, Any]]) -> list[str]:
+    """Per client pod of each dns step: the answers by return code and the names asked (the server's
+    account, which the agent's was checked against)."""
+    rows = [[pod, _counters_text(seen.get("queries")), _counters_text(seen.get("responses")),
+             ", ".join(seen.get("names") or [])[:400] or NOTHING]
+            for check in checks if check.get("kind") == "dns"
+            for pod, seen in sorted((check.get("per_pod") or {}).items())]
+    if not rows:
+        return []
+    return ["<h2>DNS</h2>", _table(["pod", "queries by type", "answers by return code", "names asked"], rows)]
+
+
+def _counters_text(counts: Any) -> str:
+    if not isinstance(counts, dict) or not counts:
+        return NOTHING
+    return ", ".join(f"{key} {value:,}" for key, value in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def _workload_label(flow_end: dict[str, Any]) -> str:
