@@ -168,6 +168,25 @@ IPv4: IPVersion.ValueType  # 1
 IPv6: IPVersion.ValueType  # 2
 Global___IPVersion: _TypeAlias = IPVersion  # noqa: Y015
 
+class _L7FlowType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _L7FlowTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_L7FlowType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    UNKNOWN_L7_TYPE: _L7FlowType.ValueType  # 0
+    REQUEST: _L7FlowType.ValueType  # 1
+    RESPONSE: _L7FlowType.ValueType  # 2
+    SAMPLE: _L7FlowType.ValueType  # 3
+
+class L7FlowType(_L7FlowType, metaclass=_L7FlowTypeEnumTypeWrapper): ...
+
+UNKNOWN_L7_TYPE: L7FlowType.ValueType  # 0
+REQUEST: L7FlowType.ValueType  # 1
+RESPONSE: L7FlowType.ValueType  # 2
+SAMPLE: L7FlowType.ValueType  # 3
+Global___L7FlowType: _TypeAlias = L7FlowType  # noqa: Y015
+
 class _LostEventSource:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -206,6 +225,7 @@ class Flow(_message.Message):
     DESTINATION_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
     NODE_NAME_FIELD_NUMBER: _builtins.int
+    L7_FIELD_NUMBER: _builtins.int
     EVENT_TYPE_FIELD_NUMBER: _builtins.int
     SOURCE_SERVICE_FIELD_NUMBER: _builtins.int
     DESTINATION_SERVICE_FIELD_NUMBER: _builtins.int
@@ -247,6 +267,10 @@ class Flow(_message.Message):
     @_builtins.property
     def destination(self) -> Global___Endpoint: ...
     @_builtins.property
+    def l7(self) -> Global___Layer7:
+        """a DNS record (docs/dns.md): Type L7, event type 129"""
+
+    @_builtins.property
     def event_type(self) -> Global___CiliumEventType: ...
     @_builtins.property
     def source_service(self) -> Global___Service:
@@ -271,6 +295,7 @@ class Flow(_message.Message):
         destination: Global___Endpoint | None = ...,
         Type: Global___FlowType.ValueType = ...,
         node_name: _builtins.str = ...,
+        l7: Global___Layer7 | None = ...,
         event_type: Global___CiliumEventType | None = ...,
         source_service: Global___Service | None = ...,
         destination_service: Global___Service | None = ...,
@@ -280,9 +305,9 @@ class Flow(_message.Message):
         is_reply: _wrappers_pb2.BoolValue | None = ...,
         Summary: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["IP", b"IP", "destination", b"destination", "destination_service", b"destination_service", "event_type", b"event_type", "is_reply", b"is_reply", "l4", b"l4", "source", b"source", "source_service", b"source_service", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["IP", b"IP", "destination", b"destination", "destination_service", b"destination_service", "event_type", b"event_type", "is_reply", b"is_reply", "l4", b"l4", "l7", b"l7", "source", b"source", "source_service", b"source_service", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["IP", b"IP", "Summary", b"Summary", "Type", b"Type", "destination", b"destination", "destination_service", b"destination_service", "drop_reason_desc", b"drop_reason_desc", "event_type", b"event_type", "is_reply", b"is_reply", "l4", b"l4", "node_name", b"node_name", "source", b"source", "source_service", b"source_service", "time", b"time", "trace_observation_point", b"trace_observation_point", "traffic_direction", b"traffic_direction", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["IP", b"IP", "Summary", b"Summary", "Type", b"Type", "destination", b"destination", "destination_service", b"destination_service", "drop_reason_desc", b"drop_reason_desc", "event_type", b"event_type", "is_reply", b"is_reply", "l4", b"l4", "l7", b"l7", "node_name", b"node_name", "source", b"source", "source_service", b"source_service", "time", b"time", "trace_observation_point", b"trace_observation_point", "traffic_direction", b"traffic_direction", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -570,6 +595,90 @@ class Workload(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Workload: _TypeAlias = Workload  # noqa: Y015
+
+@_typing.final
+class Layer7(_message.Message):
+    """What a flow saw above layer 4. podmeter's is DNS, parsed in the kernel (docs/dns.md): one REQUEST per
+    aggregated query and one RESPONSE per aggregated answer; latency_ns the mean answer time of the entry.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    LATENCY_NS_FIELD_NUMBER: _builtins.int
+    DNS_FIELD_NUMBER: _builtins.int
+    type: Global___L7FlowType.ValueType
+    latency_ns: _builtins.int
+    @_builtins.property
+    def dns(self) -> Global___DNS: ...
+    def __init__(
+        self,
+        *,
+        type: Global___L7FlowType.ValueType = ...,
+        latency_ns: _builtins.int = ...,
+        dns: Global___DNS | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dns", b"dns", "record", b"record"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dns", b"dns", "latency_ns", b"latency_ns", "record", b"record", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_record: _TypeAlias = _typing.Literal["dns"]  # noqa: Y015
+    _WhichOneofArgType_record: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_record) -> _WhichOneofReturnType_record | None: ...
+
+Global___Layer7: _TypeAlias = Layer7  # noqa: Y015
+
+@_typing.final
+class DNS(_message.Message):
+    """A DNS message's first question and, for an answer, its return code (the kernel parses no answer
+    records: ips, ttl, cnames and rrtypes stay empty).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUERY_FIELD_NUMBER: _builtins.int
+    IPS_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    CNAMES_FIELD_NUMBER: _builtins.int
+    OBSERVATION_SOURCE_FIELD_NUMBER: _builtins.int
+    RCODE_FIELD_NUMBER: _builtins.int
+    QTYPES_FIELD_NUMBER: _builtins.int
+    RRTYPES_FIELD_NUMBER: _builtins.int
+    query: _builtins.str
+    """the name asked, with its trailing dot, as Hubble writes it"""
+    ttl: _builtins.int
+    observation_source: _builtins.str
+    """"podmeter": who parsed the message"""
+    rcode: _builtins.int
+    @_builtins.property
+    def ips(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def cnames(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def qtypes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"A", "AAAA", ..."""
+
+    @_builtins.property
+    def rrtypes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        query: _builtins.str = ...,
+        ips: _abc.Iterable[_builtins.str] | None = ...,
+        ttl: _builtins.int = ...,
+        cnames: _abc.Iterable[_builtins.str] | None = ...,
+        observation_source: _builtins.str = ...,
+        rcode: _builtins.int = ...,
+        qtypes: _abc.Iterable[_builtins.str] | None = ...,
+        rrtypes: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cnames", b"cnames", "ips", b"ips", "observation_source", b"observation_source", "qtypes", b"qtypes", "query", b"query", "rcode", b"rcode", "rrtypes", b"rrtypes", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DNS: _TypeAlias = DNS  # noqa: Y015
 
 @_typing.final
 class CiliumEventType(_message.Message):
