@@ -43,6 +43,19 @@ def test_drops_go_to_the_pod_that_held_the_ip_and_unowned_ones_to_the_node_only(
     assert ledger.node_drops == {(OUT, "NETFILTER_DROP"): 3, (IN, "NO_SOCKET"): 2}
     assert ledger.unattributed == 2
 
+def test_the_node_keeps_the_bytes_of_every_drop_it_counts_owned_or_not_lifecycle_apart() -> None:
+    ledger = DropLedger(grace=10)
+    a = pod("a", "10.0.0.1")
+    ledger.assign("10.0.0.1", a, now=0)
+    drain = DropDrain(drop_bytes=[(DropKey("10.0.0.1", OUT, "NETFILTER_DROP"), 300),
+                                  (DropKey("10.0.0.9", IN, "NO_SOCKET"), 80),
+                                  (DropKey("10.0.0.1", IN, "QUEUE_PURGE"), 50)])
+    ledger.add(drain)
+    ledger.add(drain, credit=False)  # a drain that may span a change of owner: the node's only
+    assert ledger.node_drop_bytes == {(OUT, "NETFILTER_DROP"): 600, (IN, "NO_SOCKET"): 160}
+    assert ledger.series[a.uid].drop_bytes == {(OUT, "NETFILTER_DROP"): 300}
+
+
 def test_a_reused_ip_never_hands_drops_to_the_next_owner() -> None:
     ledger = DropLedger(grace=10)
     a, b = pod("a", "10.0.0.1"), pod("b", "10.0.0.1")

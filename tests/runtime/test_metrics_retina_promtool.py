@@ -51,6 +51,8 @@ RETINA_FINDINGS = {  # what promtool says of Retina's own names, word for word (
     'networkobservability_adv_forward_count counter metrics should have "_total" suffix',
     'networkobservability_adv_forward_count non-histogram and non-summary metrics should not have "_count" suffix',
     'networkobservability_adv_drop_count non-histogram and non-summary metrics should not have "_count" suffix',
+    'networkobservability_forward_count non-histogram and non-summary metrics should not have "_count" suffix',
+    'networkobservability_drop_count non-histogram and non-summary metrics should not have "_count" suffix',
 }
 WEB, DB, WORLD = "10.4.0.1", "10.4.0.2", "203.0.113.9"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -321,6 +323,37 @@ def test_remote_mode_has_the_series_retinas_pod_level_dashboards_query(lab: LabS
         assert (code, findings) == (3, RETINA_FINDINGS)
 
     RunningAgent(lab, ["--retina-compat=remote"]).run(steps)
+
+
+@pytest.mark.parametrize("context", ["local", "remote"])
+def test_the_node_level_series_are_the_node_totals_in_either_context(lab: LabServer, context: str) -> None:
+    def steps(agent: RunningAgent) -> None:
+        before = samples(agent.metrics())
+        resets = frozenset({"statistic_name": "resetcount"}.items())
+        assert before[("networkobservability_tcp_connection_stats", resets)] == 0  # exists before the first RST
+        assert before[("networkobservability_tcp_flag_counters", frozenset({"flag": "rst"}.items()))] == 0
+        two_pods_and_traffic(agent)
+        wait_for(lambda: "networkobservability_drop_count{" in agent.metrics(), what="node drop series")
+        text = agent.metrics()
+        assert {name: types(text)[name] for name in ("networkobservability_forward_count",
+                                                      "networkobservability_drop_bytes")} == {
+            "networkobservability_forward_count": "gauge", "networkobservability_drop_bytes": "gauge"}
+        found = samples(text)
+
+        def node(name: str, **labels: str) -> float:
+            return found[(name, frozenset(labels.items()))]
+
+        # web sent 5 packets (500 bytes), db received 3: the per-pod counters' node totals
+        assert node("networkobservability_forward_count", direction="egress") == 5
+        assert node("networkobservability_forward_bytes", direction="ingress") == 300
+        dropped = {(dict(labels)["reason"], dict(labels)["direction"]): (value, node(
+            "networkobservability_drop_bytes", **dict(labels)))
+            for (name, labels), value in found.items() if name == "networkobservability_drop_count"}
+        assert dropped == {("IPTABLE_RULE_DROP", "egress"): (2, 120), ("IPTABLE_RULE_DROP", "ingress"): (2, 120),
+                           ("NO_SOCKET", "ingress"): (1, 60)}
+        assert promtool(text) == (3, RETINA_FINDINGS)
+
+    RunningAgent(lab, [f"--retina-compat={context}"]).run(steps)
 
 
 def test_the_old_boolean_environment_value_still_means_local(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -72,7 +72,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--retina-compat", nargs="?", const=LOCAL, type=retina_context, default=AgentSettings.retina_compat,
                    metavar="local|remote",
                    help="also export Retina's networkobservability_adv_forward_* and _drop_* series: per pod "
-                        "(local, the flag alone) or per flow (remote, as Retina's pod-level dashboards query them)")
+                        "(local, the flag alone) or per flow (remote, as Retina's pod-level dashboards query them), "
+                        "and in both its node-level networkobservability_forward_*, _drop_* and TCP reset series")
     p.add_argument("--hubble-listen", metavar="ADDR", default=HubbleSettings.listen,
                    help="serve Hubble's Observer gRPC API (hubble observe, Relay, UI) on unix:///PATH or HOST:PORT "
                         "(default: off; 4246 suggested: docs/hubble.md); a non-loopback address needs the TLS options")

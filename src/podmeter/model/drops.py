@@ -156,9 +156,9 @@ class DropLedger:
       split: its owner there is None (its events go to the node only). The agent drains at every change
       of hands, so that happens only for an address freed without one (interest removed) and reused
       within the same flow interval;
-    * ``node_drops``, ``node_lifecycle`` and ``node_tcp`` hold every amount ever added, credited to a pod or
-      not (an IP nobody owned at the drain: it left the filter between the count and the drain), so they
-      never decrease;
+    * ``node_drops``, ``node_drop_bytes``, ``node_lifecycle`` and ``node_tcp`` hold every amount ever added,
+      credited to a pod or not (an IP nobody owned at the drain: it left the filter between the count and
+      the drain), so they never decrease;
     * a drop whose reason is in ``lifecycle`` goes to ``lifecycle`` counts (the series' and
       ``node_lifecycle``), never to ``drops`` counts, and the other way round; its bytes are not kept;
     * a series exists iff its pod holds an observed IP, or lost its last one less than ``grace`` ago
@@ -170,6 +170,7 @@ class DropLedger:
         self.owners: dict[str, str] = {}
         self.previous: dict[str, tuple[str | None, float]] = {}
         self.node_drops: dict[tuple[Direction, str], int] = {}
+        self.node_drop_bytes: dict[tuple[Direction, str], int] = {}  # the bytes of node_drops' packets
         self.node_lifecycle: dict[tuple[Direction, str], int] = {}
         self.node_tcp: dict[TcpEvent, int] = {}
         self.unattributed = 0  # events of IPs no pod owned at their drain
@@ -220,9 +221,11 @@ class DropLedger:
         for (ip, direction, reason), size in drain.drop_bytes:
             if reason in lifecycle:
                 continue
+            key = (direction, reason)
+            self.node_drop_bytes[key] = self.node_drop_bytes.get(key, 0) + size
             series = self._owner_series(ip) if credit else None
             if series is not None:
-                series.drop_bytes[(direction, reason)] = series.drop_bytes.get((direction, reason), 0) + size
+                series.drop_bytes[key] = series.drop_bytes.get(key, 0) + size
         for (ip, event), count in drain.tcp:
             self.node_tcp[event] = self.node_tcp.get(event, 0) + count
             series = self._owner_series(ip) if credit else None

@@ -33,6 +33,7 @@ from podmeter.adapters.metrics.flow_traffic import render_workload_flows
 from podmeter.adapters.metrics.pod_drops import PodDropExposition
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.adapters.metrics.retina import LOCAL, render_remote
+from podmeter.adapters.metrics.retina_node import render_drops, render_forward
 from podmeter.adapters.metrics.service_traffic import render_service_traffic
 from podmeter.model.endpoint_slices import endpoint_labels
 from podmeter.model.endpoints import Endpoint
@@ -121,6 +122,8 @@ class AgentProcess:
         retina = agent.retina
         if retina is not None:
             renderers.append(lambda: render_remote(retina.retina, retina.retina_drops))
+        if self.settings.agent.retina_compat is not None:  # Retina's node-level series, in either context
+            renderers += [lambda: render_forward(traffic.node_totals), lambda: render_drops(agent.drop_ledger)]
         return [*renderers, drop_series.render]
 
     def _http_app(self, opened: OpenDatapath) -> web.Application:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from podmeter.model.datapath import Direction
+from podmeter.model.datapath import Direction, Traffic
 from podmeter.model.retina_flows import UNKNOWN, retina_workload
 from podmeter.model.traffic import Counters, PodSeries, TrafficLedger
 
@@ -55,6 +55,7 @@ class PodTrafficExposition:
         self._retina = retina_compat
         self._labels: dict[tuple[str, Direction], str] = {}
         self._retina_labels: dict[str, str] = {}  # by series UID: every label but the direction
+        self.node_totals: dict[Direction, Traffic] = {}  # of the last render (Retina's node series read them)
 
     def render(self) -> bytes:
         kernel = self._read_counters()
@@ -71,7 +72,8 @@ class PodTrafficExposition:
                     f"networkobservability_adv_forward_bytes{retina} {value.bytes}")
                 lines["networkobservability_adv_forward_count"].append(
                     f"networkobservability_adv_forward_count{retina} {value.packets}")
-        for direction, total in sorted(self._ledger.node_totals(kernel, values).items(), key=lambda kv: kv[0].value):
+        self.node_totals = self._ledger.node_totals(kernel, values)
+        for direction, total in sorted(self.node_totals.items(), key=lambda kv: kv[0].value):
             lines["podmeter_node_bytes_total"].append(
                 f'podmeter_node_bytes_total{{direction="{direction.value}"}} {total.bytes}')
             lines["podmeter_node_packets_total"].append(

@@ -1,0 +1,227 @@
+"""The dashboards against the real thing (no tests here): a real ``podmeter agent --datapath ebpf`` and a
+``podmeter operator`` in a topology's host netns, four netns pods in two namespaces with TCP and UDP
+traffic and drops between them and with addresses no pod holds, Debian's Prometheus scraping both every
+second, and every panel's queries (:mod:`dashboard_queries`) evaluated through Prometheus's HTTP API
+(``/api/v1/query``). Used by ``tests/adapters/test_bpf_dashboards.py`` and ``python -m bench.dashboards``.
+
+The agent's arguments are :func:`agent_arguments` and Prometheus's targets :func:`scrape_targets`, each
+the one place to change: a new metrics address of the agent is one line in each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import dashboard_queries as dq
+from agent_harness import Cluster
+from bpf_support import Pod, Topology
+from drop_support import AgentProcess, nft, routed_pod, send, udp_socket, upload, warm
+from lab_server import LabServer
+from operator_support import OperatorProcess
+from waiting import stop_process, wait_for
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+NODE = "node-a"  # the agent's node: Retina's scrape configuration makes it the `instance` label
+DEFAULT, REMOTE = "default", "remote"
+NAMESPACES = ("shop", "pay")
+DROPPED_PORT = 9998  # a port web's own input chain drops
+
+
+def agent_arguments(mode: str) -> list[str]:
+    """What the agent runs with beyond :class:`drop_support.AgentProcess`' defaults (eBPF, drops on)."""
+    args = ["--flow-interval", "0.5", "--series-grace", "30"]
+    if mode == REMOTE:
+        args.append("--retina-compat=remote")
+    return args
+
+
+@dataclass(frozen=True)
+class Target:
+    job: str
+    port: int
+    labels: Mapping[str, str]
+
+
+def scrape_targets(ports: Mapping[str, int]) -> list[Target]:
+    """Prometheus's targets, labelled as Retina's scrape configuration and podmeter's ServiceMonitor label
+    them (``cluster``, ``instance`` = the node, ``component``)."""
+    node = {"cluster": dq.CLUSTER, "instance": NODE}
+    return [Target("podmeter-agent", ports["agent"], {**node, "component": "agent"}),
+            Target("podmeter-operator", ports["operator"], {**node, "component": "operator"})]
+
+
+def prometheus_config(targets: Sequence[Target]) -> dict[str, Any]:
+    return {"global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": t.job, "static_configs": [{"targets": [f"127.0.0.1:{t.port}"],
+                                                                       "labels": dict(t.labels)}]}
+                               for t in targets]}
+
+
+class Prometheus:
+    """Debian's ``prometheus`` in the topology's host netns, its data in a temp dir (removed at stop)."""
+
+    def __init__(self, topology: Topology, targets: Sequence[Target]) -> None:
+        self.topology = topology
+        self.dir = Path(tempfile.mkdtemp(prefix="pm-prometheus-"))
+        with topology.in_host(), socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        (self.dir / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(targets)))
+        self.log = self.dir / "prometheus.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                ["nsenter", f"--net={topology.host_path}", "--", PROMETHEUS,
+                 f"--config.file={self.dir / 'prometheus.yml'}", f"--storage.tsdb.path={self.dir / 'data'}",
+                 f"--web.listen-address=127.0.0.1:{self.port}"], stdout=out, stderr=subprocess.STDOUT)
+        wait_for(self._ready, 30, "Prometheus ready", self.log_tail)
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, self.log_tail()
+        try:
+            return self._get("/-/ready").startswith("Prometheus Server is Ready")
+        except OSError:
+            return False
+
+    def _get(self, path: str) -> str:
+        with self.topology.in_host(), urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}",
+                                                             timeout=10) as response:
+            return str(response.read().decode())
+
+    def query(self, expr: str, at: float | None = None) -> list[Any]:
+        """The result of an instant query (raises on a query Prometheus refuses)."""
+        params = {"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})}
+        answer = json.loads(self._get("/api/v1/query?" + urllib.parse.urlencode(params)))
+        assert answer["status"] == "success", (expr, answer)
+        return list(answer["data"]["result"])
+
+    def targets_up(self) -> bool:
+        return all(t["health"] == "up" for t in json.loads(self._get("/api/v1/targets"))["data"]["activeTargets"])
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@dataclass
+class Traffic:
+    """TCP uploads and UDP datagrams between the pods, to and from the host (an address no pod holds) and
+    into web's dropped port, again and again until :meth:`stop`."""
+
+    pods: Mapping[str, Pod]
+    host_ip: str
+    stopping: threading.Event = field(default_factory=threading.Event)
+    failures: list[BaseException] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        web, client, api = self.pods["shop/web"], self.pods["shop/client"], self.pods["pay/api"]
+        try:
+            while not self.stopping.is_set():
+                upload(client, web, 20_000)
+                upload(api, self.pods["pay/db"], 10_000)
+                for sender in (client, api):
+                    with udp_socket(sender) as sock:
+                        send(sock, (web.ip, 9999), 3)
+                        send(sock, (web.ip, DROPPED_PORT), 2)
+                with udp_socket(web) as sock:
+                    send(sock, (self.host_ip, 9999), 2)  # to an address no pod holds
+                self.stopping.wait(0.3)
+        except BaseException as exc:  # reported by stop()
+            self.failures.append(exc)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(30)
+        if self.failures:
+            raise self.failures[0]
+
+
+@dataclass(frozen=True)
+class PanelResult:
+    panel: dq.Panel
+    has_data: bool
+    expected: str | None  # None: podmeter should fill it; else why not
+
+
+@contextlib.contextmanager
+def running(topology: Topology, server: LabServer, pins: Path, workdir: Path, mode: str) -> Iterator[Prometheus]:
+    """The agent (in ``mode``) and the operator scraped by Prometheus, with :class:`Traffic` flowing and the
+    drops and the pods' own series already scraped once."""
+    pods = {f"{ns}/{name}": routed_pod(topology, None) for ns, name in
+            (("shop", "web"), ("shop", "client"), ("pay", "api"), ("pay", "db"))}
+    cluster = Cluster(server)
+    with topology.in_host():
+        for namespace in NAMESPACES:
+            cluster.namespace(namespace, observe=True)
+        for key, pod in pods.items():
+            cluster.pod(*key.split("/"), pod.ip)
+        operator = OperatorProcess(server, workdir, "operator", [])
+    agent = AgentProcess(topology, server, pins, workdir / "agent.log", args=agent_arguments(mode))
+    stack = contextlib.ExitStack()
+    try:
+        stack.callback(operator.stop)
+        stack.callback(agent.stop)
+        wait_for(lambda: agent.get("/readyz")[0] == 200, 30, "agent ready", agent.log)
+        wait_for(lambda: {p.ip for p in pods.values()} <= set(json.loads(agent.get("/debug/state")[1])["filter"]
+                                                                 ["actual"]), 10, "filter", agent.log)
+        for key in ("shop/client", "pay/api"):
+            warm(pods[key], pods["shop/web"])
+        nft(pods["shop/web"], f"in udp dport {DROPPED_PORT} drop")
+        prometheus = Prometheus(topology, scrape_targets({"agent": agent.port, "operator": operator.port}))
+        stack.callback(prometheus.stop)
+        wait_for(prometheus.targets_up, 30, "targets up", prometheus.log_tail)
+        traffic = Traffic(pods, pods["shop/web"].host_ip)
+        traffic.start()
+        stack.callback(traffic.stop)
+        wait_for(lambda: bool(prometheus.query("rate(podmeter_pod_drops_total[15s]) > 0")), 60, "drops scraped",
+                 agent.log)
+        time.sleep(3)  # a few scrapes of the flows and drops that followed
+        yield prometheus
+    finally:
+        stack.close()
+
+
+def evaluate(prometheus: Prometheus, args: Sequence[str], picked: Mapping[str, str]) -> list[PanelResult]:
+    """Every panel of every dashboard, evaluated at one moment: with data if one of its queries has a result."""
+    at = time.time()
+    return [PanelResult(panel, any(prometheus.query(dq.promql(q, picked), at) for q in panel.queries),
+                        dq.expected(panel, args)) for panel in dq.all_panels()]
+
+
+def measure(topology: Topology, server: LabServer, pins: Path, workdir: Path, mode: str) -> list[PanelResult]:
+    with running(topology, server, pins, workdir, mode) as prometheus:
+        return evaluate(prometheus, agent_arguments(mode), {**dq.PICKED, "namespace": NAMESPACES[0]})
+
+
+def summary(results: Sequence[PanelResult]) -> dict[str, dict[str, int]]:
+    """Per dashboard: panels, panels with data, panels podmeter should fill."""
+    out: dict[str, dict[str, int]] = {}
+    for r in results:
+        row = out.setdefault(r.panel.dashboard, {"panels": 0, "with_data": 0, "expected": 0})
+        row["panels"] += 1
+        row["with_data"] += r.has_data
+        row["expected"] += r.expected is None
+    return out
