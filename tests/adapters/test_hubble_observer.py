@@ -324,9 +324,9 @@ async def test_a_flow_carries_what_podmeter_knows_in_hubbles_fields(hubble: Any)
 
 
 def with_drops(batch: list[FlowRecord]) -> list[FlowRecord]:
-    """The records with 5, 6, 8 and 9 dropped: by netfilter, for a bad IPv6 extension header (the one kernel
-    reason with an exact Cilium code), for a bad TCP checksum, by netfilter."""
-    reasons = {5: "NETFILTER_DROP", 6: "IPV6_BAD_EXTHDR", 8: "TCP_CSUM", 9: "NETFILTER_DROP"}
+    """The records with 5, 6, 8 and 9 dropped: by netfilter (Cilium's POLICY_DENIED), for a bad IPv6 extension
+    header, for a bad TCP checksum (an invalid packet), for a reason the kernel does not specify (no code)."""
+    reasons = {5: "NETFILTER_DROP", 6: "IPV6_BAD_EXTHDR", 8: "TCP_CSUM", 9: "NOT_SPECIFIED"}
     return [msgspec.structs.replace(r, verdict="dropped", drop_reason=reasons[i]) if i in reasons else r
             for i, r in enumerate(batch)]
 
@@ -334,21 +334,24 @@ def with_drops(batch: list[FlowRecord]) -> list[FlowRecord]:
 DROPPED = [5, 6, 8, 9]
 
 
-async def test_a_dropped_record_is_a_drop_event_with_the_cilium_code_only_where_it_is_exact(hubble: Any) -> None:
+async def test_a_dropped_record_is_a_drop_event_with_the_cilium_code_where_one_has_its_meaning(hubble: Any) -> None:
     feed, _, client = hubble
     feed.publish(with_drops(records(10)))
     flows = [r.flow for r in await client.flows(number=10)]
     assert [i for i, f in enumerate(flows) if f.verdict == flow_pb2.DROPPED] == DROPPED
-    netfilter, exthdr, forwarded = flows[5], flows[6], flows[7]
-    assert (netfilter.event_type.type, netfilter.event_type.sub_type) == (1, 255)  # a drop, no Cilium code
-    assert netfilter.drop_reason_desc == flow_pb2.DROP_REASON_UNKNOWN
+    netfilter, exthdr, forwarded, unspecified = flows[5], flows[6], flows[7], flows[9]
+    # The compact printer names the sub-type from Cilium's table: "Policy denied", not "255, 0".
+    assert (netfilter.event_type.type, netfilter.event_type.sub_type) == (1, 133)
+    assert netfilter.drop_reason_desc == flow_pb2.POLICY_DENIED
     assert (exthdr.event_type.type, exthdr.event_type.sub_type) == (1, 156)
     assert exthdr.drop_reason_desc == flow_pb2.INVALID_IPV6_EXTENSION_HEADER
+    assert flows[8].drop_reason_desc == flow_pb2.INVALID_PACKET_DROPPED
+    assert (unspecified.event_type.sub_type, unspecified.drop_reason_desc) == (255, flow_pb2.DROP_REASON_UNKNOWN)
     assert (forwarded.event_type.type, forwarded.drop_reason_desc) == (4, flow_pb2.DROP_REASON_UNKNOWN)
     assert netfilter.trace_observation_point == flow_pb2.FROM_ENDPOINT  # the observed end, as for forwarded flows
     assert flows[8].traffic_direction == flow_pb2.INGRESS
     # The kernel's reason, which no other Hubble field carries, is the summary hubble observe prints.
-    assert [flows[i].Summary for i in DROPPED] == ["NETFILTER_DROP", "IPV6_BAD_EXTHDR", "TCP_CSUM", "NETFILTER_DROP"]
+    assert [flows[i].Summary for i in DROPPED] == ["NETFILTER_DROP", "IPV6_BAD_EXTHDR", "TCP_CSUM", "NOT_SPECIFIED"]
     assert forwarded.Summary == "ICMPv4 type 8 code 0"
 
 
@@ -363,14 +366,16 @@ DROP_FILTERS: dict[str, tuple[list[dict[str, Any]], list[int]]] = {
     "verdict dropped": ([{"verdict": [flow_pb2.DROPPED]}], DROPPED),
     "type drop": ([{"event_type": [event(1)]}], DROPPED),
     "type drop with the code": ([{"event_type": [event(1, 156)]}], [6]),
-    "type drop with the unknown code": ([{"event_type": [event(1, 255)]}], [5, 8, 9]),
+    "type drop with the unknown code": ([{"event_type": [event(1, 255)]}], [9]),
+    "type drop policy denied": ([{"event_type": [event(1, 133)]}], [5]),
     "type trace": ([{"event_type": [event(4)]}], [0, 1, 2, 3, 4, 7]),
     "type trace to-endpoint": ([{"event_type": [event(4, 0)]}], [2, 3, 7]),
     "type 0 is any type": ([{"event_type": [event(0)]}], ALL),
     "type drop or trace": ([{"event_type": [event(1), event(4, 5)]}], [0, 1, 4, 5, 6, 8, 9]),
     "drop reason with a code": ([{"drop_reason_desc": [flow_pb2.INVALID_IPV6_EXTENSION_HEADER]}], [6]),
-    "drop reason unknown": ([{"drop_reason_desc": [flow_pb2.DROP_REASON_UNKNOWN]}], [5, 8, 9]),  # dropped ones
-    "drop reason podmeter never gives": ([{"drop_reason_desc": [133]}], []),  # POLICY_DENIED: Cilium's policy
+    "drop reason unknown": ([{"drop_reason_desc": [flow_pb2.DROP_REASON_UNKNOWN]}], [9]),  # dropped ones
+    "drop reason policy denied": ([{"drop_reason_desc": [flow_pb2.POLICY_DENIED]}], [5]),
+    "drop reason podmeter never gives": ([{"drop_reason_desc": [181]}], []),  # POLICY_DENY: Cilium's deny list
 }
 
 

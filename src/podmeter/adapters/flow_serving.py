@@ -331,6 +331,8 @@ class FlowFeed:
         self.lost = 0  # records followers did not see (in gaps)
         self._readers: list[Reader] = []
         self._busiest = 0  # the most reads open at once since the last burst ended
+        # What else each drain's records feed, called with (records, passed) (Hubble's metrics).
+        self.taps: list[Callable[[list[FlowRecord], int], None]] = []
 
     @property
     def published(self) -> int:
@@ -347,6 +349,8 @@ class FlowFeed:
     def publish(self, records: list[FlowRecord], passed: int = 0) -> None:
         """The writer task's only call: append, and wake the followers (which filter in their own tasks).
         ``passed``: records of the drain before these that nobody could read (``FlowRing.extend``)."""
+        for tap in self.taps:
+            tap(records, passed)
         if not records:
             return
         self.ring.extend(records, passed)

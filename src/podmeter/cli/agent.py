@@ -83,6 +83,14 @@ def register(subparsers: Any) -> None:
                    help="the Hubble API's server key")
     p.add_argument("--hubble-tls-client-ca", metavar="PEM", default=HubbleSettings.tls_client_ca,
                    help="CA that signs the Hubble API's client certificates (required: mutual TLS, as Relay uses)")
+    p.add_argument("--hubble-metrics-server", metavar="ADDR", default=AgentProcessSettings.hubble_metrics_server,
+                   help="serve Hubble's metrics (hubble_*) on their own /metrics at HOST:PORT (default: off; "
+                        "':9965', Cilium's port, is loopback; 0.0.0.0:9965 all interfaces: their labels name pods)")
+    p.add_argument("--hubble-metrics", metavar="LIST", default=AgentSettings.hubble_metrics,
+                   help="which of Hubble's metrics, in Cilium's hubble-metrics syntax, e.g. 'drop tcp "
+                        "flow:sourceContext=pod;destinationContext=pod' (docs/metrics.md, \"Hubble metrics\")")
+    p.add_argument("--hubble-metrics-series-limit", type=_positive, default=AgentSettings.hubble_metrics_series_limit,
+                   help="series of Hubble's metrics in all; beyond, each family's overflow series")
     p.add_argument("--log-format", choices=("text", "json"), default=LogSettings.format,
                    help="text for people, json: one object per line (ts, level, logger, msg)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=LogSettings.level,
@@ -96,7 +104,9 @@ def settings_from(args: argparse.Namespace) -> AgentProcessSettings:
         agent=AgentSettings(node_name=args.node_name, resync_interval=args.resync_interval,
                             series_grace=args.series_grace, flow_interval=args.flow_interval,
                             flow_buffer=args.flow_buffer, flow_series_limit=args.flow_series_limit,
-                            retina_compat=args.retina_compat, drops_include_lifecycle=args.drops_include_lifecycle),
+                            retina_compat=args.retina_compat, drops_include_lifecycle=args.drops_include_lifecycle,
+                            hubble_metrics=args.hubble_metrics,
+                            hubble_metrics_series_limit=args.hubble_metrics_series_limit),
         kubeconfig=args.kubeconfig, context=args.context,
         datapath=DatapathSettings(kind=args.datapath, bpffs=args.bpffs, filter_map_size=args.filter_map_size,
                                   flow_map_size=args.flow_map_size, drop_map_size=args.drop_map_size,
@@ -105,6 +115,7 @@ def settings_from(args: argparse.Namespace) -> AgentProcessSettings:
         hubble=HubbleSettings(args.hubble_listen, args.hubble_tls_cert, args.hubble_tls_key,
                               args.hubble_tls_client_ca),
         log=LogSettings(args.log_format, args.log_level),
+        hubble_metrics_server=args.hubble_metrics_server,
     )
 
 

@@ -54,9 +54,12 @@ from podmeter.model.configuration import MetricsConfiguration
 from podmeter.model.datapath import Datapath
 from podmeter.model.deltas import Collection, Delta, Replace
 from podmeter.model.drops import LIFECYCLE_REASONS, DropLedger, DropSource
-from podmeter.model.endpoints import Names
+from podmeter.model.endpoint_slices import endpoint_labels
+from podmeter.model.endpoints import Endpoint, Names
 from podmeter.model.flow_series import WorkloadFlows
 from podmeter.model.flows import FlowSource
+from podmeter.model.hubble_metrics import HubbleMetrics
+from podmeter.model.hubble_metrics_config import parse as parse_hubble_metrics
 from podmeter.model.interest import holds_address
 from podmeter.model.records import Node, Pod
 from podmeter.model.retina_flows import WorkloadFlowsAndRetina
@@ -132,6 +135,7 @@ class Agent:
                                   annotate=self.drops.annotate if self.drops else None, services=self.services,
                                   service_traffic=self.service_traffic)
                       if flows else None)
+        self.hubble_metrics = self._hubble_metrics(settings)
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=10_000)
         self.synced: set[Collection[Any]] = set()
         self.ready = asyncio.Event()
@@ -149,6 +153,24 @@ class Agent:
         self._nodes_changed: list[Callable[[Node | None, Node | None], None]] = []
         self._pods_changed = True  # the node's pod IPs are to be computed again and given to links
         self._pod_ips: frozenset[str] | None = None  # the IPs last given to links
+
+    def _hubble_metrics(self, settings: AgentSettings) -> HubbleMetrics | None:
+        """Hubble's metrics (``--hubble-metrics``), fed every record the drains publish; None: off."""
+        if settings.hubble_metrics is None:
+            return None
+        metrics = HubbleMetrics(parse_hubble_metrics(settings.hubble_metrics), settings.hubble_metrics_series_limit,
+                                settings.flow_series_idle, settings.series_grace, self._endpoint_labels)
+        self.flow_feed.taps.append(lambda records, passed: metrics.add(records, time.monotonic(), passed))
+        return metrics
+
+    def _endpoint_labels(self, endpoint: Endpoint) -> tuple[str, ...]:
+        return endpoint_labels(endpoint, self.view.pods, self.view.cluster)
+
+    def known_pods(self) -> set[tuple[str, str]]:
+        """(namespace, name) of every pod the agent knows: this node's and the cluster's endpoints."""
+        known = {(pod.namespace, pod.name) for pod in self.view.pods.values()}
+        known.update((e.namespace, e.pod) for _, e in self.view.cluster.items())
+        return known
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -254,6 +276,8 @@ class Agent:
             self.workload_flows.expire(now)
             self.service_traffic.expire(now)
             self.drop_ledger.expire(now)
+            if self.hubble_metrics is not None:
+                self.hubble_metrics.expire(now, self.known_pods)
         elif item is Tick.DRAIN:
             self._drain_due = True
         elif not isinstance(item, Tick):

@@ -30,6 +30,7 @@ from podmeter.adapters.http import build_app, parse_listen, serve
 from podmeter.adapters.kube.connection import Connection, ConnectionConfigError, load_connection
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
 from podmeter.adapters.metrics.flow_traffic import render_workload_flows
+from podmeter.adapters.metrics.hubble_metrics import render_hubble, render_hubble_figures
 from podmeter.adapters.metrics.pod_drops import PodDropExposition
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.adapters.metrics.retina import LOCAL, render_remote
@@ -37,6 +38,7 @@ from podmeter.adapters.metrics.retina_node import render_drops, render_forward
 from podmeter.adapters.metrics.service_traffic import render_service_traffic
 from podmeter.model.endpoint_slices import endpoint_labels
 from podmeter.model.endpoints import Endpoint
+from podmeter.model.hubble_metrics_config import parse as parse_hubble_metrics
 from podmeter.runtime.agent import Agent
 from podmeter.runtime.datapaths import OpenDatapath, open_datapath
 from podmeter.runtime.logs import setup_logging
@@ -54,6 +56,7 @@ def run(settings: AgentProcessSettings) -> int:
     setup_logging(settings.log.level, settings.log.format)
     try:
         parse_listen(settings.listen)
+        check_hubble_metrics(settings)
         hubble = hubble_config(settings.hubble)
         connection = load_connection(settings.kubeconfig, settings.context)
     except (ValueError, ConnectionConfigError) as exc:
@@ -86,6 +89,16 @@ def hubble_config(settings: HubbleSettings) -> HubbleConfig | None:
     return checked(settings.listen, settings.tls_cert, settings.tls_key, settings.tls_client_ca)
 
 
+def check_hubble_metrics(settings: AgentProcessSettings) -> None:
+    """Hubble's metrics are both a list and an address, or neither; ValueError naming what is wrong."""
+    value, server = settings.agent.hubble_metrics, settings.hubble_metrics_server
+    if (value is None) != (server is None):
+        raise ValueError("--hubble-metrics and --hubble-metrics-server go together: which metrics, and where")
+    if value is not None and server is not None:
+        parse_hubble_metrics(value)
+        parse_listen(server)
+
+
 class AgentProcess:
     """Everything one ``podmeter agent`` runs, on a datapath already opened (the caller closes it)."""
 
@@ -108,6 +121,8 @@ class AgentProcess:
         self.registry.register(AgentStateCollector(self.agent.snapshot))
         self.app = self._http_app(opened)
         self.hubble = self._hubble_server(hubble) if hubble is not None else None
+        self.hubble_metrics_app = self._hubble_metrics_app()
+        self.hubble_metrics_port: int | None = None  # the bound port, once serving
 
     def _expositions(self, opened: OpenDatapath) -> list[Callable[[], bytes]]:
         """The series rendered as text at each scrape: per pod (and Retina's local context), per workload
@@ -124,7 +139,19 @@ class AgentProcess:
             renderers.append(lambda: render_remote(retina.retina, retina.retina_drops))
         if self.settings.agent.retina_compat is not None:  # Retina's node-level series, in either context
             renderers += [lambda: render_forward(traffic.node_totals), lambda: render_drops(agent.drop_ledger)]
+        hubble_metrics = agent.hubble_metrics
+        if hubble_metrics is not None:
+            renderers.append(lambda: render_hubble_figures(hubble_metrics))
         return [*renderers, drop_series.render]
+
+    def _hubble_metrics_app(self) -> web.Application | None:
+        """Hubble's metrics on their own listener (``--hubble-metrics-server``), as Cilium serves them."""
+        metrics = self.agent.hubble_metrics
+        if metrics is None:
+            return None
+        return build_app(CollectorRegistry(), self.agent.ready.is_set, {}, expositions=[lambda: render_hubble(metrics)],
+                         healthy=lambda: self.agent.supervisor.healthy,
+                         metrics_min_interval=self.settings.metrics_min_interval)
 
     def _http_app(self, opened: OpenDatapath) -> web.Application:
         agent, settings = self.agent, self.settings
@@ -151,12 +178,19 @@ class AgentProcess:
     async def serve(self) -> int:
         """Serve until SIGTERM or SIGINT (0) or until a supervised task dies (1); the pinned state stays."""
         runner, port = await serve(self.app, self.settings.listen)
+        hubble_metrics = None
+        if self.hubble_metrics_app is not None and self.settings.hubble_metrics_server is not None:
+            hubble_metrics, self.hubble_metrics_port = await serve(self.hubble_metrics_app,
+                                                                   self.settings.hubble_metrics_server)
+            log.info("Hubble's metrics on port %d", self.hubble_metrics_port)
         try:
             if self.hubble is not None:
                 await self.hubble.start()
         except ValueError as exc:  # the Hubble API's AccessError
             log.error("%s", exc)
             await runner.cleanup()
+            if hubble_metrics is not None:
+                await hubble_metrics.cleanup()
             return 1
         log.info("agent for node %s: API server %s (%s), HTTP on port %d", self.settings.agent.node_name,
                  self.connection.server, self.connection.source, port)
@@ -176,4 +210,6 @@ class AgentProcess:
             await self.hubble.stop()
         await self.agent.stop()
         await runner.cleanup()
+        if hubble_metrics is not None:
+            await hubble_metrics.cleanup()
         return 1 if crashed else 0

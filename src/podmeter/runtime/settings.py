@@ -65,6 +65,9 @@ class AgentSettings:
     # The cluster's nodes, for the Hubble API's peer list: the agent process turns it on when its Hubble API
     # announces peers (an address other nodes reach), not a flag of its own.
     watch_nodes: bool = False
+    # Hubble's metrics (--hubble-metrics: Cilium's hubble-metrics syntax, model.hubble_metrics_config); None: off
+    hubble_metrics: str | None = None
+    hubble_metrics_series_limit: int = 5000  # their series in all (then: each family's overflow series)
     reflector: Callable[[ResourceKind[Any]], ReflectorSettings] = field(default=_reflector_defaults)
 
 
@@ -109,6 +112,7 @@ class AgentProcessSettings:
     debug_remote: bool = False  # /debug/* answers clients that are not on loopback too
     hubble: HubbleSettings = field(default_factory=HubbleSettings)
     log: LogSettings = field(default_factory=LogSettings)
+    hubble_metrics_server: str | None = None  # HOST:PORT of Hubble's metrics (":9965": loopback); None: off
 
 
 # --- the operator ------------------------------------------------------------------------------------

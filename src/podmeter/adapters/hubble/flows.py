@@ -18,10 +18,12 @@ What a record carries maps onto Hubble's message like this (the compatibility ta
   Hubble's printers show as ``to-endpoint``/``from-endpoint``; a dropped one a drop event (type 1), so that
   ``hubble observe --type drop`` selects it. Cilium's drop events carry their drop code as the sub-type and
   in ``drop_reason_desc``. Those codes are Cilium's datapath's, podmeter's reasons the kernel's
-  ``skb_drop_reason`` names: :data:`DROP_REASONS` maps the only kernel reason whose meaning is exactly a
-  Cilium code's; any other leaves ``drop_reason_desc`` unknown and has the sub-type
-  :data:`DROP_SUB_TYPE_UNKNOWN` (255, which Cilium does not use: Hubble's printers, naming the sub-type from
-  Cilium's table, would show 0 as "Success").
+  ``skb_drop_reason`` names: ``model.drop_codes`` maps each kernel reason whose meaning is a Cilium code's
+  to it (``NETFILTER_DROP`` is ``POLICY_DENIED``, ``NO_SOCKET`` ``SOCKET_LOOKUP_FAILED``, ...: the table is in
+  docs/hubble.md), so the compact printer names it ("Policy denied"); any other leaves ``drop_reason_desc``
+  unknown and has the sub-type :data:`DROP_SUB_TYPE_UNKNOWN` (255, which Cilium does not use: Hubble's
+  printers, naming the sub-type from Cilium's table, would show 0 as "Success"), the kernel's reason in the
+  summary.
 - ``Summary`` (deprecated in Hubble's API, still the last column of ``hubble observe``'s compact output):
   for TCP ``TCP Flags: SYN, ACK`` as Hubble's agent writes it (names in its order: SYN, ACK, RST, FIN, PSH,
   URG, ECE, CWR), here every flag seen in the entry, ``TCP`` if none; podmeter's own short text otherwise:
@@ -42,6 +44,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from podmeter.adapters.flow_serving import Encoded
 from podmeter.adapters.hubble.proto import flow_pb2, observer_pb2
+from podmeter.model.drop_codes import CILIUM_CODES
 from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
 from podmeter.model.flows import ICMP, ICMPV6, TCP, TCP_FLAG_NAMES, UDP, Observation, protocol_name
@@ -58,12 +61,10 @@ MESSAGE_TYPE_TRACE = 4  # Cilium's monitor message type of a trace event
 TRACE_TO_ENDPOINT, TRACE_FROM_ENDPOINT = 0, 5  # its sub-types: to and from a pod (an "lxc")
 MESSAGE_TYPE_DROP = 1  # Cilium's monitor message type of a drop event; its sub-type is the drop code
 DROP_SUB_TYPE_UNKNOWN = 255  # the sub-type of a drop whose kernel reason has no Cilium code (Cilium's end at 205)
-# Kernel drop reasons (skb_drop_reason names, without the SKB_DROP_REASON_ prefix) whose meaning is exactly
-# that of a Cilium drop code. Deliberately short: most kernel reasons describe the kernel's stack (a full
-# socket buffer, a netfilter rule, a missing route), Cilium's codes decisions of Cilium's datapath, and a near
-# match would name a cause that was not the cause.
+# Kernel drop reasons (skb_drop_reason names, without the SKB_DROP_REASON_ prefix) as the Cilium drop code
+# whose meaning is theirs (model.drop_codes: the why of each is there and in docs/hubble.md).
 DROP_REASONS: dict[str, flow_pb2.DropReason.ValueType] = {
-    "IPV6_BAD_EXTHDR": flow_pb2.INVALID_IPV6_EXTENSION_HEADER,
+    reason: flow_pb2.DropReason.Value(code.name) for reason, code in CILIUM_CODES.items()
 }
 
 POINTS = {Observation.TO_POD: flow_pb2.TO_ENDPOINT, Observation.FROM_POD: flow_pb2.FROM_ENDPOINT}

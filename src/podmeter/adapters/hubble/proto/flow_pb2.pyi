@@ -84,16 +84,34 @@ class _DropReason:
 class _DropReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DropReason.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     DROP_REASON_UNKNOWN: _DropReason.ValueType  # 0
+    INVALID_SOURCE_MAC: _DropReason.ValueType  # 130
+    INVALID_SOURCE_IP: _DropReason.ValueType  # 132
+    POLICY_DENIED: _DropReason.ValueType  # 133
+    INVALID_PACKET_DROPPED: _DropReason.ValueType  # 134
+    UNSUPPORTED_L3_PROTOCOL: _DropReason.ValueType  # 139
+    UNKNOWN_L4_PROTOCOL: _DropReason.ValueType  # 142
     INVALID_IPV6_EXTENSION_HEADER: _DropReason.ValueType  # 156
+    REACHED_EDT_RATE_LIMITING_DROP_HORIZON: _DropReason.ValueType  # 162
+    FIB_LOOKUP_FAILED: _DropReason.ValueType  # 169
+    SOCKET_LOOKUP_FAILED: _DropReason.ValueType  # 178
 
 class DropReason(_DropReason, metaclass=_DropReasonEnumTypeWrapper):
-    """Cilium's datapath drop codes. podmeter's drops are the kernel's (skb_drop_reason names): a dropped flow
-    carries the one code whose meaning is exactly the kernel reason's (an invalid IPv6 extension header),
-    DROP_REASON_UNKNOWN otherwise. A filter may carry any code (the enum is open).
+    """Cilium's datapath drop codes, those podmeter gives. podmeter's drops are the kernel's (skb_drop_reason
+    names): a dropped flow carries the code whose meaning is the kernel reason's (model.drop_codes, listed in
+    docs/hubble.md), DROP_REASON_UNKNOWN otherwise. A filter may carry any code (the enum is open).
     """
 
 DROP_REASON_UNKNOWN: DropReason.ValueType  # 0
+INVALID_SOURCE_MAC: DropReason.ValueType  # 130
+INVALID_SOURCE_IP: DropReason.ValueType  # 132
+POLICY_DENIED: DropReason.ValueType  # 133
+INVALID_PACKET_DROPPED: DropReason.ValueType  # 134
+UNSUPPORTED_L3_PROTOCOL: DropReason.ValueType  # 139
+UNKNOWN_L4_PROTOCOL: DropReason.ValueType  # 142
 INVALID_IPV6_EXTENSION_HEADER: DropReason.ValueType  # 156
+REACHED_EDT_RATE_LIMITING_DROP_HORIZON: DropReason.ValueType  # 162
+FIB_LOOKUP_FAILED: DropReason.ValueType  # 169
+SOCKET_LOOKUP_FAILED: DropReason.ValueType  # 178
 Global___DropReason: _TypeAlias = DropReason  # noqa: Y015
 
 class _TrafficDirection:
