@@ -173,12 +173,13 @@ class Dnsmasq:
                 f"--listen-address={self.address}", "--port=53", f"--pid-file={self.workdir / 'pid'}",
                 "--address=/svc.cluster.local/10.96.0.50", "--address=/nxdomain.test/", "--user=root",
                 "--group=root", "--log-facility=-", "--no-ping"]
-        with netns(self.netns_path):
-            self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        log = self.workdir / "log"
+        with netns(self.netns_path), open(log, "wb") as out:
+            self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=out)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"dnsmasq exited: {self.process.stderr.read() if self.process.stderr else b''!r}")
+                raise RuntimeError(f"dnsmasq exited: {log.read_text(errors='replace')[-2000:]}")
             with netns(self.netns_path):
                 if ask(self.address, message(1, "ready.svc.cluster.local"), timeout=0.2) is not None:
                     return

@@ -5,16 +5,25 @@ loop), names up to and past 255 bytes, compressed answers."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import struct
+import subprocess
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dns_support import DnsProgram, message, name_of, response
+from podmeter.adapters.metrics.pod_dns import PodDnsExposition
+from podmeter.cli.observe import compact
 from podmeter.model import dns
+from podmeter.model.endpoints import AddressBook, ChainedNames
+from podmeter.model.flow_records import EndpointCache, FlowFilter, encode_json, name_dns
+from podmeter.model.records import Pod
 
 fast = pytest.mark.fast
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (bpf)")
@@ -143,3 +152,80 @@ def test_the_kernel_parser_agrees_with_the_mirror(program: DnsProgram, msg: byte
         dns.name_text(question.wire_name), question.qtype, 6 if tcp else 17, 1)
     assert key.rcode == (question.rcode if response_side else 0)
     assert key.direction is (dns.Direction.RESPONSE if response_side else dns.Direction.QUERY)
+
+
+# --- the per-pod series and the records ---------------------------------------------------------------------
+
+
+def _pod(uid: str, ip: str, name: str = "web") -> Pod:
+    return Pod(uid, "shop", name, "node-a", (ip,), False, "Running", False, True, (), "1")
+
+
+def _entry(direction: dns.Direction, qtype: int = 1, rcode: int = 0, count: int = 1, latency_bucket: int | None = None,
+           pod: str = "10.0.0.2") -> dns.DnsEntry:
+    buckets = [0] * dns.BUCKETS
+    if latency_bucket is not None:
+        buckets[latency_bucket] = count
+    key = dns.DnsKey(pod, "10.96.0.10", direction, "cart.shop.svc.cluster.local.", qtype, rcode, 17)
+    lat = count if latency_bucket is not None else 0
+    return key, dns.DnsCounts(count, lat, lat * 3_000_000, tuple(buckets))
+
+
+@fast
+def test_a_pods_dns_series_lives_with_its_pod_then_its_grace() -> None:
+    ledger = dns.DnsLedger(grace=30)
+    web = _pod("u1", "10.0.0.2")
+    ledger.assign("10.0.0.2", web, now=0)
+    assert ledger.series["u1"].queries == {} and ledger.series["u1"].buckets == [0] * dns.BUCKETS  # at 0 at once
+    holders = {"10.0.0.2": "u1"}
+    ledger.add([_entry(dns.Direction.QUERY, 1, count=3), _entry(dns.Direction.QUERY, 28),
+                _entry(dns.Direction.RESPONSE, 1, 3, count=2, latency_bucket=2),
+                _entry(dns.Direction.RESPONSE, pod="10.0.0.9")], holders)
+    series = ledger.series["u1"]
+    assert (series.queries, series.responses) == ({1: 3, 28: 1}, {3: 2})
+    assert (series.latency_count, series.buckets[2], ledger.unattributed) == (2, 2, 1)
+    ledger.release(["10.0.0.2"], now=10)  # the pod goes: the series stays for its grace ...
+    ledger.add([_entry(dns.Direction.RESPONSE, 1, 0)], holders)  # ... and takes its last answers
+    assert ledger.expire(now=39) == 0 and ledger.series["u1"].responses == {3: 2, 0: 1}
+    assert ledger.expire(now=40) == 1 and ledger.series == {}
+    ledger.assign("10.0.0.2", web, now=50)  # observed again: a new series from zero
+    assert ledger.series["u1"].responses == {} and ledger.owners == {"10.0.0.2": "u1"}
+
+
+@fast
+def test_a_dns_record_carries_the_flow_fields_and_the_dns_object() -> None:
+    entries = [_entry(dns.Direction.QUERY, 28, count=2), _entry(dns.Direction.RESPONSE, 28, 3, 2, latency_bucket=2)]
+    query, answer = name_dns(entries, EndpointCache(ChainedNames(AddressBook([_pod("u1", "10.0.0.2")]))),
+                             "node-a", 1000.0)
+    out = answer.to_json()
+    assert out["dns"] == {"direction": "response", "query": "cart.shop.svc.cluster.local.", "qtype": "AAAA",
+                          "rcode": "NXDOMAIN", "count": 2,
+                          "latency_ms": {"count": 2, "mean": 3.0, "buckets": {"5": 2}}}
+    assert (out["source"]["ip"], out["source"]["port"], out["destination"]["pod"]) == ("10.96.0.10", 53, "web")
+    assert (out["protocol"], out["observation"], out["packets"]) == ("UDP", "to-pod", 2)
+    assert query.to_json()["dns"]["rcode"] is None and query.to_json()["source"]["pod"] == "web"
+    for record in (query, answer):  # the fast encoder writes the same bytes
+        assert encode_json(record) == msgspec.json.encode(record.to_json())
+    assert FlowFilter(protocol="dns").matches(answer) and not FlowFilter(protocol="tcp").matches(answer)
+    assert FlowFilter(protocol="DNS", namespace="shop").matches(query)
+    line = compact(json.loads(encode_json(answer)))
+    assert "DNS response cart.shop.svc.cluster.local. AAAA NXDOMAIN 3 ms x2" in line
+
+
+def test_the_dns_series_are_valid_prometheus_text() -> None:
+    ledger = dns.DnsLedger(grace=30)
+    ledger.assign("10.0.0.2", _pod("u1", "10.0.0.2"), now=0)
+    ledger.add([_entry(dns.Direction.QUERY, 33), _entry(dns.Direction.RESPONSE, 33, 2, latency_bucket=12)],
+               {"10.0.0.2": "u1"})
+    text = PodDnsExposition(ledger, lambda: {dns.Verdict.PARSED: 2, dns.Verdict.POINTER: 1}).render().decode()
+    assert 'podmeter_pod_dns_queries_total{namespace="shop",pod="web",qtype="SRV"} 1' in text
+    assert 'podmeter_pod_dns_responses_total{namespace="shop",pod="web",rcode="SERVFAIL"} 1' in text
+    assert 'podmeter_pod_dns_response_seconds_bucket{namespace="shop",pod="web",le="5"} 0' in text
+    assert 'podmeter_pod_dns_response_seconds_bucket{namespace="shop",pod="web",le="+Inf"} 1' in text
+    assert 'podmeter_dns_messages_total{verdict="pointer"} 1' in text
+    assert "cart.shop" not in text  # names are never a label
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("needs promtool")
+    checked = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr

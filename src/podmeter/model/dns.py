@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from podmeter.model.pod_series import SeriesBook
+from podmeter.model.records import Pod
 
 HEADER = struct.Struct("!HHHHHH")  # id, flags, qdcount, ancount, nscount, arcount
 NAME_MAX = 255  # wire bytes of a name, its final zero included (RFC 1035 3.1)
@@ -202,3 +206,112 @@ def latency_ms(counts: DnsCounts) -> dict[str, object]:
     mean = counts.latency_sum_ns / counts.latency_count / 1e6 if counts.latency_count else None
     return {"count": counts.latency_count, "mean": None if mean is None else round(mean, 3),
             "buckets": {bound: n for bound, n in zip(bounds, counts.buckets, strict=True) if n}}
+
+
+@dataclass
+class DnsDrain:
+    """One drain of the kernel's aggregates, and how many entries the decoder refused (counted, never
+    raised: they are deleted from the kernel already)."""
+
+    entries: list[DnsEntry] = field(default_factory=list)
+    undecodable: int = 0
+
+
+class DnsSource(Protocol):
+    """What the agent needs of a datapath that reads DNS (eBPF: ``adapters.datapath.ebpf.dns.DnsMaps``)."""
+
+    def drain(self) -> DnsDrain:
+        """Read and remove every aggregate."""
+        ...
+
+    def counts(self) -> dict[Verdict, int]:
+        """Messages aggregated and refused, by verdict, since the datapath's maps were created."""
+        ...
+
+    def sweep(self, observed: Callable[[str], bool], now_ns: int | None = None) -> int:
+        """Forget outstanding queries that expired or whose pod is not ``observed``; returns how many."""
+        ...
+
+
+# --- the per-pod series ------------------------------------------------------------------------------------
+
+
+@dataclass
+class DnsSeries:
+    """The DNS series of one pod (by UID): queries it sent by qtype, responses it received by rcode, and
+    the latency histogram of those responses (per-bucket counts, not cumulative). Invariant: ``ended_at``
+    is None iff ``ips`` is not empty; every count only grows while the series exists."""
+
+    uid: str
+    namespace: str
+    name: str
+    queries: dict[int, int] = field(default_factory=dict)
+    responses: dict[int, int] = field(default_factory=dict)
+    buckets: list[int] = field(default_factory=lambda: [0] * BUCKETS)
+    latency_count: int = 0
+    latency_sum_ns: int = 0
+    ips: set[str] = field(default_factory=set)
+    ended_at: float | None = None
+
+    def add(self, key: DnsKey, counts: DnsCounts) -> None:
+        if key.direction is Direction.QUERY:
+            self.queries[key.qtype] = self.queries.get(key.qtype, 0) + counts.count
+            return
+        self.responses[key.rcode] = self.responses.get(key.rcode, 0) + counts.count
+        self.latency_count += counts.latency_count
+        self.latency_sum_ns += counts.latency_sum_ns
+        for index, count in enumerate(counts.buckets):
+            self.buckets[index] += count
+
+
+def _new_series(pod: Pod) -> DnsSeries:
+    return DnsSeries(pod.uid, pod.namespace, pod.name)
+
+
+class DnsLedger:
+    """Who owns which observed IP, and each pod's DNS series (the per-pod lifecycle of
+    :class:`~podmeter.model.pod_series.SeriesBook`: from the pod's first observed IP until ``grace``
+    after its last). Query names are never kept here: they are unbounded (the records carry them).
+
+    Invariant: an IP is in ``owners`` iff it is in ``series[owners[ip]].ips``. A drain is credited by the
+    holders its caller names (the pods as they were while the messages were counted), to their series if
+    they still have one (a pod in its grace gets its last answers); else to ``unattributed``.
+    """
+
+    def __init__(self, grace: float) -> None:
+        self.owners: dict[str, str] = {}
+        self.unattributed = 0  # messages of an IP without a series at their drain
+        self._book: SeriesBook[DnsSeries] = SeriesBook(grace, _new_series)
+
+    @property
+    def series(self) -> dict[str, DnsSeries]:
+        return self._book.series
+
+    def assign(self, ip: str, pod: Pod | None, now: float) -> None:
+        """``pod`` owns ``ip`` from now on (None: nobody)."""
+        current = self.owners.get(ip)
+        if pod is not None and current == pod.uid:
+            return
+        if current is not None:
+            del self.owners[ip]
+            self._book.lets_go(current, ip, now)
+        if pod is not None:
+            self._book.holds(pod, ip)
+            self.owners[ip] = pod.uid
+
+    def release(self, ips: Iterable[str], now: float) -> None:
+        for ip in ips:
+            self.assign(ip, None, now)
+
+    def expire(self, now: float) -> int:
+        return self._book.expire(now)
+
+    def add(self, entries: Iterable[DnsEntry], holders: Mapping[str, str]) -> None:
+        """Credit one drain; ``holders``: pod IP -> UID of the pod that held it while it was counted."""
+        for key, counts in entries:
+            uid = holders.get(key.pod)
+            series = None if uid is None else self.series.get(uid)
+            if series is None:
+                self.unattributed += counts.count
+            else:
+                series.add(key, counts)

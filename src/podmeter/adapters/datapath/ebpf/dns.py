@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from podmeter.adapters.datapath.ebpf import layout
 from podmeter.adapters.datapath.ebpf.libbpf import BpfCallError
 from podmeter.adapters.datapath.ebpf.maps import BATCH_UNSUPPORTED, BpfMap
 from podmeter.model import dns
+from podmeter.model.dns import DnsDrain
 
 log = logging.getLogger("podmeter.datapath.ebpf")
 
@@ -36,14 +36,6 @@ EXPIRE_NS = 5_000_000_000  # PM_DNS_EXPIRE_NS
 def dns_map_sizes(dns_size: int, pending_size: int) -> dict[str, int]:
     return {DNS_MAP: dns_size, DNS_PENDING_MAP: pending_size, DNS_COUNTS_MAP: len(dns.Verdict),
             DNS_SCRATCH_MAP: 1}
-
-
-@dataclass
-class DnsDrain:
-    """One drain: the entries taken, and how many were refused by the decoder (counted, not raised)."""
-
-    entries: list[dns.DnsEntry] = field(default_factory=list)
-    undecodable: int = 0
 
 
 class DnsMaps:
