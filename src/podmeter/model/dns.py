@@ -13,6 +13,7 @@ never read partly. Pure and synchronous.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -115,6 +116,10 @@ def parse_question(message: bytes) -> Question | Verdict:
     return Question(ident, bool(flags >> 15), flags & 0xF, qtype, bytes(question[:name_len]))
 
 
+_PLAIN = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_"
+
+
+@functools.lru_cache(maxsize=4096)  # names repeat across pods and drains; bounded
 def name_text(wire: bytes) -> str:
     """The dotted, lowercased form of a wire name (``cart.shop.svc.cluster.local.``; the root is ``.``).
     Bytes outside printable ASCII, dots and backslashes in labels are escaped as ``\\DDD`` (as dig
@@ -129,7 +134,9 @@ def name_text(wire: bytes) -> str:
             break
         if length > LABEL_MAX or pos + 1 + length > len(wire):
             raise ValueError(f"DNS label of {length} bytes at {pos}")
-        labels.append("".join(_char(byte) for byte in wire[pos + 1 : pos + 1 + length]))
+        raw = wire[pos + 1 : pos + 1 + length]
+        plain = not raw.translate(None, _PLAIN)  # the common case: letters, digits, '-', '_'
+        labels.append(raw.decode("ascii").lower() if plain else "".join(_char(byte) for byte in raw))
         pos += 1 + length
     if pos + 1 != len(wire):
         raise ValueError("bytes after the end of a DNS name")

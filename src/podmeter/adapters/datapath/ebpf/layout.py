@@ -216,7 +216,7 @@ def decode_dns_entry(key: bytes | memoryview, value: bytes | memoryview, texts: 
     if direction >= len(_DNS_DIRECTIONS) or not 1 <= name_len <= dns.NAME_MAX or any(qname[name_len:]):
         raise ValueError(f"dns key with direction {direction}, name_len {name_len}")
     count, latency_count, latency_sum, buckets = DNS_VALUE.unpack(value)
-    return (dns.DnsKey(texts[pod], texts[server], _DNS_DIRECTIONS[direction], dns.name_text(qname[:name_len]),
+    return (dns.DnsKey(texts[pod], texts[server], _DNS_DIRECTIONS[direction], dns.name_text(bytes(qname[:name_len])),
                        qtype, rcode, protocol),
             dns.DnsCounts(count, latency_count, latency_sum, tuple(memoryview(buckets).cast("Q"))))
 
