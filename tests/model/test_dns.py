@@ -229,3 +229,29 @@ def test_the_dns_series_are_valid_prometheus_text() -> None:
         pytest.skip("needs promtool")
     checked = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, check=False)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+drains = st.lists(st.lists(st.tuples(st.sampled_from(list(dns.Direction)), st.sampled_from([1, 28, 33]),
+                                     st.integers(0, 5), st.integers(1, 9), st.sampled_from(["10.0.0.2", "10.0.0.3"])),
+                           max_size=8), max_size=6)
+
+
+@fast
+@given(drains)
+def test_the_series_of_drains_added_one_by_one_equal_those_of_all_at_once(batches: list[list[tuple[
+        dns.Direction, int, int, int, str]]]) -> None:
+    def ledger() -> dns.DnsLedger:
+        made = dns.DnsLedger(grace=30)
+        made.assign("10.0.0.2", _pod("u1", "10.0.0.2"), now=0)
+        return made
+
+    def entries(batch: list[tuple[dns.Direction, int, int, int, str]]) -> list[dns.DnsEntry]:
+        return [_entry(d, qtype, rcode if d is dns.Direction.RESPONSE else 0, count,
+                       latency_bucket=rcode if d is dns.Direction.RESPONSE else None, pod=ip)
+                for d, qtype, rcode, count, ip in batch]
+
+    incremental, at_once = ledger(), ledger()
+    for batch in batches:
+        incremental.add(entries(batch), {"10.0.0.2": "u1"})
+    at_once.add(dns.merge(entry for batch in batches for entry in entries(batch)).items(), {"10.0.0.2": "u1"})
+    assert incremental.series == at_once.series and incremental.unattributed == at_once.unattributed

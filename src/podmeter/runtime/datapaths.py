@@ -80,6 +80,7 @@ def open_datapath(settings: DatapathSettings) -> OpenDatapath:
     drop tracing never raises: a kernel without it gets a notice and an agent without drop metrics."""
     if settings.kind == "memory":
         memory = MemoryDatapath(settings.filter_map_size, flow_capacity=settings.flow_map_size)
+        logging.getLogger("podmeter.dns").info("DNS per pod is read by the eBPF datapath only: off with this one")
         return OpenDatapath(memory, memory, drops=_no_drops(settings))
     if settings.kind != "ebpf":
         raise ValueError(f"--datapath must be ebpf or memory, not {settings.kind!r}")
