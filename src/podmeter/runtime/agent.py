@@ -316,7 +316,7 @@ class Agent:
             kept = self._pods_on_inherited_links()
             self.flows.drain(kept, named=bool(kept), others=[])
         if self.dns is not None:  # a predecessor's: whose is unknown (no series yet), the records unnamed
-            self.dns.drain((), others=[])
+            self.dns.drain((), others=[], sweep=False)
         self._resync_due = False
         self._settle(self.writer.resync(), inherit=True)
         self.last_resync = time.time()

@@ -48,9 +48,10 @@ class DnsDrainer:
         self.others = list(others)
         self.stats = DnsDrainStats()
 
-    def drain(self, pods: Iterable[Pod], others: Sequence[Names] | None = None) -> bool:
+    def drain(self, pods: Iterable[Pod], others: Sequence[Names] | None = None, *, sweep: bool = True) -> bool:
         """One drain credited to ``pods`` (the holders while the messages were counted); False if it failed
-        (counted and logged: the entries stay in the kernel for the next one)."""
+        (counted and logged: the entries stay in the kernel for the next one). ``sweep`` False: keep the
+        outstanding queries (at start-up, before the ledger knows who owns what)."""
         try:
             drained = self.source.drain()
         except Exception as exc:  # a kernel error: count it, keep running, try at the next drain
@@ -68,7 +69,8 @@ class DnsDrainer:
             self.feed.publish(name_dns(entries, EndpointCache(names), self.node, time.time()))
         self.stats.entries += len(entries)
         self.stats.last_entries = len(entries)
-        self._sweep()
+        if sweep:
+            self._sweep()
         return True
 
     def _sweep(self) -> None:
