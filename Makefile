@@ -18,6 +18,7 @@ src/podmeter/bpf/%.bpf.o: bpf/%.bpf.c $(wildcard bpf/*.h)
 
 # The bench's reference build includes the counting program's source.
 src/podmeter/bpf/podmeter_noflows.bpf.o: bpf/podmeter.bpf.c
+src/podmeter/bpf/podmeter_nodns.bpf.o: bpf/podmeter.bpf.c
 
 # The Python stubs of Hubble's API (docs/hubble.md), generated from the .proto files and committed: the
 # package needs no code generator to install. tests/adapters/test_hubble_proto.py checks they match the .proto files.

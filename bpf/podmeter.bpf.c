@@ -24,6 +24,7 @@
 #ifndef PM_NO_FLOWS
 #include "podmeter_flow.h"
 #endif
+#include "podmeter_dns.h"
 
 struct counter_key {
 	__u8 addr[16];
@@ -321,6 +322,7 @@ int pm_from_pod(struct __sk_buff *skb)
 #else
 	(void)observed;
 #endif
+	pm_dns_hook(skb, &pkt, observed, PM_OBS_FROM_POD);
 	return TC_ACT_UNSPEC;
 }
 
@@ -344,6 +346,7 @@ int pm_to_pod(struct __sk_buff *skb)
 #else
 	(void)observed;
 #endif
+	pm_dns_hook(skb, &pkt, observed, PM_OBS_TO_POD);
 	return TC_ACT_UNSPEC;
 }
 

@@ -95,23 +95,29 @@ def _line_encoder(labels: Labels | None) -> Callable[[FlowRecord], bytes]:
     return labelled
 
 
-def flows_handler(feed: FlowFeed, labels: Labels | None = None) -> Callable[[web.Request], Any]:
+def flows_handler(feed: FlowFeed, labels: Labels | None = None,
+                  dns_feed: FlowFeed | None = None) -> Callable[[web.Request], Any]:
     """The handler: a read of the flow-serving core (``adapters.flow_serving``) written as NDJSON. The slot
     is taken before the response starts, so a reader refused for want of one is told so by a 503, never by
     a stream cut after its headers. A follower that fell behind gets a line ``{"lost": N}`` where records
     are missing; a stream the agent ends (its reader did not read, or yielded its slot) ends with a line
-    ``{"error": "..."}`` when the reader can still read it."""
+    ``{"error": "..."}`` when the reader can still read it. ``protocol=dns`` reads ``dns_feed``, the DNS
+    records (a feed of their own: the flows' readers and ring never see them)."""
 
     plain = Encoded(_line_encoder(None), min(ENCODED, feed.ring.capacity))  # labelled lines: never cached
+    dns_plain = None if dns_feed is None else Encoded(_line_encoder(None), min(ENCODED, dns_feed.ring.capacity))
 
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
             wanted, last, follow = parse_query(request.query)
         except BadQuery as exc:
             return web.Response(status=400, text=f"{exc}\n")
-        line = _line_encoder(labels) if labels is not None and _flag(request.query, "labels") else plain
+        source, unlabelled = feed, plain
+        if dns_feed is not None and dns_plain is not None and (wanted.protocol or "").lower() == "dns":
+            source, unlabelled = dns_feed, dns_plain
+        line = _line_encoder(labels) if labels is not None and _flag(request.query, "labels") else unlabelled
         try:
-            reader = feed.open(wanted, follow=follow, client=_connection(request))
+            reader = source.open(wanted, follow=follow, client=_connection(request))
         except Busy as exc:
             return web.Response(status=503, text=f"{exc}\n")
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -125,7 +131,7 @@ def flows_handler(feed: FlowFeed, labels: Labels | None = None) -> Callable[[web
                     with reader.writing():
                         await response.write(chunk)
                 if follow:
-                    await _follow(reader, response, plain.lines if line is plain else _joiner(line))
+                    await _follow(reader, response, unlabelled.lines if line is unlabelled else _joiner(line))
                 with reader.writing():
                     if reader.cut_off is not None:
                         await response.write(_encode({"error": reader.cut_off}) + b"\n")

@@ -52,7 +52,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--service", help="flows with either end this Service: NAME or NAMESPACE/NAME")
     p.add_argument("--from-service", help="flows whose source is this Service (replies): NAME or NAMESPACE/NAME")
     p.add_argument("--to-service", help="flows whose destination is this Service: NAME or NAMESPACE/NAME")
-    p.add_argument("--protocol", help="tcp, udp, icmp (either), icmpv4, icmpv6")
+    p.add_argument("--protocol", help="tcp, udp, icmp (either), icmpv4, icmpv6; dns: the DNS records (query, "
+                   "type, response code, count, latency per pod and server)")
     p.add_argument("--port", type=_port, help="flows with either end on this port")
     p.add_argument("--verdict", choices=("forwarded", "dropped"),
                    help="forwarded flows only, or the packets the kernel dropped (with their reason)")
@@ -445,6 +446,19 @@ def _stamp(seconds: float) -> str:
         raise BadAnswer(f"field time of a record is {seconds!r}, not a time") from None
 
 
+def _dns_line(stamp: str, fields: _Fields) -> str:
+    """A DNS record: who asked whom, the name, its type, and for responses the code and mean latency."""
+    dns = fields.object("dns")
+    answer = ""
+    if dns.present("rcode"):
+        latency = dns.object("latency_ms")
+        mean = f" {latency.number('mean'):g} ms" if latency.present("mean") else ""
+        answer = f" {dns.text('rcode')}{mean}"
+    return (f"{stamp} {fields.text('node')}: {_end(fields.object('source'))} -> "
+            f"{_end(fields.object('destination'))} DNS {dns.text('direction')} {dns.text('query')} "
+            f"{dns.text('qtype')}{answer} x{dns.integer('count')}\n")
+
+
 def compact(record: dict[str, Any]) -> str:
     """One readable line: time, source -> destination with ports, protocol and flags, packets, bytes.
     Every field is checked (:class:`BadAnswer` says which is wrong) and every text escaped."""
@@ -462,6 +476,8 @@ def compact(record: dict[str, Any]) -> str:
         shown += f" ({fields.text('drop_reason')})"
     if fields.present("tcp_retransmits") and (retransmits := fields.integer("tcp_retransmits")):
         flags += f" {retransmits} retransmits"
+    if fields.present("dns"):
+        return _dns_line(stamp, fields)
     return (f"{stamp} {fields.text('node')}: {_end(fields.object('source'))} -> "
             f"{_end(fields.object('destination'))} {protocol}{flags} {fields.text('observation')}{shown} "
             f"{fields.integer('packets')} pkts {fields.integer('bytes')} B\n")

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from podmeter.model import dns
 from podmeter.model.endpoints import Endpoint, Names
 from podmeter.model.flows import ICMP, ICMPV6, TCP, FlowEntry, Observation, protocol_name, tcp_flag_names
 from podmeter.model.services import ServiceName, ServiceNaming
@@ -47,6 +48,27 @@ class FlowEnd(msgspec.Struct, frozen=True, gc=False):
         return self.endpoint is None and self.service is None
 
 
+class DnsInfo(msgspec.Struct, frozen=True, gc=False):
+    """What a DNS record (``podmeter observe --protocol dns``) says beside the flow fields: one aggregate
+    of a drain (``model.dns``), its name as asked (lowercased, final dot), its query type and response code
+    (None for queries) as numbers, its message count and the latencies of its responses."""
+
+    direction: dns.Direction
+    query: str
+    qtype: int
+    rcode: int | None
+    count: int
+    latency_count: int = 0
+    latency_sum_ns: int = 0
+    buckets: tuple[int, ...] = (0,) * dns.BUCKETS
+
+    def to_json(self) -> dict[str, Any]:
+        return {"direction": self.direction.value, "query": self.query, "qtype": dns.qtype_name(self.qtype),
+                "rcode": None if self.rcode is None else dns.rcode_name(self.rcode), "count": self.count,
+                "latency_ms": dns.latency_ms(dns.DnsCounts(self.count, self.latency_count, self.latency_sum_ns,
+                                                           self.buckets))}
+
+
 class FlowRecord(msgspec.Struct, frozen=True, gc=False):
     """One drained flow entry, named. ``time`` and ``first`` are wall-clock seconds of the last and first
     packet; for ICMP, ``source.port`` is the type and ``destination.port`` the code."""
@@ -64,6 +86,7 @@ class FlowRecord(msgspec.Struct, frozen=True, gc=False):
     verdict: str = VERDICT_FORWARDED
     drop_reason: str | None = None  # dropped: the reason as the kernel names it (NETFILTER_DROP)
     tcp_retransmits: int = 0  # TCP: segments of this connection its socket retransmitted (model.drops)
+    dns: DnsInfo | None = None  # a DNS aggregate (model.dns), not a flow: only in the agent's DNS feed
 
     def to_json(self) -> dict[str, Any]:
         """The record as ``podmeter observe -o json`` prints it (a contract: see docs/flows.md)."""
@@ -86,6 +109,8 @@ class FlowRecord(msgspec.Struct, frozen=True, gc=False):
             out["tcp_retransmits"] = self.tcp_retransmits
         if portless:
             out["icmp"] = {"type": self.source.port, "code": self.destination.port}
+        if self.dns is not None:
+            out["dns"] = self.dns.to_json()
         return out
 
 
@@ -131,6 +156,7 @@ class _JsonRecord(msgspec.Struct, gc=False):
     drop_reason: str | None
     tcp_retransmits: int | msgspec.UnsetType = msgspec.UNSET
     icmp: _JsonIcmp | msgspec.UnsetType = msgspec.UNSET
+    dns: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 _FLAG_LISTS = [tcp_flag_names(bits) for bits in range(256)]
@@ -148,7 +174,8 @@ def encode_json(record: FlowRecord) -> bytes:
         record.packets, record.bytes, _FLAG_LISTS[record.tcp_flags & 0xFF] if record.tcp_flags < 256 else
         tcp_flag_names(record.tcp_flags), record.verdict, record.drop_reason,
         record.tcp_retransmits if protocol == TCP else msgspec.UNSET,
-        _JsonIcmp(record.source.port, record.destination.port) if portless else msgspec.UNSET))
+        _JsonIcmp(record.source.port, record.destination.port) if portless else msgspec.UNSET,
+        msgspec.UNSET if record.dns is None else record.dns.to_json()))
 
 
 def _json_end(end: FlowEnd, portless: bool) -> _JsonEnd:
@@ -246,6 +273,24 @@ def _name_with_services(entries: Iterable[FlowEntry], ends: EndpointCache, node:
     return out
 
 
+def name_dns(entries: Iterable[dns.DnsEntry], ends: EndpointCache, node: str, now: float) -> list[FlowRecord]:
+    """The DNS records of one drain: one per aggregate, stamped with the drain's wall-clock time ``now``
+    (the kernel keeps no time per aggregate). A query goes from the pod to the server's port 53, seen
+    from-pod; a response the other way, seen to-pod. ``packets`` is the message count; ports of the pod
+    and bytes are not aggregated (0)."""
+    out = []
+    for key, counts in entries:
+        pod = FlowEnd(key.pod, 0, ends[key.pod])
+        server = FlowEnd(key.server, 53, ends[key.server])
+        query = key.direction is dns.Direction.QUERY
+        info = DnsInfo(key.direction, key.name, key.qtype, None if query else key.rcode, counts.count,
+                       counts.latency_count, counts.latency_sum_ns, counts.buckets)
+        out.append(FlowRecord(now, now, node, pod if query else server, server if query else pod, key.protocol,
+                              Observation.FROM_POD if query else Observation.TO_POD, counts.count, 0, 0,
+                              dns=info))
+    return out
+
+
 def newest(entries: Sequence[FlowEntry], count: int) -> list[FlowEntry]:
     """The ``count`` entries whose last packet came last (all of them if there are no more), in the order
     :func:`name_flows` sorts records: by last packet time, ties in the drain's order. What a drain of more
@@ -305,7 +350,8 @@ class FlowFilter:
     """Which records a reader wants; every field set must match (AND), and a field names either end
     unless it says ``from``/``to``. Pods and workloads are ``name`` (any namespace) or ``ns/name``;
     ``world`` as a workload matches ends no pod holds. ``protocol`` is a name as records print it
-    (case-insensitive: ``tcp``, ``udp``, ``icmpv4``, ``icmpv6``; ``icmp`` means either ICMP)."""
+    (case-insensitive: ``tcp``, ``udp``, ``icmpv4``, ``icmpv6``; ``icmp`` means either ICMP; ``dns`` the
+    DNS records, whatever their transport)."""
 
     namespace: str | None = None
     pod: str | None = None
@@ -330,7 +376,7 @@ class FlowFilter:
             return False
         if self.verdict is not None and record.verdict != self.verdict:
             return False
-        if self.protocol is not None and not _protocol_matches(record.protocol, self.protocol):
+        if self.protocol is not None and not _protocol_matches(record, self.protocol):
             return False
         if self.port is not None and (record.protocol in _PORTLESS or self.port not in (record.source.port,
                                                                                           record.destination.port)):
@@ -360,10 +406,12 @@ class FlowFilter:
 _EVERYTHING = FlowFilter()
 
 
-def _protocol_matches(protocol: int, wanted: str) -> bool:
-    name = protocol_name(protocol).lower()
+def _protocol_matches(record: FlowRecord, wanted: str) -> bool:
+    name = protocol_name(record.protocol).lower()
     wanted = wanted.lower()
-    return name == wanted or (wanted == "icmp" and protocol in _PORTLESS)
+    if wanted == "dns":  # the DNS records (the agent's DNS feed), whatever their transport
+        return record.dns is not None
+    return name == wanted or (wanted == "icmp" and record.protocol in _PORTLESS)
 
 
 # --- the ring of recent records ---------------------------------------------------------------------

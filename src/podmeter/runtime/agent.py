@@ -53,6 +53,7 @@ from podmeter.adapters.metrics.retina import REMOTE
 from podmeter.model.configuration import MetricsConfiguration
 from podmeter.model.datapath import Datapath
 from podmeter.model.deltas import Collection, Delta, Replace
+from podmeter.model.dns import DnsLedger, DnsSource
 from podmeter.model.drops import LIFECYCLE_REASONS, DropLedger, DropSource
 from podmeter.model.endpoint_slices import endpoint_labels
 from podmeter.model.endpoints import Endpoint, Names
@@ -68,6 +69,7 @@ from podmeter.model.store import Store
 from podmeter.model.traffic import TrafficLedger
 from podmeter.model.view import NodeView, ViewDelta
 from podmeter.runtime.datapaths import PodLinks
+from podmeter.runtime.dns_drain import DnsDrainer
 from podmeter.runtime.drop_drain import DropDrainer
 from podmeter.runtime.flow_drain import FlowDrainer
 from podmeter.runtime.service_names import SERVICES_HINT, ServiceNames
@@ -106,7 +108,8 @@ class Agent:
 
     def __init__(self, settings: AgentSettings, connection: Connection, datapath: Datapath,
                  flows: FlowSource | None = None, drops: DropSource | None = None, *,
-                 links: PodLinks | None = None, services: ServiceNames | None = None) -> None:
+                 links: PodLinks | None = None, services: ServiceNames | None = None,
+                 dns: DnsSource | None = None) -> None:
         self.settings = settings
         self.connection = connection
         self.datapath = datapath
@@ -136,6 +139,9 @@ class Agent:
                                   service_traffic=self.service_traffic)
                       if flows else None)
         self.hubble_metrics = self._hubble_metrics(settings)
+        self.dns_ledger = DnsLedger(settings.series_grace)  # per-pod DNS (runtime.dns_drain)
+        self.dns_feed = FlowFeed(settings.flow_buffer)  # the DNS records (podmeter observe --protocol dns)
+        self.dns = DnsDrainer(dns, self.dns_ledger, self.dns_feed, node, [self.view.cluster]) if dns else None
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=10_000)
         self.synced: set[Collection[Any]] = set()
         self.ready = asyncio.Event()
@@ -192,7 +198,7 @@ class Agent:
         spawn(self._write_loop(), "writer")
         spawn(every(self.settings.resync_interval, self.queue, Tick.RESYNC), "resync-timer")
         spawn(every(max(0.2, self.settings.series_grace / 4), self.queue, Tick.EXPIRE), "expire-timer")
-        if self.flows is not None or self.drops is not None:
+        if self.flows is not None or self.drops is not None or self.dns is not None:
             spawn(every(self.settings.flow_interval, self.queue, Tick.DRAIN), "flow-drain-timer")
         if self.links is not None:  # the attach worker (a thread): its death after start-up is a task's
             spawn(self.links.watch(), "attach")
@@ -278,6 +284,7 @@ class Agent:
             self.drop_ledger.expire(now)
             if self.hubble_metrics is not None:
                 self.hubble_metrics.expire(now, self.known_pods)
+            self.dns_ledger.expire(now)
         elif item is Tick.DRAIN:
             self._drain_due = True
         elif not isinstance(item, Tick):
@@ -332,6 +339,8 @@ class Agent:
         if self.flows is not None:
             kept = self._pods_on_inherited_links()
             self.flows.drain(kept, named=bool(kept), others=[])
+        if self.dns is not None:  # a predecessor's: whose is unknown (no series yet), the records unnamed
+            self.dns.drain((), others=[], sweep=False)
         self._resync_due = False
         self._settle(self.writer.resync(), inherit=True)
         self.last_resync = time.time()
@@ -375,6 +384,7 @@ class Agent:
         if pushed.released:
             self.ledger.release(pushed.released, pushed.final, now)
             self.drop_ledger.release(pushed.released, now)
+            self.dns_ledger.release(pushed.released, now)
         moved = self.view.take_moved()
         if not moved:
             return
@@ -384,6 +394,7 @@ class Agent:
             owner = self.view.owner(ip)
             self.ledger.assign(ip, owner, {} if ip in inherited else kernel, now)
             self.drop_ledger.assign(ip, owner, now)
+            self.dns_ledger.assign(ip, owner, now)
 
     def _schedule_retry(self, delay: float | None = None) -> None:
         if self._retry_scheduled:
@@ -409,6 +420,8 @@ class Agent:
         others: Sequence[Names] = [self.view.cluster] if handover is None else [handover.cluster]
         if self.drops is not None:
             self.drops.drain(pods, others=others)
+        if self.dns is not None:
+            self.dns.drain(pods, others=others)
         if self.flows is not None and not self.flows.drain(pods, others=others) and handover is not None:
             self.flows.owed = True
 

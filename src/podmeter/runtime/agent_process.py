@@ -31,6 +31,7 @@ from podmeter.adapters.kube.connection import Connection, ConnectionConfigError,
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
 from podmeter.adapters.metrics.flow_traffic import render_workload_flows
 from podmeter.adapters.metrics.hubble_metrics import render_hubble, render_hubble_figures
+from podmeter.adapters.metrics.pod_dns import PodDnsExposition
 from podmeter.adapters.metrics.pod_drops import PodDropExposition
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.adapters.metrics.retina import LOCAL, render_remote
@@ -114,7 +115,7 @@ class AgentProcess:
         # them: with a kernel datapath (its links are the node's), never with the memory one.
         services = ServiceNames(TranslationReader().read if opened.links is not None else None)
         self.agent = Agent(core, connection, opened.datapath, opened.flows, drops.source, links=opened.links,
-                           services=services)
+                           services=services, dns=opened.dns)
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -134,6 +135,8 @@ class AgentProcess:
                                         agent.drops.stats if agent.drops else None, local)
         renderers = [traffic.render, lambda: render_workload_flows(agent.workload_flows),
                      lambda: render_service_traffic(agent.service_traffic)]
+        if agent.dns is not None:
+            renderers.append(PodDnsExposition(agent.dns_ledger, agent.dns.source.counts, agent.dns.stats).render)
         retina = agent.retina
         if retina is not None:
             renderers.append(lambda: render_remote(retina.retina, retina.retina_drops))
@@ -157,7 +160,7 @@ class AgentProcess:
         agent, settings = self.agent, self.settings
         debug = {"/debug/state": agent.debug_state, "/debug/endpoints": agent.debug_endpoints}
         return build_app(self.registry, agent.ready.is_set, debug, settings.debug_remote, self._expositions(opened),
-                         debug_streams={"/debug/flows": flows_handler(agent.flow_feed, self.labels)},
+                         debug_streams={"/debug/flows": flows_handler(agent.flow_feed, self.labels, agent.dns_feed)},
                          healthy=lambda: agent.supervisor.healthy,
                          metrics_min_interval=settings.metrics_min_interval)
 

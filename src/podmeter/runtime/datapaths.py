@@ -15,6 +15,7 @@ from typing import Protocol
 
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.datapath import Datapath, LinkCounts
+from podmeter.model.dns import DnsSource
 from podmeter.model.flows import FlowSource
 from podmeter.runtime.drop_drain import DropTracing, open_drops
 from podmeter.runtime.settings import DatapathSettings
@@ -63,6 +64,7 @@ class OpenDatapath:
     closers: list[Callable[[], None]] = field(default_factory=list)
     links: PodLinks | None = None  # None: the datapath has no links (memory)
     drops: DropTracing = field(default_factory=DropTracing)  # off unless the datapath traces drops
+    dns: DnsSource | None = None  # the eBPF datapath's DNS maps (None: no DNS, e.g. the memory datapath)
 
     def close(self) -> None:
         self.drops.close()
@@ -78,6 +80,7 @@ def open_datapath(settings: DatapathSettings) -> OpenDatapath:
     drop tracing never raises: a kernel without it gets a notice and an agent without drop metrics."""
     if settings.kind == "memory":
         memory = MemoryDatapath(settings.filter_map_size, flow_capacity=settings.flow_map_size)
+        logging.getLogger("podmeter.dns").info("DNS per pod is read by the eBPF datapath only: off with this one")
         return OpenDatapath(memory, memory, drops=_no_drops(settings))
     if settings.kind != "ebpf":
         raise ValueError(f"--datapath must be ebpf or memory, not {settings.kind!r}")
@@ -101,7 +104,8 @@ def open_datapath(settings: DatapathSettings) -> OpenDatapath:
     log.info("eBPF datapath open: pins in %s, filter size %d, flow map size %d", bpffs, datapath.capacity,
              settings.flow_map_size)
     drops = open_drops(datapath, settings.drop_map_size)  # never fatal: a notice and drops off
-    return OpenDatapath(datapath, datapath, [datapath.close, manager.stop], links=manager, drops=drops)
+    return OpenDatapath(datapath, datapath, [datapath.close, manager.stop], links=manager, drops=drops,
+                        dns=datapath.dns)
 
 
 def _no_drops(settings: DatapathSettings) -> DropTracing:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from podmeter.adapters.datapath.ebpf import layout, preflight
+from podmeter.adapters.datapath.ebpf.dns import DNS_MAP_NAMES, DNS_MAPS, DnsMaps, dns_map_sizes
 from podmeter.adapters.datapath.ebpf.libbpf import BPF_ANY, BPF_MAP_TYPE_HASH, BpfCallError, libbpf
 from podmeter.adapters.datapath.ebpf.loader import Loaded, Program, load
 from podmeter.adapters.datapath.ebpf.maps import (
@@ -55,10 +56,12 @@ FLOWS_B = "flows_b"
 FLOWS_LOST_MAP = "flows_lost"
 FLOWS_FILL_MAP = "flows_fill"  # the fairness rule's configuration and the active map's entry count
 FLOWS_SHARE_MAP = "flows_share"  # entries each pod link created past the threshold
-MAP_NAMES = [FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_LOST_MAP, FLOWS_FILL_MAP, FLOWS_SHARE_MAP]
-READER_MAPS = [FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_LOST_MAP]  # what open_pinned opens
+MAP_NAMES = [FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_LOST_MAP, FLOWS_FILL_MAP, FLOWS_SHARE_MAP,
+             *DNS_MAP_NAMES]
+READER_MAPS = [FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_LOST_MAP,
+               *DNS_MAPS]  # what open_pinned opens
 # Replaced, not migrated, when the pin does not match.
-TRANSIENT_MAPS = frozenset({FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_FILL_MAP, FLOWS_SHARE_MAP})
+TRANSIENT_MAPS = frozenset({FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_FILL_MAP, FLOWS_SHARE_MAP, *DNS_MAP_NAMES})
 # The layout of flows_a and flows_b (max_entries aside): what the slot's inner map template accepts.
 FLOW_MAP_SHAPE = MapShape(BPF_MAP_TYPE_HASH, layout.FLOW_KEY.size, layout.FLOW_VALUE.size, 0, 0)
 FLOWS_SLOT_SHAPE = MapShape(BPF_MAP_TYPE_ARRAY_OF_MAPS, len(layout.FLOWS_SLOT_KEY), layout.MAP_REF.size, 0, 1)
@@ -69,6 +72,8 @@ MAX_FILTER_SIZE = 1 << 24
 DEFAULT_FLOW_SIZE = 65536
 MAX_FLOW_SIZE = 1 << 24
 SHARE_LINKS = 4096  # pod links flows_share counts in one interval (more are not limited: fail open)
+DEFAULT_DNS_SIZE = 8192  # DNS aggregates between two drains (about 500 B of kernel memory each)
+DNS_PENDING_SIZE = 16384  # outstanding queries remembered for their latency (LRU)
 
 
 class Programs:
@@ -98,7 +103,7 @@ def _check_prerequisites(bpffs: str | os.PathLike[str], object_path: Path | None
     return path
 
 
-def map_sizes(filter_size: int, flow_size: int) -> dict[str, int]:
+def map_sizes(filter_size: int, flow_size: int, dns_size: int = DEFAULT_DNS_SIZE) -> dict[str, int]:
     """max_entries of every map of the counting object."""
     return {
         FILTER_MAP: filter_size,
@@ -109,6 +114,7 @@ def map_sizes(filter_size: int, flow_size: int) -> dict[str, int]:
         FLOWS_LOST_MAP: 1,
         FLOWS_FILL_MAP: 1,
         FLOWS_SHARE_MAP: SHARE_LINKS,
+        **dns_map_sizes(dns_size, DNS_PENDING_SIZE),
     }
 
 
@@ -312,6 +318,7 @@ class EbpfDatapath:
         *,
         flows: FlowMaps | None = None,
         flows_lost_map: BpfMap | None = None,
+        dns: DnsMaps | None = None,
     ) -> None:
         self.filter_map = filter_map
         self.counters_map = counters_map
@@ -319,6 +326,7 @@ class EbpfDatapath:
         self.pins = pins
         self.flows = flows
         self.flows_lost_map = flows_lost_map
+        self.dns = dns  # None: an object or pins without the DNS maps
 
     @classmethod
     def from_loaded(cls, loaded: Loaded, programs: Programs | None = None, pins: PinDir | None = None) -> EbpfDatapath:
@@ -332,7 +340,7 @@ class EbpfDatapath:
             flows.adopt()
             flows.configure(Fairness.for_capacity(flows.capacity))
         return cls(maps[FILTER_MAP], maps[COUNTERS_MAP], programs, pins, flows=flows,
-                   flows_lost_map=maps.get(FLOWS_LOST_MAP))
+                   flows_lost_map=maps.get(FLOWS_LOST_MAP), dns=DnsMaps.of(maps))
 
     @classmethod
     def open(
@@ -390,7 +398,12 @@ class EbpfDatapath:
         for name in (FLOWS_MAP, FLOWS_A, FLOWS_B):
             if name in maps:
                 maps.pop(name).close()
-        return cls(maps[FILTER_MAP], maps[COUNTERS_MAP], flows=flows, flows_lost_map=maps.get(FLOWS_LOST_MAP))
+        dns = DnsMaps.of(maps)
+        for name in DNS_MAPS:
+            if dns is None and name in maps:
+                maps.pop(name).close()
+        return cls(maps[FILTER_MAP], maps[COUNTERS_MAP], flows=flows, flows_lost_map=maps.get(FLOWS_LOST_MAP),
+                   dns=dns)
 
     def close(self) -> None:
         """Close descriptors and release the pin directory; pinned maps stay for the next process."""
@@ -400,6 +413,8 @@ class EbpfDatapath:
             self.flows.close()
         if self.flows_lost_map is not None:
             self.flows_lost_map.close()
+        if self.dns is not None:
+            self.dns.close()
         if self.programs is not None:
             self.programs.close()
         if self.pins is not None:

@@ -17,6 +17,13 @@ order. docs/datapath.md shows the same layouts next to ``bpftool map dump`` outp
     flows_fill key __u32 0; value struct flows_fill { __u64 entries; __u32 threshold; __u32 share; }
     flows_share key __u32 ifindex (a pod's link); value __u64 entries created past the threshold
     flows_lost_seen (the programs' own: never read here) key __u32 0; value struct flow_key  per CPU
+    dns      key   struct dns_key      { __u8 pod[16]; __u8 server[16]; __u16 qtype; __u8 rcode;
+                                         __u8 direction; __u8 protocol; __u8 name_len; __u8 pad[2];
+                                         __u8 qname[256]; }                           296 bytes
+             value struct dns_value    { __u64 count, latency_count, latency_sum_ns; __u64 buckets[13]; }
+    dns_pending (LRU) key struct dns_pending_key { __u8 pod[16]; __u16 port; __u16 id; }; value __u64 ns
+    dns_counts key __u32 slot (model.dns.Verdict); value __u64  per CPU
+    dns_scratch (the programs' own: never read here) key __u32 0; value struct dns_key  per CPU
 
 Ports in flow keys are in host byte order (the program converts them); ICMP type and code travel in
 ``sport`` and ``dport``. ``observation`` is 0 for from-pod (``pm_from_pod``), 1 for to-pod.
@@ -37,6 +44,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from podmeter.adapters.datapath.ebpf.btf import MapTypes, TypeLayout
+from podmeter.model import dns
 from podmeter.model.datapath import Direction, Traffic
 from podmeter.model.flows import FlowCounts, FlowEntry, FlowKey, Observation
 
@@ -61,6 +69,15 @@ FLOWS_FILL_KEY = struct.pack("=I", 0)
 FLOWS_FILL = struct.Struct("=QII")  # entries, threshold, share (struct flows_fill)
 SHARE_KEY = struct.Struct("=I")  # a pod link's ifindex
 SHARE_VALUE = struct.Struct("=Q")  # entries it created past the threshold
+
+DNS_KEY = struct.Struct(f"={ADDRESS_BYTES}s{ADDRESS_BYTES}sHBBBB2x256s")
+DNS_BUCKETS = struct.Struct(f"={dns.BUCKETS * 8}s")  # __u64 buckets[13]: one C member, one format item
+DNS_VALUE = struct.Struct(f"=QQQ{DNS_BUCKETS.size}s")
+DNS_PENDING_KEY = struct.Struct(f"={ADDRESS_BYTES}sHH")
+DNS_PENDING_VALUE = struct.Struct("=Q")
+DNS_COUNT_KEY = struct.Struct("=I")  # a slot: model.dns.Verdict
+DNS_COUNT = struct.Struct("=Q")
+_DNS_DIRECTIONS = (dns.Direction.QUERY, dns.Direction.RESPONSE)  # PM_DNS_QUERY, PM_DNS_RESPONSE
 
 # Direction codes of the C program (PM_DIR_INGRESS / PM_DIR_EGRESS).
 DIRECTION_CODES = {Direction.INGRESS: 0, Direction.EGRESS: 1}
@@ -185,6 +202,47 @@ def sum_lost(raw: bytes) -> tuple[int, int]:
     return sum(words[0::2]), sum(words[1::2])
 
 
+def dns_key(key: dns.DnsKey, wire: bytes | None = None) -> bytes:
+    """The kernel's key of ``key`` (tests); ``wire``: the name as sent (default: :func:`dns.wire_name`)."""
+    name = dns.wire_name(key.name) if wire is None else wire
+    return DNS_KEY.pack(address_bytes(key.pod), address_bytes(key.server), key.qtype, key.rcode,
+                        _DNS_DIRECTIONS.index(key.direction), key.protocol, len(name), name)
+
+
+def decode_dns_entry(key: bytes | memoryview, value: bytes | memoryview, texts: AddressTexts) -> dns.DnsEntry:
+    """One ``dns`` entry. Raises ValueError for one the program cannot have written (a direction code,
+    a name that is not a complete name of ``name_len`` bytes)."""
+    pod, server, qtype, rcode, direction, protocol, name_len, qname = DNS_KEY.unpack(key)
+    if direction >= len(_DNS_DIRECTIONS) or not 1 <= name_len <= dns.NAME_MAX or any(qname[name_len:]):
+        raise ValueError(f"dns key with direction {direction}, name_len {name_len}")
+    count, latency_count, latency_sum, buckets = DNS_VALUE.unpack(value)
+    return (dns.DnsKey(texts[pod], texts[server], _DNS_DIRECTIONS[direction], dns.name_text(bytes(qname[:name_len])),
+                       qtype, rcode, protocol),
+            dns.DnsCounts(count, latency_count, latency_sum, tuple(memoryview(buckets).cast("Q"))))
+
+
+def decode_dns(keys: bytes | memoryview, values: bytes | memoryview, count: int,
+               texts: AddressTexts | None = None) -> tuple[list[dns.DnsEntry], int]:
+    """The first ``count`` entries of a batch of the ``dns`` map, and how many were refused (total:
+    a bad entry is counted, never raised; the batch is already deleted from the kernel)."""
+    texts = AddressTexts() if texts is None else texts
+    entries: list[dns.DnsEntry] = []
+    bad = 0
+    keys, values = memoryview(keys), memoryview(values)
+    for i in range(count):
+        try:
+            entries.append(decode_dns_entry(keys[i * DNS_KEY.size : (i + 1) * DNS_KEY.size],
+                                            values[i * DNS_VALUE.size : (i + 1) * DNS_VALUE.size], texts))
+        except ValueError:
+            bad += 1
+    return entries, bad
+
+
+def sum_dns_counts(raw: bytes) -> int:
+    """A per-CPU ``dns_counts`` slot summed over CPUs."""
+    return sum(memoryview(raw).cast("Q"))
+
+
 # --- the check against the objects' BTF ---------------------------------------------------------------------
 
 
@@ -212,6 +270,11 @@ MAP_MIRRORS: dict[str, tuple[Mirror | None, Mirror | None]] = {
     "flows_lost_seen": (_SLOT, Mirror("layout.FLOW_KEY", FLOW_KEY)),
     "flows_fill": (_SLOT, Mirror("layout.FLOWS_FILL", FLOWS_FILL)),
     "flows_share": (Mirror("layout.SHARE_KEY", SHARE_KEY), Mirror("layout.SHARE_VALUE", SHARE_VALUE)),
+    "dns": (Mirror("layout.DNS_KEY", DNS_KEY), Mirror("layout.DNS_VALUE", DNS_VALUE)),
+    "dns_pending": (Mirror("layout.DNS_PENDING_KEY", DNS_PENDING_KEY),
+                    Mirror("layout.DNS_PENDING_VALUE", DNS_PENDING_VALUE)),
+    "dns_counts": (Mirror("layout.DNS_COUNT_KEY", DNS_COUNT_KEY), Mirror("layout.DNS_COUNT", DNS_COUNT)),
+    "dns_scratch": (_SLOT, Mirror("layout.DNS_KEY", DNS_KEY)),
 }
 
 
