@@ -1,7 +1,8 @@
 """The dashboards against the real thing (no tests here): a real ``podmeter agent --datapath ebpf`` and a
 ``podmeter operator`` in a topology's host netns, four netns pods in two namespaces with TCP and UDP
-traffic and drops between them and with addresses no pod holds, Debian's Prometheus scraping both every
-second, and every panel's queries (:mod:`dashboard_queries`) evaluated through Prometheus's HTTP API
+traffic, refused connections and drops between them and with addresses no pod holds, Debian's Prometheus
+scraping the agent, its Hubble metrics listener (in ``remote`` mode) and the operator every second, and
+every panel's queries (:mod:`dashboard_queries`) evaluated through Prometheus's HTTP API
 (``/api/v1/query``). Used by ``tests/adapters/test_bpf_dashboards.py`` and ``python -m bench.dashboards``.
 
 The agent's arguments are :func:`agent_arguments` and Prometheus's targets :func:`scrape_targets`, each
