@@ -3,9 +3,10 @@ own, panel by panel, against a real agent.
 
 Run (root, ``make bpf``, Debian's ``prometheus``): ``.venv/bin/python -m bench.dashboards [--mode remote]``
 (about 20 s per mode). The scenario is the test's (``tests/dashboard_support.py``): a real ``podmeter
-agent --datapath ebpf`` (``--retina-compat=remote``, or without it: ``--mode default``) and ``podmeter
-operator`` in a private network namespace, four netns pods in two namespaces with TCP, UDP and drops,
-Prometheus scraping both every second, and every panel's queries sent to ``/api/v1/query``.
+agent --datapath ebpf`` (``--retina-compat=remote`` and Hubble's metrics, or without either: ``--mode
+default``) and ``podmeter operator`` in a private network namespace, four netns pods in two namespaces with
+TCP, UDP, refused connections and drops, Prometheus scraping them every second, and every panel's queries
+sent to ``/api/v1/query``.
 
 Prints, per dashboard, the panels with data / the panels, and for every empty panel why (the series
 podmeter does not export, from ``tests/dashboard_queries.py``'s table); the last line is one JSON object:

@@ -148,6 +148,12 @@ class Topology:
     def in_host(self) -> contextlib.AbstractContextManager[None]:
         return netns(self.host_path)
 
+    def free_port(self) -> int:
+        """A loopback TCP port free in the host netns (for a process about to listen there)."""
+        with self.in_host(), socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+
     @staticmethod
     def _disable_ipv6(namespace: str, device: str, disable: bool = True) -> None:
         setting = f"net.ipv6.conf.{device}.disable_ipv6={int(disable)}"

@@ -61,7 +61,7 @@ class Series:
     why: str = ""  # what podmeter puts there, in a word (docs/metrics.md says it in full)
 
 
-RETINA, REMOTE = "--retina-compat", "--retina-compat=remote"
+RETINA, REMOTE, HUBBLE = "--retina-compat", "--retina-compat=remote", "--hubble-metrics"
 _DIRECTIONS = frozenset({"ingress", "egress"})
 EXPORTED: dict[str, Series] = {
     "networkobservability_adv_forward_count": Series(REMOTE),
@@ -72,6 +72,12 @@ EXPORTED: dict[str, Series] = {
     "networkobservability_drop_count": Series(RETINA, {"direction": _DIRECTIONS}),
     "networkobservability_tcp_connection_stats": Series(RETINA, {"statistic_name": frozenset({"resetcount"})}),
     "networkobservability_tcp_flag_counters": Series(RETINA, {"flag": frozenset({"rst"})}),
+    # With `flow` and `tcp` in --hubble-metrics, with the pod contexts the dashboards match
+    # (dashboard_support.HUBBLE_METRICS).
+    "hubble_flows_processed_total": Series(HUBBLE, {"verdict": frozenset({"FORWARDED", "DROPPED"}),
+                                                    "type": frozenset({"Trace", "Drop"}),
+                                                    "subtype": frozenset({"to-endpoint", "from-endpoint", ""})}),
+    "hubble_tcp_flags_total": Series(HUBBLE, {"flag": frozenset({"SYN", "SYN-ACK", "FIN", "RST"})}),
 }
 NOT_EXPORTED = {  # name: why podmeter does not export it
     "networkobservability_interface_stats":
@@ -90,10 +96,8 @@ NOT_EXPORTED = {  # name: why podmeter does not export it
 NOT_YET = {  # name: the work that brings it (docs/metrics.md says "not yet")
     "networkobservability_dns_request_count": "DNS (per-pod DNS counts)",
     "networkobservability_dns_response_count": "DNS (per-pod DNS counts)",
-    "hubble_flows_processed_total": "Hubble's metrics (--hubble-metrics-server, --hubble-metrics)",
-    "hubble_tcp_flags_total": "Hubble's metrics (--hubble-metrics-server, --hubble-metrics)",
-    "hubble_dns_queries_total": "Hubble's metrics (dns)",
-    "hubble_dns_responses_total": "Hubble's metrics (dns)",
+    "hubble_dns_queries_total": "DNS (the families of `dns` in --hubble-metrics exist; nothing feeds them yet)",
+    "hubble_dns_responses_total": "DNS (the families of `dns` in --hubble-metrics exist; nothing feeds them yet)",
 }
 # Series only the dashboards' template variables read (kube-state-metrics'): never a panel's query.
 VARIABLE_ONLY = {"kube_pod_info", "kube_node_info"}

@@ -1,7 +1,8 @@
 """The dashboards against the real thing (no tests here): a real ``podmeter agent --datapath ebpf`` and a
 ``podmeter operator`` in a topology's host netns, four netns pods in two namespaces with TCP and UDP
-traffic and drops between them and with addresses no pod holds, Debian's Prometheus scraping both every
-second, and every panel's queries (:mod:`dashboard_queries`) evaluated through Prometheus's HTTP API
+traffic, refused connections and drops between them and with addresses no pod holds, Debian's Prometheus
+scraping the agent, its Hubble metrics listener (in ``remote`` mode) and the operator every second, and
+every panel's queries (:mod:`dashboard_queries`) evaluated through Prometheus's HTTP API
 (``/api/v1/query``). Used by ``tests/adapters/test_bpf_dashboards.py`` and ``python -m bench.dashboards``.
 
 The agent's arguments are :func:`agent_arguments` and Prometheus's targets :func:`scrape_targets`, each
@@ -33,6 +34,7 @@ from bpf_support import Pod, Topology
 from drop_support import AgentProcess, nft, routed_pod, send, udp_socket, upload, warm
 from lab_server import LabServer
 from operator_support import OperatorProcess
+from podmeter.adapters.datapath.ebpf.netns import netns
 from waiting import stop_process, wait_for
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
@@ -40,13 +42,28 @@ NODE = "node-a"  # the agent's node: Retina's scrape configuration makes it the 
 DEFAULT, REMOTE = "default", "remote"
 NAMESPACES = ("shop", "pay")
 DROPPED_PORT = 9998  # a port web's own input chain drops
+REFUSED_PORT = 9997  # a TCP port of web where nothing listens
 
 
-def agent_arguments(mode: str) -> list[str]:
-    """What the agent runs with beyond :class:`drop_support.AgentProcess`' defaults (eBPF, drops on)."""
+# What a user of Retina's Hubble dashboards (hubble-pod-flows-workload, -namespace, hubble-dns) configures:
+# the metrics of Retina's Hubble Helm chart (microsoft/retina, deploy/hubble/manifests/controller/helm/retina/
+# values.yaml, `hubble.metrics.enabled`), one per line there. Their `pod` contexts give `source` (of what
+# leaves a pod) and `destination` (of what enters one) the `namespace/pod` form the dashboards match
+# (`source=~"^$namespace/$workload"`, `$workload` being a pod name: `kube_pod_info`'s `pod` label).
+HUBBLE_METRICS = ("flow:sourceEgressContext=pod;destinationIngressContext=pod "
+                  "tcp:sourceEgressContext=pod;destinationIngressContext=pod "
+                  "dns:query;sourceEgressContext=pod;destinationIngressContext=pod "
+                  "drop:sourceEgressContext=pod;destinationIngressContext=pod")
+
+
+def agent_arguments(mode: str, hubble_port: int = 0) -> list[str]:
+    """What the agent runs with beyond :class:`drop_support.AgentProcess`' defaults (eBPF, drops on): in
+    ``remote`` mode, what a user of Retina's dashboards runs, Retina's series and Hubble's metrics (on
+    ``hubble_port``)."""
     args = ["--flow-interval", "0.5", "--series-grace", "30"]
     if mode == REMOTE:
-        args.append("--retina-compat=remote")
+        args += ["--retina-compat=remote", "--hubble-metrics-server", f"127.0.0.1:{hubble_port}",
+                 "--hubble-metrics", HUBBLE_METRICS]
     return args
 
 
@@ -61,8 +78,9 @@ def scrape_targets(ports: Mapping[str, int]) -> list[Target]:
     """Prometheus's targets, labelled as Retina's scrape configuration and podmeter's ServiceMonitor label
     them (``cluster``, ``instance`` = the node, ``component``)."""
     node = {"cluster": dq.CLUSTER, "instance": NODE}
+    hubble = [Target("hubble-metrics", ports["hubble"], {**node, "component": "hubble"})] if "hubble" in ports else []
     return [Target("podmeter-agent", ports["agent"], {**node, "component": "agent"}),
-            Target("podmeter-operator", ports["operator"], {**node, "component": "operator"})]
+            Target("podmeter-operator", ports["operator"], {**node, "component": "operator"}), *hubble]
 
 
 def prometheus_config(targets: Sequence[Target]) -> dict[str, Any]:
@@ -78,9 +96,7 @@ class Prometheus:
     def __init__(self, topology: Topology, targets: Sequence[Target]) -> None:
         self.topology = topology
         self.dir = Path(tempfile.mkdtemp(prefix="pm-prometheus-"))
-        with topology.in_host(), socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = int(sock.getsockname()[1])
+        self.port = topology.free_port()
         (self.dir / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(targets)))
         self.log = self.dir / "prometheus.log"
         with self.log.open("wb") as out:
@@ -123,10 +139,12 @@ class Prometheus:
 @dataclass
 class Traffic:
     """TCP uploads and UDP datagrams between the pods, to and from the host (an address no pod holds) and
-    into web's dropped port, again and again until :meth:`stop`."""
+    into web's dropped port (from pods, and from the host: a drop seen entering a pod), connections refused
+by web (a SYN answered by a RST), again and again until :meth:`stop`."""
 
     pods: Mapping[str, Pod]
     host_ip: str
+    topology: Topology
     stopping: threading.Event = field(default_factory=threading.Event)
     failures: list[BaseException] = field(default_factory=list)
 
@@ -148,6 +166,9 @@ class Traffic:
                         send(sock, (web.ip, DROPPED_PORT), 2)
                 with udp_socket(web) as sock:
                     send(sock, (self.host_ip, 9999), 2)  # to an address no pod holds
+                with self.topology.in_host(), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                    send(sock, (web.ip, DROPPED_PORT), 2)  # from an address no pod holds
+                refused(client, web)
                 self.stopping.wait(0.3)
         except BaseException as exc:  # reported by stop()
             self.failures.append(exc)
@@ -159,6 +180,15 @@ class Traffic:
             raise self.failures[0]
 
 
+def refused(client: Pod, server: Pod) -> None:
+    """A TCP connection to a port of ``server`` where nothing listens: its SYN is answered by a RST."""
+    with netns(client.netns_path):
+        sock = socket.socket()
+    with sock, contextlib.suppress(ConnectionRefusedError):
+        sock.settimeout(5)
+        sock.connect((server.ip, REFUSED_PORT))
+
+
 @dataclass(frozen=True)
 class PanelResult:
     panel: dq.Panel
@@ -167,9 +197,10 @@ class PanelResult:
 
 
 @contextlib.contextmanager
-def running(topology: Topology, server: LabServer, pins: Path, workdir: Path, mode: str) -> Iterator[Prometheus]:
-    """The agent (in ``mode``) and the operator scraped by Prometheus, with :class:`Traffic` flowing and the
-    drops and the pods' own series already scraped once."""
+def running(topology: Topology, server: LabServer, pins: Path, workdir: Path,
+            mode: str) -> Iterator[tuple[Prometheus, list[str]]]:
+    """The agent (in ``mode``; its arguments are yielded too) and the operator scraped by Prometheus, with
+    :class:`Traffic` flowing and the drops and the pods' own series already scraped once."""
     pods = {f"{ns}/{name}": routed_pod(topology, None) for ns, name in
             (("shop", "web"), ("shop", "client"), ("pay", "api"), ("pay", "db"))}
     cluster = Cluster(server)
@@ -179,7 +210,9 @@ def running(topology: Topology, server: LabServer, pins: Path, workdir: Path, mo
         for key, pod in pods.items():
             cluster.pod(*key.split("/"), pod.ip)
         operator = OperatorProcess(server, workdir, "operator", [])
-    agent = AgentProcess(topology, server, pins, workdir / "agent.log", args=agent_arguments(mode))
+    ports = {"hubble": topology.free_port()} if mode == REMOTE else {}
+    args = agent_arguments(mode, ports.get("hubble", 0))
+    agent = AgentProcess(topology, server, pins, workdir / "agent.log", args=args)
     stack = contextlib.ExitStack()
     try:
         stack.callback(operator.stop)
@@ -190,16 +223,16 @@ def running(topology: Topology, server: LabServer, pins: Path, workdir: Path, mo
         for key in ("shop/client", "pay/api"):
             warm(pods[key], pods["shop/web"])
         nft(pods["shop/web"], f"in udp dport {DROPPED_PORT} drop")
-        prometheus = Prometheus(topology, scrape_targets({"agent": agent.port, "operator": operator.port}))
+        prometheus = Prometheus(topology, scrape_targets({"agent": agent.port, "operator": operator.port, **ports}))
         stack.callback(prometheus.stop)
         wait_for(prometheus.targets_up, 30, "targets up", prometheus.log_tail)
-        traffic = Traffic(pods, pods["shop/web"].host_ip)
+        traffic = Traffic(pods, pods["shop/web"].host_ip, topology)
         traffic.start()
         stack.callback(traffic.stop)
         wait_for(lambda: bool(prometheus.query("rate(podmeter_pod_drops_total[15s]) > 0")), 60, "drops scraped",
                  agent.log)
         time.sleep(3)  # a few scrapes of the flows and drops that followed
-        yield prometheus
+        yield prometheus, args
     finally:
         stack.close()
 
@@ -212,8 +245,8 @@ def evaluate(prometheus: Prometheus, args: Sequence[str], picked: Mapping[str, s
 
 
 def measure(topology: Topology, server: LabServer, pins: Path, workdir: Path, mode: str) -> list[PanelResult]:
-    with running(topology, server, pins, workdir, mode) as prometheus:
-        return evaluate(prometheus, agent_arguments(mode), {**dq.PICKED, "namespace": NAMESPACES[0]})
+    with running(topology, server, pins, workdir, mode) as (prometheus, args):
+        return evaluate(prometheus, args, {**dq.PICKED, "namespace": NAMESPACES[0]})
 
 
 def summary(results: Sequence[PanelResult]) -> dict[str, dict[str, int]]:

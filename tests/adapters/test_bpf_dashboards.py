@@ -39,5 +39,7 @@ def test_every_panel_podmeter_can_fill_has_data(topology: Topology, server: LabS
     if mode == REMOTE:  # what podmeter fills today; it rises as names move into EXPORTED
         assert figures["retina/clusters"]["with_data"] >= 26
         assert figures["retina/standard-pod-level"]["with_data"] >= 10
+        assert figures["retina/hubble-pod-flows-workload"]["with_data"] >= 49
+        assert figures["retina/hubble-pod-flows-namespace"]["with_data"] >= 53
     else:
         assert sum(f["with_data"] for name, f in figures.items() if not dq.is_own(name)) == 0

@@ -78,4 +78,9 @@ def test_a_panel_is_expected_when_one_alternative_has_every_series_with_its_valu
     assert dq.expected(panel(either), remote) is None
     both = "sum(networkobservability_drop_count) and sum(networkobservability_interface_stats)"
     assert "interface_stats" in str(dq.expected(panel(both), remote))
-    assert "not yet" in str(dq.expected(panel("sum(rate(hubble_flows_processed_total[1m]))"), remote))
+    assert "not yet" in str(dq.expected(panel("sum(rate(hubble_dns_queries_total[1m]))"), remote))
+    hubble = [*remote, "--hubble-metrics-server", "127.0.0.1:9965", "--hubble-metrics", "flow tcp"]
+    flows = 'sum(rate(hubble_flows_processed_total{source=~"^shop/.*", verdict="DROPPED"}[1m]))'
+    assert "only with --hubble-metrics" in str(dq.expected(panel(flows), remote))
+    assert dq.expected(panel(flows), hubble) is None
+    assert "verdict" in str(dq.expected(panel('hubble_flows_processed_total{verdict="AUDIT"}'), hubble))

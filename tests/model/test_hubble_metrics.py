@@ -163,6 +163,32 @@ def test_contexts_that_name_no_pod_outlive_the_pods_until_idle() -> None:
     assert m.expire(300.0, set) == 2
 
 
+RETINA_FLOW = "flow:sourceEgressContext=pod;destinationIngressContext=pod"  # Retina's Hubble chart's
+
+
+def test_per_direction_contexts_name_the_source_of_egress_and_the_destination_of_ingress() -> None:
+    m = metrics(RETINA_FLOW)
+    batch = records(5)
+    m.add(batch, 1.0)
+    flows = by_family(m)[FLOWS]
+    web = "shop/web-5d9f7-x2x7p"
+    assert flows[("TCP", "Trace", "from-endpoint", "FORWARDED", web, "")] == batch[0].packets  # web -> db, egress
+    assert flows[("TCP", "Trace", "to-endpoint", "FORWARDED", "", web)] == batch[3].packets  # db -> web, ingress
+    assert flows[("ICMPv4", "Trace", "to-endpoint", "FORWARDED", "", web)] == batch[2].packets  # world -> web
+    assert sum(flows.values()) == sum(r.packets for r in batch)
+
+
+def test_a_per_direction_series_leaves_with_the_pod_it_names_only() -> None:
+    m = metrics(RETINA_FLOW, grace=30.0)
+    m.add(records(1), 0.0)  # web -> db, egress: names web, not db
+    web, db = ("shop", "web-5d9f7-x2x7p"), ("shop", "db-0")
+    assert [s.pods for s in m.series.values()] == [(web,)]
+    m.expire(10.0, lambda: {web})
+    assert m.expire(50.0, lambda: {web}) == 0  # db is gone: the series that does not name it stays
+    m.expire(60.0, lambda: {db})
+    assert m.expire(90.0, lambda: {db}) == 1
+
+
 @dataclass(frozen=True)
 class Dns:
     source: FlowEnd

@@ -360,13 +360,19 @@ class HubbleMetrics:
     def _context(self, spec: MetricSpec, source: FlowEnd, destination: FlowEnd,
                  record: FlowRecord | None) -> tuple[tuple[str, ...], tuple[PodKey, ...]]:
         """The context label values of one flow (labelsContext's, then source, destination) and the pods
-        they name."""
+        they name. A record's direction picks the per-direction contexts; a DNS event has none (yet), so
+        ``sourceContext``/``destinationContext`` give its values."""
         values = [self._label(label, source, destination, record) for label in spec.labels]
-        if spec.source:
-            values.append(self._end_context(spec.source, source))
-        if spec.destination:
-            values.append(self._end_context(spec.destination, destination))
+        direction = DIRECTIONS[record.observation] if record is not None else None
+        source_context, destination_context = spec.source_context(direction), spec.destination_context(direction)
+        if spec.has_source:
+            values.append(self._end_context(source_context, source))
+        if spec.has_destination:
+            values.append(self._end_context(destination_context, destination))
         source_pod, destination_pod = self._pod_ends[spec.name]
+        if spec.is_per_direction:  # the contexts of this direction only: a series leaves with the pods it names
+            source_pod = _names_pod(spec, "source", source_context)
+            destination_pod = _names_pod(spec, "destination", destination_context)
         pods = tuple(_pod_key(e) for e, named in ((source, source_pod), (destination, destination_pod))
                      if named and e.endpoint is not None)
         return tuple(values), pods
@@ -437,11 +443,14 @@ def _pod_key(end: FlowEnd) -> PodKey:
 
 
 def _pod_ends(spec: MetricSpec) -> tuple[bool, bool]:
-    """Whether the source's and the destination's label values name a pod (so leave with it)."""
-    def names(side: str, contexts: tuple[str, ...]) -> bool:
-        return bool(POD_CONTEXTS.intersection(contexts)) or any(
-            label in spec.labels for label in (f"{side}_pod", f"{side}_ip"))
-    return names("source", spec.source), names("destination", spec.destination)
+    """Whether the source's and the destination's label values may name a pod (so leave with it)."""
+    return (_names_pod(spec, "source", spec.all_contexts("source")),
+            _names_pod(spec, "destination", spec.all_contexts("destination")))
+
+
+def _names_pod(spec: MetricSpec, side: str, contexts: tuple[str, ...]) -> bool:
+    return bool(POD_CONTEXTS.intersection(contexts)) or any(
+        label in spec.labels for label in (f"{side}_pod", f"{side}_ip"))
 
 
 RCODES = {0: "No Error", 1: "Format Error", 2: "Server Failure", 3: "Non-Existent Domain", 4: "Not Implemented",

@@ -7,6 +7,13 @@ end is its label value); ``labelsContext``'s labels separated by ``,``. For exam
 
     drop tcp flow:sourceContext=workload-name|reserved-identity;labelsContext=source_namespace,traffic_direction
 
+The ``source`` label is there with any of ``sourceContext``, ``sourceEgressContext`` and
+``sourceIngressContext``: for a flow leaving a pod (egress) ``sourceEgressContext`` says its value, for one
+entering a pod (ingress) ``sourceIngressContext``, each in place of ``sourceContext``, which says it
+otherwise (no context for the flow's direction: an empty value). The same for ``destination``. Retina's
+Hubble chart configures ``flow:sourceEgressContext=pod;destinationIngressContext=pod``: the source of what
+leaves a pod, the destination of what enters one.
+
 Keys and context identifiers are case-insensitive, as Cilium reads them. :func:`parse` gives a
 :class:`HubbleMetricsConfig` in one canonical form, :func:`render` writes it back
 (``parse(render(c)) == c``); what podmeter cannot honour is refused by name (:class:`HubbleMetricsError`),
@@ -42,14 +49,15 @@ LABELS = ("source_ip", "source_pod", "source_namespace", "source_workload", "sou
           "destination_ip", "destination_pod", "destination_namespace", "destination_workload", "destination_app",
           "traffic_direction")
 SOURCE_CONTEXT, DESTINATION_CONTEXT, LABELS_CONTEXT = "sourceContext", "destinationContext", "labelsContext"
-CONTEXT_OPTIONS = (SOURCE_CONTEXT, DESTINATION_CONTEXT, LABELS_CONTEXT)
+# The context options of an end, in the order they are rendered: the field of MetricSpec each one sets.
+END_CONTEXTS = {
+    SOURCE_CONTEXT: "source", "sourceEgressContext": "source_egress", "sourceIngressContext": "source_ingress",
+    DESTINATION_CONTEXT: "destination", "destinationEgressContext": "destination_egress",
+    "destinationIngressContext": "destination_ingress",
+}
+CONTEXT_OPTIONS = (*END_CONTEXTS, LABELS_CONTEXT)
 # Options without a value, by metric (Cilium ignores a value given to them; so does podmeter).
 FLAGS = {"flows-to-world": ("any-drop", "port", "syn-only"), "dns": ("query", "ignoreAAAA")}
-REFUSED_OPTIONS = {
-    key.lower(): "per-direction contexts are not implemented by podmeter; use sourceContext/destinationContext"
-    for key in ("sourceEgressContext", "sourceIngressContext", "destinationEgressContext",
-                "destinationIngressContext")
-}
 
 
 class HubbleMetricsError(ValueError):
@@ -58,22 +66,61 @@ class HubbleMetricsError(ValueError):
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One metric of the value: its name, its contexts (alternatives in order; empty: no such label), its
-    labelsContext labels (in :data:`LABELS` order) and its flags (sorted)."""
+    """One metric of the value: its name, its contexts (alternatives in order; empty: not given), its
+    labelsContext labels (in :data:`LABELS` order) and its flags (sorted). ``source_egress`` and
+    ``source_ingress`` are the per-direction contexts of the source, in place of ``source`` for a flow
+    of that direction; the same for the destination."""
 
     name: str
     source: tuple[str, ...] = ()
     destination: tuple[str, ...] = ()
     labels: tuple[str, ...] = ()
     flags: tuple[str, ...] = ()
+    source_egress: tuple[str, ...] = ()
+    source_ingress: tuple[str, ...] = ()
+    destination_egress: tuple[str, ...] = ()
+    destination_ingress: tuple[str, ...] = ()
 
     def has(self, flag: str) -> bool:
         return flag in self.flags
 
     @property
+    def has_source(self) -> bool:
+        return bool(self.source or self.source_egress or self.source_ingress)
+
+    @property
+    def has_destination(self) -> bool:
+        return bool(self.destination or self.destination_egress or self.destination_ingress)
+
+    @property
+    def is_per_direction(self) -> bool:
+        return bool(self.source_egress or self.source_ingress or self.destination_egress or self.destination_ingress)
+
+    def source_context(self, direction: str | None) -> tuple[str, ...]:
+        """The source's context for a flow of ``direction`` (``egress``, ``ingress``; None: not known)."""
+        return _for_direction(direction, self.source, self.source_egress, self.source_ingress)
+
+    def destination_context(self, direction: str | None) -> tuple[str, ...]:
+        return _for_direction(direction, self.destination, self.destination_egress, self.destination_ingress)
+
+    def all_contexts(self, side: str) -> tuple[str, ...]:
+        """Every identifier any context of ``side`` (``source``, ``destination``) may use."""
+        return (*getattr(self, side), *getattr(self, f"{side}_egress"), *getattr(self, f"{side}_ingress"))
+
+    @property
     def context_label_names(self) -> tuple[str, ...]:
         """The label names its contexts add, in Cilium's order: labelsContext's, then source, destination."""
-        return (*self.labels, *(("source",) if self.source else ()), *(("destination",) if self.destination else ()))
+        return (*self.labels, *(("source",) if self.has_source else ()),
+                *(("destination",) if self.has_destination else ()))
+
+
+def _for_direction(direction: str | None, both: tuple[str, ...], egress: tuple[str, ...],
+                   ingress: tuple[str, ...]) -> tuple[str, ...]:
+    if direction == "egress" and egress:
+        return egress
+    if direction == "ingress" and ingress:
+        return ingress
+    return both
 
 
 @dataclass(frozen=True)
@@ -105,9 +152,8 @@ def render(config: HubbleMetricsConfig) -> str:
 
 
 def _render_metric(spec: MetricSpec) -> str:
-    options = [f"{SOURCE_CONTEXT}={'|'.join(spec.source)}"] if spec.source else []
-    if spec.destination:
-        options.append(f"{DESTINATION_CONTEXT}={'|'.join(spec.destination)}")
+    options = [f"{key}={'|'.join(getattr(spec, field))}" for key, field in END_CONTEXTS.items()
+               if getattr(spec, field)]
     if spec.labels:
         options.append(f"{LABELS_CONTEXT}={','.join(spec.labels)}")
     options += spec.flags
@@ -127,11 +173,9 @@ def _metric(item: str) -> MetricSpec:
         if option:
             key, _, text = option.partition("=")
             found[_option_key(name, key)] = text
+    contexts = {field: _context(name, key, found[key]) for key, field in END_CONTEXTS.items() if key in found}
     return MetricSpec(
-        name,
-        source=_context(name, SOURCE_CONTEXT, found[SOURCE_CONTEXT]) if SOURCE_CONTEXT in found else (),
-        destination=(_context(name, DESTINATION_CONTEXT, found[DESTINATION_CONTEXT])
-                     if DESTINATION_CONTEXT in found else ()),
+        name, **contexts,
         labels=_labels(name, found[LABELS_CONTEXT]) if LABELS_CONTEXT in found else (),
         flags=tuple(sorted(key for key in found if key not in CONTEXT_OPTIONS)),
     )
@@ -141,8 +185,6 @@ def _option_key(metric: str, key: str) -> str:
     lowered = key.lower()
     if lowered in _CANONICAL_OPTIONS:
         return _CANONICAL_OPTIONS[lowered]
-    if lowered in REFUSED_OPTIONS:
-        raise HubbleMetricsError(f"--hubble-metrics: option {key!r} of {metric}: {REFUSED_OPTIONS[lowered]}")
     flag = _CANONICAL_FLAGS.get(lowered)
     if flag is None or flag not in FLAGS.get(metric, ()):
         known = (*CONTEXT_OPTIONS, *FLAGS.get(metric, ()))
