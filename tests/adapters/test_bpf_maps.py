@@ -154,6 +154,8 @@ def test_shrinking_keeps_what_fits(open_datapath: Opener) -> None:
     assert smaller.capacity == 8
     assert len(smaller.contents()) == 8
     assert smaller.contents() <= set(ips(12))
+    assert _counter_ips(smaller) == smaller.contents()  # the counters of the IPs that did not fit are gone
+    assert len(smaller.counters_map.collect_keys()) == 16
 
 
 def test_reopening_reuses_the_pinned_maps(open_datapath: Opener, pin_dir: Path) -> None:

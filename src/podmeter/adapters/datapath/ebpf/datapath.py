@@ -432,7 +432,7 @@ class EbpfDatapath:
         """Insert in order (idempotent per IP); a full filter stops the batch with FilterFull. The IPs'
         counters are created first (kept if they exist), so the programs count an IP from the instant it
         is in the filter; those of IPs the filter did not take are removed again."""
-        self._create_counters(ips)
+        self._create_counters([(ip, direction) for ip in ips for direction in Direction])
         keys = [layout.filter_key(ip) for ip in ips]
         outcome = self.filter_map.update_batch(keys, [layout.FILTER_VALUE] * len(keys), BPF_ANY)
         if outcome.applied < len(ips):
@@ -446,9 +446,11 @@ class EbpfDatapath:
         filter, a resize that dropped some), and no counters for an IP outside the filter (a writer that
         died between its two removal steps, a shrink). Logged when it changed anything."""
         observed = self.contents()
-        orphans = sorted({ip for ip, _ in self._counter_keys()} - observed)
+        present = set(self._counter_keys())
+        orphans = sorted({ip for ip, _ in present} - observed)
         self._drop_counters(orphans)
-        created = self._create_counters(sorted(observed))
+        created = self._create_counters(sorted((ip, direction) for ip in observed for direction in Direction
+                                               if (ip, direction) not in present))
         if orphans or created:
             log.warning("counters repaired: %d IPs outside the filter removed, %d counters created",
                         len(orphans), created)
@@ -488,21 +490,20 @@ class EbpfDatapath:
                     taken[(ip, direction)] = traffic
         return taken
 
-    def _create_counters(self, ips: Sequence[str]) -> int:
-        """Create zero counters (both directions) for ``ips``, keeping those that exist; returns how many
+    def _create_counters(self, keys: Sequence[tuple[str, Direction]]) -> int:
+        """Create zero counters at ``keys`` (IP, direction), keeping those that exist; returns how many
         were created. One syscall per entry: batch writes take no BPF_NOEXIST, and only BPF_NOEXIST
         cannot overwrite what an older program (still attached during an upgrade) created meanwhile."""
         zero = bytes(self.counters_map.value_bytes)
         created = 0
-        for ip in ips:
-            for direction in Direction:
-                try:
-                    self.counters_map.update(layout.counter_key(ip, direction), zero, BPF_NOEXIST)
-                except BpfCallError as error:
-                    if error.errno != errno.EEXIST:  # no room: cannot happen while the invariant holds
-                        log.warning("counters: no entry for %s %s (%s)", ip, direction.value, error)
-                    continue
-                created += 1
+        for ip, direction in keys:
+            try:
+                self.counters_map.update(layout.counter_key(ip, direction), zero, BPF_NOEXIST)
+            except BpfCallError as error:
+                if error.errno != errno.EEXIST:  # no room: cannot happen while the invariant holds
+                    log.warning("counters: no entry for %s %s (%s)", ip, direction.value, error)
+                continue
+            created += 1
         return created
 
     def _drop_counters(self, ips: Iterable[str]) -> None:
