@@ -16,8 +16,8 @@ src/podmeter/bpf/%.bpf.o: bpf/%.bpf.c $(wildcard bpf/*.h)
 	@mkdir -p src/podmeter/bpf
 	clang -O2 -g -Wall -target bpf -I/usr/include/$(ARCH)-linux-gnu -Ibpf -c $< -o $@
 
-# The bench's reference build includes the counting program's source.
-src/podmeter/bpf/podmeter_noflows.bpf.o: bpf/podmeter.bpf.c
+# The bench's reference builds include the counting program's source.
+src/podmeter/bpf/podmeter_noflows.bpf.o $(patsubst bpf/%.bpf.c,src/podmeter/bpf/%.bpf.o,$(wildcard bpf/podmeter_ref_*.bpf.c)): bpf/podmeter.bpf.c
 src/podmeter/bpf/podmeter_nodns.bpf.o: bpf/podmeter.bpf.c
 
 # The Python stubs of Hubble's API (docs/hubble.md), generated from the .proto files and committed: the

@@ -49,6 +49,7 @@ Maps are created unpinned: the benchmark leaves nothing behind. Prints a table, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -96,15 +97,28 @@ NOISY_POD, QUIET_POD = "10.244.2.7", "10.244.2.8"
 REPO = Path(__file__).resolve().parent.parent
 UNOBSERVED_FRAME = frames.udp_frame("10.255.255.254", PEER)
 NEAR_FRAME = frames.udp_frame("10.244.11.251", "10.244.11.252")  # in local_v4's /22, never one of its IPs
+FIRST_FLOWS = 2_000
+PACKET_CASES = ("flows", "flows_unobserved", "flows_unobserved_near")  # each object's per-packet figures
+OWN_CASES = (*PACKET_CASES, "counting", "bare")
+# The reference objects (bpf/podmeter_ref_<name>.bpf.c: the same source with a define), by what they
+# change; docs/flows.md says what each measures and why it is not the program.
+REFERENCES = {
+    "before": "the program before issue 29 (LPM trie filter, transport header first, lazy counters)",
+    "lpm": "the filter an LPM trie",
+    "early": "the transport header read before the filter decision",
+    "lazy": "counters created by the program at the first packet",
+    "percpu": "per-CPU flows maps, plain adds",
+    "count_from_flows": "bound: the flow entry the only update",
+    "flow_first": "floor: the flow entry looked up first, nothing else",
+    "no_clock": "bound: no clock read",
+}
 
 
 @dataclass(frozen=True)
 class Figures:
-    ns_per_packet_flows: float
-    ns_per_packet: float
-    ns_per_packet_bare: float
-    ns_per_packet_flows_unobserved: float
-    ns_per_packet_flows_unobserved_near: float
+    packet: dict[str, Sampled]  # per_packet()'s figures, by name
+    first_packet: Sampled
+    first_packet_hit: Sampled
     flow_drain_ms_100k: float
     flow_drain_decode_ms_100k: float
     flow_name_ms_100k: float
@@ -118,8 +132,33 @@ class Figures:
     quiet_flows_recorded_fraction_unfair: float
 
     @property
+    def ns_per_packet_flows(self) -> float:
+        return self.packet["flows"].median
+
+    @property
+    def ns_per_packet(self) -> float:
+        return self.packet["counting"].median
+
+    @property
+    def ns_per_packet_bare(self) -> float:
+        return self.packet["bare"].median
+
+    @property
+    def ns_per_packet_flows_unobserved(self) -> float:
+        return self.packet["flows_unobserved"].median
+
+    @property
+    def ns_per_packet_flows_unobserved_near(self) -> float:
+        return self.packet["flows_unobserved_near"].median
+
+    @property
     def flows_overhead_ns(self) -> float:
         return self.ns_per_packet_flows - self.ns_per_packet
+
+    @property
+    def first_packet_extra_ns(self) -> float:
+        """What a flow's first packet costs more than the next ones (both one run each)."""
+        return self.first_packet.median - self.first_packet_hit.median
 
     @property
     def drain_cost_ratio(self) -> float:
@@ -153,41 +192,85 @@ class Unpinned:
 # --- per packet ----------------------------------------------------------------------------------------------
 
 
-def per_packet(repeat: int, runs: int) -> dict[str, float]:
-    """Median ns per packet: flows hit, counting hit (no flows), parse only, flows program unobserved
-    (a filter of one IP, and next to the node's pods in a filter of ``LOCAL_PODS`` IPs)."""
-    with_flows = Unpinned.load(1024)
-    counting = Unpinned.load(1024, name=NOFLOWS_OBJECT_NAME)
-    near = Unpinned.load(1024, filter_size=2 * LOCAL_PODS)
-    bare = load(object_path(BARE_OBJECT_NAME), None, {}, [PARSE_ONLY])
-    try:
-        for loaded in (with_flows, counting):
-            assert loaded.datapath.insert([POD]).error is None
-        assert near.datapath.insert([local_v4(n) for n in range(LOCAL_PODS)]).error is None
-        hit = frames.udp_frame(POD, PEER)
-        unobserved = UNOBSERVED_FRAME
-        programs = {
-            "flows": (with_flows.program, hit),
-            "counting": (counting.program, hit),
-            "bare": (bare.programs[PARSE_ONLY], hit),
-            "flows_unobserved": (with_flows.program, unobserved),
-            "flows_unobserved_near": (near.program, NEAR_FRAME),
-        }
-        for program, frame in programs.values():
-            program.test_run(frame)  # creates the counter and flow entries: the runs measure the steady state
-        samples: dict[str, list[int]] = {name: [] for name in programs}
+@dataclass(frozen=True)
+class Sampled:
+    """A figure's runs: the median is the figure, max - min its spread."""
+
+    samples: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return float(statistics.median(self.samples))
+
+    @property
+    def spread(self) -> float:
+        return max(self.samples) - min(self.samples)
+
+
+def per_packet(repeat: int, runs: int) -> dict[str, Sampled]:
+    """ns per packet of every (program, frame) of :func:`packet_cases`, interleaved run by run:
+    ``flows`` (hit), ``counting``, ``bare``, ``flows_unobserved``, ``flows_unobserved_near``, and for
+    each reference object of ``REFERENCES`` its ``<name>_flows``, ``<name>_flows_unobserved`` and
+    ``<name>_flows_unobserved_near``."""
+    with contextlib.ExitStack() as stack:
+        cases, flows = packet_cases(stack)
+        for program, frame in cases.values():
+            program.test_run(frame)  # creates the flow entries: the runs measure the steady state
+        samples: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(runs):
-            for name, (program, frame) in programs.items():
+            for name, (program, frame) in cases.items():
                 samples[name].append(program.test_run(frame, repeat).duration_ns)
-        assert len(with_flows.datapath.read_flows()) == 1 and with_flows.datapath.flows_lost() == 0
-        assert counting.datapath.flows_map is None
-        assert not near.datapath.read_flows() and not near.datapath.read_counters()
-        return {name: float(statistics.median(values)) for name, values in samples.items()}
+        assert len(flows.read_flows()) == 1 and flows.flows_lost() == 0
+        return {name: Sampled(tuple(values)) for name, values in samples.items()}
+
+
+def packet_cases(stack: contextlib.ExitStack) -> tuple[dict[str, tuple[Program, bytes]], EbpfDatapath]:
+    """The (program, frame) of each per-packet figure (closed with ``stack``), and the flows program's
+    datapath. For the program and each reference: a hit on an observed source (its counters and flow
+    entry present), a frame between two unobserved IPs with one IP in the filter, and one next to
+    ``LOCAL_PODS`` observed IPs."""
+    hit = frames.udp_frame(POD, PEER)
+    cases: dict[str, tuple[Program, bytes]] = {}
+    datapaths = []
+    for prefix, name in (("", OBJECT_NAME), *((f"{ref}_", f"podmeter_ref_{ref}.bpf.o") for ref in REFERENCES)):
+        one = stack.enter_context(contextlib.closing(Unpinned.load(1024, name=name)))
+        near = stack.enter_context(contextlib.closing(Unpinned.load(1024, filter_size=2 * LOCAL_PODS, name=name)))
+        assert one.datapath.insert([POD]).error is None
+        assert near.datapath.insert([local_v4(n) for n in range(LOCAL_PODS)]).error is None
+        datapaths.append(one.datapath)
+        cases[f"{prefix}flows"] = (one.program, hit)
+        cases[f"{prefix}flows_unobserved"] = (one.program, UNOBSERVED_FRAME)
+        cases[f"{prefix}flows_unobserved_near"] = (near.program, NEAR_FRAME)
+        if not prefix:
+            counting = stack.enter_context(contextlib.closing(Unpinned.load(1024, name=NOFLOWS_OBJECT_NAME)))
+            assert counting.datapath.insert([POD]).error is None
+            cases["counting"] = (counting.program, hit)
+            bare = stack.enter_context(contextlib.closing(load(object_path(BARE_OBJECT_NAME), None, {}, [PARSE_ONLY])))
+            cases["bare"] = (bare.programs[PARSE_ONLY], hit)
+    return cases, datapaths[0]
+
+
+def first_packet(runs: int, name: str = OBJECT_NAME) -> tuple[Sampled, Sampled]:
+    """ns of a flow's first packet and of a packet of an existing flow, one program run each
+    (``repeat`` 1: the kernel's own timing of the run, without the syscall, but with its per-call
+    overhead, hence the pair). Each run: ``FIRST_FLOWS`` new flows of an observed pod (source ports),
+    each run once (a new entry), then once more (a hit); then a drain."""
+    maps = Unpinned.load(4 * FIRST_FLOWS, name=name)
+    try:
+        assert maps.datapath.insert([POD]).error is None
+        flow_frames = [frames.ethernet(frames.ETH_P_IP, frames.ipv4(POD, PEER, frames.udp(b"p" * 64, sport=port)))
+                       for port in range(20_000, 20_000 + FIRST_FLOWS)]
+        first: list[float] = []
+        again: list[float] = []
+        for _ in range(runs):
+            new = [maps.program.test_run(frame).duration_ns for frame in flow_frames]
+            hits = [maps.program.test_run(frame).duration_ns for frame in flow_frames]
+            assert len(maps.datapath.drain_flows()) == FIRST_FLOWS and maps.datapath.flows_lost() == 0
+            first.append(statistics.median(new))
+            again.append(statistics.median(hits))
+        return Sampled(tuple(first)), Sampled(tuple(again))
     finally:
-        with_flows.close()
-        counting.close()
-        near.close()
-        bare.close()
+        maps.close()
 
 
 # --- drain and name ----------------------------------------------------------------------------------------
@@ -475,6 +558,9 @@ def stale_objects() -> list[str]:
         NOFLOWS_OBJECT_NAME: [sources / "podmeter_noflows.bpf.c", sources / "podmeter.bpf.c", *headers],
         BARE_OBJECT_NAME: [sources / "podmeter_bare.bpf.c", *headers],
     }
+    for ref in REFERENCES:
+        needs[f"podmeter_ref_{ref}.bpf.o"] = [sources / f"podmeter_ref_{ref}.bpf.c", sources / "podmeter.bpf.c",
+                                              *headers]
     stale = []
     for name, inputs in needs.items():
         built = object_path(name).stat().st_mtime
@@ -483,9 +569,17 @@ def stale_objects() -> list[str]:
     return stale
 
 
-def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> Figures:
+def measure_packets(args: argparse.Namespace, progress: Callable[[str], None]) -> tuple[dict[str, Sampled], Sampled,
+                                                                                      Sampled]:
     progress("per packet")
     packet = per_packet(args.repeat, args.runs)
+    progress("a flow's first packet")
+    first, again = first_packet(args.runs)
+    return packet, first, again
+
+
+def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> Figures:
+    packet, first, again = measure_packets(args, progress)
     progress("drain and name 100,000 entries")
     drain = drain_figures(args.runs)
     progress("drain after 100,000 and 10,000,000 packets")
@@ -493,8 +587,7 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None]) -> Figure
     lost, exact = lost_when_full()
     progress("fairness: a noisy pod and a quiet one")
     fair, unfair = fairness_figures()
-    return Figures(packet["flows"], packet["counting"], packet["bare"], packet["flows_unobserved"],
-                   packet["flows_unobserved_near"], drain["total"], drain["drain"], drain["name"], drain["kernel"],
+    return Figures(packet, first, again, drain["total"], drain["drain"], drain["name"], drain["kernel"],
                    few_ms, many_ms, wall_ms, lost, exact, fair, unfair)
 
 
@@ -502,6 +595,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--repeat", type=int, default=1_000_000, help="BPF_PROG_TEST_RUN repetitions per run")
     parser.add_argument("--runs", type=int, default=7, help="runs per figure (the median is reported)")
+    parser.add_argument("--packets-only", action="store_true", help="the per-packet figures only")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("bench.flows needs root (BPF_PROG_TEST_RUN, map creation)", file=sys.stderr)
@@ -511,22 +605,65 @@ def main() -> int:
         print(f"bench.flows: {', '.join(stale)} older than its sources: `touch bpf/*.bpf.c && make bpf`",
               file=sys.stderr)
         return 2
-    figures = measure(args, lambda step: print(f"  ... {step}", file=sys.stderr, flush=True))
+    def progress(step: str) -> None:
+        print(f"  ... {step}", file=sys.stderr, flush=True)
+
+    if args.packets_only:
+        packet, first, again = measure_packets(args, progress)
+        print_packet_table(packet, first, again, args)
+        print(json.dumps(packet_summary(packet, first, again, args)))
+        return 0
+    figures = measure(args, progress)
+    print_packet_table(figures.packet, figures.first_packet, figures.first_packet_hit, args)
     print_table(figures, args)
     print(json.dumps(summary(figures, args)))
     return 0
 
 
+def print_packet_table(packet: dict[str, Sampled], first: Sampled, again: Sampled, args: argparse.Namespace) -> None:
+    bare, counting = packet["bare"].median, packet["counting"].median
+    print(f"per packet: {args.runs} interleaved runs of {args.repeat:,}, medians (spread = max - min)")
+    print(f"  {'program':<44} {'hit':>14} {'unobserved':>14} {'... near':>14}   vs parse-only, vs counting")
+    for prefix, what in (("", "podmeter.bpf.o (the program)"), *((f"{ref}_", f"{ref}: {REFERENCES[ref]}")
+                                                                  for ref in REFERENCES)):
+        cells = [packet[f"{prefix}{case}"] for case in PACKET_CASES]
+        text = [f"{cell.median:7.1f} ±{cell.spread:<5.0f}" for cell in cells]
+        hit = cells[0].median
+        print(f"  {what[:44]:<44} {text[0]:>14} {text[1]:>14} {text[2]:>14}   {hit / bare:.2f}x, {hit / counting:.2f}x")
+    for name, what in (("counting", "counting alone (podmeter_noflows.bpf.o)"), ("bare", "parse only")):
+        print(f"  {what:<44} {packet[name].median:7.1f} ±{packet[name].spread:<5.0f}")
+    print(f"  a flow's first packet, one run each: {first.median:.0f} ns against {again.median:.0f} for the next: "
+          f"+{first.median - again.median:.0f} ns ({FIRST_FLOWS:,} flows a run)")
+
+
+def packet_summary(packet: dict[str, Sampled], first: Sampled, again: Sampled,
+                   args: argparse.Namespace) -> dict[str, object]:
+    bare, counting = packet["bare"].median, packet["counting"].median
+    return {
+        "ns_per_packet_flows": round(packet["flows"].median, 1),
+        "ns_per_packet": round(counting, 1),
+        "ns_per_packet_bare": round(bare, 1),
+        "flows_overhead_ns": round(packet["flows"].median - counting, 1),
+        "ns_per_packet_flows_unobserved": round(packet["flows_unobserved"].median, 1),
+        "ns_per_packet_flows_unobserved_near": round(packet["flows_unobserved_near"].median, 1),
+        "flows_vs_parse_only": round(packet["flows"].median / bare, 3),
+        "flows_vs_counting": round(packet["flows"].median / counting, 3),
+        "unobserved_vs_parse_only": round(packet["flows_unobserved"].median / bare, 3),
+        "ns_first_packet": round(first.median, 1),
+        "ns_first_packet_next": round(again.median, 1),
+        "ns_first_packet_extra": round(first.median - again.median, 1),
+        "spread_ns": {name: round(packet[name].spread, 1) for name in OWN_CASES},
+        "references": {ref: {case: round(packet[f"{ref}_{case}"].median, 1) for case in PACKET_CASES}
+                       for ref in REFERENCES},
+        "repeat": args.repeat,
+        "runs": args.runs,
+    }
+
+
 def print_table(fig: Figures, args: argparse.Namespace) -> None:
     print(f"flows benchmark: {args.runs} runs, medians")
     rows = [
-        ("ns/packet, counting + flows, hit", f"{fig.ns_per_packet_flows:.0f}", f"repeat {args.repeat:,}"),
-        ("ns/packet, counting (no flows)", f"{fig.ns_per_packet:.0f}", "same frame"),
-        ("ns/packet, parse only", f"{fig.ns_per_packet_bare:.0f}", "same frame"),
         ("ns/packet, flows added", f"{fig.flows_overhead_ns:.0f}", "flows - counting"),
-        ("ns/packet, flows, both ends unobserved", f"{fig.ns_per_packet_flows_unobserved:.0f}", "no flow made"),
-        ("  ... next to 1,000 observed pods", f"{fig.ns_per_packet_flows_unobserved_near:.0f}",
-         f"{LOCAL_PODS:,} IPs in the filter"),
         ("drain + name 100,000 flows, ms", f"{fig.flow_drain_ms_100k:.1f}", "target <= 250"),
         ("  drain_flows(), ms", f"{fig.flow_drain_decode_ms_100k:.1f}", "flip + take + decode"),
         ("  address book + name_flows(), ms", f"{fig.flow_name_ms_100k:.1f}", f"{LOCAL_PODS:,} local pods"),
@@ -546,13 +683,8 @@ def print_table(fig: Figures, args: argparse.Namespace) -> None:
 
 
 def summary(fig: Figures, args: argparse.Namespace) -> dict[str, object]:
-    return {
-        "ns_per_packet_flows": round(fig.ns_per_packet_flows, 1),
-        "ns_per_packet": round(fig.ns_per_packet, 1),
-        "ns_per_packet_bare": round(fig.ns_per_packet_bare, 1),
-        "flows_overhead_ns": round(fig.flows_overhead_ns, 1),
-        "ns_per_packet_flows_unobserved": round(fig.ns_per_packet_flows_unobserved, 1),
-        "ns_per_packet_flows_unobserved_near": round(fig.ns_per_packet_flows_unobserved_near, 1),
+    out = packet_summary(fig.packet, fig.first_packet, fig.first_packet_hit, args)
+    return out | {
         "flow_drain_ms_100k": round(fig.flow_drain_ms_100k, 1),
         "flow_drain_decode_ms_100k": round(fig.flow_drain_decode_ms_100k, 1),
         "flow_name_ms_100k": round(fig.flow_name_ms_100k, 1),

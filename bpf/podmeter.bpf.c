@@ -4,7 +4,8 @@
  * On the host-side end of a pod's veth, tc ingress sees packets leaving the pod and tc egress sees
  * packets entering it. So pm_from_pod (tc ingress) counts direction EGRESS keyed on the source address,
  * and pm_to_pod (tc egress) counts direction INGRESS keyed on the destination address. Only addresses
- * present in the `filter` map are counted. Both programs return TC_ACT_UNSPEC: they never change a
+ * present in the `filter` map are counted (their `counters` entries exist exactly while they are: see
+ * pm_count). Both programs return TC_ACT_UNSPEC: they never change a
  * verdict, so tc filters of other tools after them keep running (under TCX, TC_ACT_OK would stop them).
  *
  * Flows: every parsed packet with at least one observed end (source or destination in `filter`) is also
@@ -14,6 +15,13 @@
  * finds the active map full, or whose pod link has had its share of a nearly full map (the fairness rule,
  * pm_flow_admit), is counted in `flows_lost`, once per packet (pm_flow_lost).
  * Built with -DPM_NO_FLOWS (podmeter_noflows.bpf.c, the benchmark's reference) the programs only count.
+ *
+ * Per packet: the network header (pm_parse_l3), the counter of the pod's end (one hash lookup, which is
+ * also the filter decision for that end), the filter for the other end if needed, and only for a kept
+ * packet (an observed end) the transport header and its flow (pm_keep: the place for anything else done
+ * to kept packets). The benchmark references podmeter_ref_*.bpf.c build other designs from this source
+ * with a define (PM_FILTER_LPM, PM_L4_EARLY, PM_COUNTERS_LAZY, PM_FLOWS_PERCPU, PM_COUNT_FROM_FLOWS,
+ * PM_FLOW_FIRST, PM_NO_CLOCK); docs/flows.md has their figures and why they are not the program.
  *
  * Map layouts are documented in docs/datapath.md; userspace encodes the same structs in
  * podmeter/adapters/datapath/ebpf/layout.py, and refuses an object whose BTF lays them out otherwise.
@@ -66,7 +74,11 @@ struct flows_lost_value {
  * element, and the drain's batched lookup-and-delete returns elements to the free list, three times
  * faster than freeing them (BPF_F_NO_PREALLOC) for 100,000 entries. */
 struct flows_map {
+#ifdef PM_FLOWS_PERCPU
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH); /* benchmark reference: one value per CPU, plain adds */
+#else
 	__uint(type, BPF_MAP_TYPE_HASH);
+#endif
 	__uint(max_entries, 1024); /* set by the loader (flow_size) */
 	__type(key, struct flow_key);
 	__type(value, struct flow_value);
@@ -138,48 +150,66 @@ static __always_inline void pm_add(struct counter_value *value, struct __sk_buff
 	value->bytes += skb->len;
 }
 
-/* Count one packet for addr if addr is in the filter; returns 1 if it is (observed), else 0.
- *
- * Invariant (kept together with userspace): a counters entry exists only while its IP is in the filter.
- * Userspace removes an IP in two steps, delete from filter then take (read and delete) its counters,
- * and this program never creates an entry for an IP that has left the filter. So the hot path of an
- * observed IP is a single hash lookup; the LPM trie is consulted only when no entry exists yet. Packets
- * counted between the two userspace steps belong to the leaving pod and are part of what it takes. */
-static __always_inline int pm_count(struct __sk_buff *skb, const struct pm_addr *addr, __u32 direction)
+#ifdef PM_COUNTERS_LAZY
+/* The first packet of an IP that has no counters entry yet (the benchmark reference only). */
+static __always_inline int pm_count_first(struct __sk_buff *skb, const struct pm_addr *addr,
+					  const struct counter_key *ckey)
 {
-	struct counter_key ckey = { .direction = direction };
 	struct filter_key fkey = { .prefixlen = 128 };
 	struct counter_value first = { .packets = 1, .bytes = skb->len };
 	struct counter_value *value;
 	int lost;
 
-	__builtin_memcpy(ckey.addr, addr, sizeof(ckey.addr));
 	__builtin_memcpy(fkey.addr, addr, sizeof(fkey.addr));
-
-	value = bpf_map_lookup_elem(&counters, &ckey);
+	if (!bpf_map_lookup_elem(&filter, &fkey))
+		return 0;
+	value = pm_create(&counters, ckey, &first, &lost);
 	if (!value) {
-		if (!bpf_map_lookup_elem(&filter, &fkey))
+		/* Userspace may have deleted the IP and taken its counters since the filter lookup. */
+		if (!lost && !bpf_map_lookup_elem(&filter, &fkey)) {
+			bpf_map_delete_elem(&counters, ckey);
 			return 0;
-		/* Created: the packet is counted. EEXIST: another CPU created the entry meanwhile and our CPU's
-		 * slot exists now, add to it. E2BIG (map full) leaves the packet uncounted (the IP is still
-		 * observed). */
-		value = pm_create(&counters, &ckey, &first, &lost);
-		if (!value) {
-			/* If userspace deleted the IP and took its counters between our filter lookup and this
-			 * insert, the new entry would outlive the pod (and break the invariant). Re-check the
-			 * filter and drop the entry if the IP has gone: one packet of a deleted pod is lost. */
-			if (!lost && !bpf_map_lookup_elem(&filter, &fkey)) {
-				bpf_map_delete_elem(&counters, &ckey);
-				return 0;
-			}
-			return 1;
 		}
+		return 1;
 	}
+	pm_add(value, skb);
+	return 1;
+}
+#endif
+
+/* Count one packet for addr if addr is observed; returns 1 if it is, else 0.
+ *
+ * Invariant (kept by userspace): a counters entry exists for both directions of an IP exactly while the
+ * IP is in the filter. Userspace creates them (zero) before it adds the IP to the filter, and removes an
+ * IP in two steps, delete from the filter then take (read and delete) its counters. So the counters map
+ * is the filter of the counting path: one hash lookup decides and finds the slot to add to, for an
+ * observed IP and an unobserved one alike, and the program never creates an entry. Packets counted
+ * between the two removal steps belong to the leaving pod and are part of what it takes.
+ * Built with -DPM_COUNTERS_LAZY (a benchmark reference only) it is the program of before, which created
+ * the entry at an IP's first packet: a counters miss then cost a filter lookup too. */
+static __always_inline int pm_count(struct __sk_buff *skb, const struct pm_addr *addr, __u32 direction)
+{
+	struct counter_key ckey = { .direction = direction };
+	struct counter_value *value;
+
+	__builtin_memcpy(ckey.addr, addr, sizeof(ckey.addr));
+	value = bpf_map_lookup_elem(&counters, &ckey);
+#ifdef PM_COUNTERS_LAZY
+	if (!value)
+		return pm_count_first(skb, addr, &ckey);
+#endif
+	if (!value)
+		return 0;
 	pm_add(value, skb);
 	return 1;
 }
 
 #ifndef PM_NO_FLOWS
+#ifdef PM_NO_CLOCK
+#define pm_now() 0 /* benchmark reference: what the clock read costs */
+#else
+#define pm_now() bpf_ktime_get_coarse_ns()
+#endif
 #define PM_SRC_UNKNOWN 2 /* pm_flow's src_observed when the source was not looked up */
 
 /* Whether a packet whose flow has no entry yet may create one (the fairness rule). Below the threshold
@@ -257,28 +287,48 @@ static __always_inline void pm_flow_lost(struct __sk_buff *skb, void *active, st
 	}
 }
 
+static __always_inline void pm_flow_key(struct flow_key *key, const struct pm_packet *pkt, __u8 observation)
+{
+	__builtin_memcpy(key->src, &pkt->src, sizeof(key->src));
+	__builtin_memcpy(key->dst, &pkt->dst, sizeof(key->dst));
+	key->sport = pkt->sport;
+	key->dport = pkt->dport;
+	key->protocol = pkt->protocol;
+	key->observation = observation;
+	key->pad[0] = 0;
+	key->pad[1] = 0;
+}
+
+#ifdef PM_FLOW_FIRST
+/* Benchmark bound: add the packet to its entry if the active map has one. */
+static __always_inline int pm_flow_hit(struct __sk_buff *skb, const struct pm_packet *pkt, __u8 observation)
+{
+	struct flow_key key __attribute__((aligned(8)));
+	__u32 zero = 0;
+	void *active = bpf_map_lookup_elem(&flows, &zero);
+
+	if (!active)
+		return 0;
+	pm_flow_key(&key, pkt, observation);
+	return pm_flow_found(active, &key, skb->len, pm_now(), pkt->tcp_flags);
+}
+#endif
+
 /* Add one packet to its flow entry in the active flows map; a packet that finds it full, or is refused
  * by the fairness rule (or finds no active map), is counted in flows_lost. src_observed: whether the
  * source is in the filter (0 or 1), or PM_SRC_UNKNOWN (pm_to_pod only needs it for a loss). */
-static __always_inline void pm_flow(struct __sk_buff *skb, const struct pm_packet *pkt, __u8 observation,
-				    int src_observed)
+static __always_inline int pm_flow(struct __sk_buff *skb, const struct pm_packet *pkt, __u8 observation,
+				   int src_observed)
 {
 	struct flow_key key __attribute__((aligned(8)));
 	struct flows_fill *fill;
 	void *active;
-	__u64 now = bpf_ktime_get_coarse_ns();
+	__u64 now = pm_now();
 	__u32 zero = 0;
 	__u32 link;
 	int past;
 
-	__builtin_memcpy(key.src, &pkt->src, sizeof(key.src));
-	__builtin_memcpy(key.dst, &pkt->dst, sizeof(key.dst));
-	key.sport = pkt->sport;
-	key.dport = pkt->dport;
-	key.protocol = pkt->protocol;
-	key.observation = observation;
-	key.pad[0] = 0;
-	key.pad[1] = 0;
+	pm_flow_key(&key, pkt, observation);
 
 	/* Looked up once: everything below goes to the same map, even if userspace flips the slot meanwhile
 	 * (it then waits for this run to end before reading that map). */
@@ -286,7 +336,7 @@ static __always_inline void pm_flow(struct __sk_buff *skb, const struct pm_packe
 	if (!active)
 		goto lost;
 	if (pm_flow_found(active, &key, skb->len, now, pkt->tcp_flags))
-		return;
+		return 1;
 	/* A new flow. */
 	fill = bpf_map_lookup_elem(&flows_fill, &zero);
 	link = skb->ifindex;
@@ -294,16 +344,43 @@ static __always_inline void pm_flow(struct __sk_buff *skb, const struct pm_packe
 		switch (pm_flow_create(active, &key, skb->len, now, pkt->tcp_flags)) {
 		case PM_FLOW_CREATED:
 			pm_flow_created(fill, link, past);
-			return;
+			return 1;
 		case PM_FLOW_ADDED:
-			return;
+			return 1;
 		}
 	}
 	/* E2BIG: the map is full until the next drain; or the pod has had its share. Never silent: */
 lost:
 	pm_flow_lost(skb, active, &key, pkt, src_observed);
+	return 0;
+}
+
+/* A packet with an observed end, once the filter said so: its transport header (not read for a packet
+ * nobody observes), then its flow. The one place for what is done to every kept packet, and only to
+ * those. Returns 1 if the packet is in a flow entry, 0 if it was lost (flows_lost). */
+static __always_inline int pm_keep(struct __sk_buff *skb, struct pm_packet *pkt, const struct pm_l4_at *at,
+				   __u8 observation, int src_observed)
+{
+#ifndef PM_L4_EARLY
+	pm_parse_l4(skb, pkt, at);
+#endif
+	return pm_flow(skb, pkt, observation, src_observed);
 }
 #endif /* PM_NO_FLOWS */
+
+/* The network layer; the transport layer too in the benchmark references that read it first: with
+ * -DPM_L4_EARLY, and counting alone (-DPM_NO_FLOWS), which needs no ports but reads them as it always did
+ * (without them clang merges the IPv4 and IPv6 address reads into one through a register offset, which
+ * the verifier refuses to a loader without CAP_PERFMON). */
+static __always_inline int pm_parse_start(struct __sk_buff *skb, struct pm_packet *pkt, struct pm_l4_at *at)
+{
+	if (pm_parse_l3(skb, pkt, at) != 0)
+		return -1;
+#if defined(PM_L4_EARLY) || defined(PM_NO_FLOWS)
+	pm_parse_l4(skb, pkt, at);
+#endif
+	return 0;
+}
 
 /* The pod is the source: count it (direction EGRESS). The flow is kept when the source is observed
  * (known from the counter path at no extra cost) or else when the destination is. */
@@ -311,14 +388,29 @@ SEC("tc")
 int pm_from_pod(struct __sk_buff *skb)
 {
 	struct pm_packet pkt;
+	struct pm_l4_at at;
 	int observed;
 
-	if (pm_parse(skb, &pkt) != 0)
+	if (pm_parse_start(skb, &pkt, &at) != 0)
 		return TC_ACT_UNSPEC;
+#ifdef PM_FLOW_FIRST
+	/* Benchmark bound: an existing flow entry alone, before any filter or counter lookup. */
+	pm_parse_l4(skb, &pkt, &at);
+	if (pm_flow_hit(skb, &pkt, PM_OBS_FROM_POD))
+		return TC_ACT_UNSPEC;
+#endif
+#ifdef PM_COUNT_FROM_FLOWS
+	/* Benchmark bound: the filter decides and the flow entry is the only update; the counter only when
+	 * the flow was lost. */
+	observed = pm_observed(&pkt.src);
+	if ((observed || pm_observed(&pkt.dst)) && !pm_keep(skb, &pkt, &at, PM_OBS_FROM_POD, observed) && observed)
+		pm_count(skb, &pkt.src, PM_DIR_EGRESS);
+	return TC_ACT_UNSPEC;
+#endif
 	observed = pm_count(skb, &pkt.src, PM_DIR_EGRESS);
 #ifndef PM_NO_FLOWS
 	if (observed || pm_observed(&pkt.dst))
-		pm_flow(skb, &pkt, PM_OBS_FROM_POD, observed);
+		pm_keep(skb, &pkt, &at, PM_OBS_FROM_POD, observed);
 #else
 	(void)observed;
 #endif
@@ -331,18 +423,19 @@ SEC("tc")
 int pm_to_pod(struct __sk_buff *skb)
 {
 	struct pm_packet pkt;
+	struct pm_l4_at at;
 	int observed;
 #ifndef PM_NO_FLOWS
 	int src_observed;
 #endif
 
-	if (pm_parse(skb, &pkt) != 0)
+	if (pm_parse_start(skb, &pkt, &at) != 0)
 		return TC_ACT_UNSPEC;
 	observed = pm_count(skb, &pkt.dst, PM_DIR_INGRESS);
 #ifndef PM_NO_FLOWS
 	src_observed = observed ? PM_SRC_UNKNOWN : pm_observed(&pkt.src);
 	if (observed || src_observed)
-		pm_flow(skb, &pkt, PM_OBS_TO_POD, src_observed);
+		pm_keep(skb, &pkt, &at, PM_OBS_TO_POD, src_observed);
 #else
 	(void)observed;
 #endif

@@ -253,6 +253,22 @@ static __always_inline int pm_dns_question(struct __sk_buff *skb, __u32 offset, 
 }
 
 /* Remember a query, or find (and forget) the query of a response: its latency in ns, or 0 if none. */
+/* The question's walk as a global function: the verifier checks it once, on its own, so that its loop's
+ * states and jumps do not add to those of the program that calls it (without CAP_PERFMON, the agent's
+ * case, the whole program then exceeds the verifier's limit on a path's jumps). It reads the name and
+ * qtype into the scratch key; the caller reads the header again for its id and flags. */
+__noinline int pm_dns_question_walk(struct __sk_buff *skb, __u32 offset, __u32 length)
+{
+	struct pm_dns_header hdr;
+	struct dns_key *key;
+	__u32 zero = 0;
+
+	key = bpf_map_lookup_elem(&dns_scratch, &zero);
+	if (!key)
+		return PM_DNS_SKIP;
+	return pm_dns_question(skb, offset, length, key, &hdr);
+}
+
 static __always_inline __u64 pm_dns_latency(const struct dns_key *key, __u16 pod_port, __u16 id, int response)
 {
 	struct dns_pending_key pending = { .port = pod_port, .id = id };
@@ -341,7 +357,9 @@ static __always_inline void pm_dns(struct __sk_buff *skb, const struct pm_packet
 		return;
 	verdict = pm_dns_locate(skb, pkt->protocol, &offset, &length);
 	if (verdict == PM_DNS_PARSED)
-		verdict = pm_dns_question(skb, offset, length, key, &hdr);
+		verdict = pm_dns_question_walk(skb, offset, length);
+	if (verdict == PM_DNS_PARSED && bpf_skb_load_bytes(skb, offset, &hdr, sizeof(hdr)) < 0)
+		verdict = PM_DNS_TRUNCATED;
 	if (verdict == PM_DNS_PARSED && (bpf_ntohs(hdr.flags) >> 15) != (response ? 1 : 0))
 		verdict = PM_DNS_WRONG_QR;
 	if (verdict != PM_DNS_PARSED) {
@@ -381,10 +399,13 @@ static __always_inline void pm_dns_hook(struct __sk_buff *skb, const struct pm_p
 					const int observation)
 {
 #ifndef PM_NO_DNS
+	/* observed first: the ports are read only for a kept packet (pm_keep) */
+	if (!observed)
+		return;
 	if (observation == PM_OBS_FROM_POD) {
-		if (pkt->dport == PM_DNS_PORT && observed)
+		if (pkt->dport == PM_DNS_PORT)
 			pm_dns(skb, pkt, 0);
-	} else if (pkt->sport == PM_DNS_PORT && observed) {
+	} else if (pkt->sport == PM_DNS_PORT) {
 		pm_dns(skb, pkt, 1);
 	}
 #endif

@@ -17,9 +17,17 @@ struct filter_key {
 	__u8 addr[16];
 };
 
-/* max_entries is a default; the loader sets it from --filter-map-size before loading. */
+/* An exact-match hash: the agent only ever stores host addresses (prefixlen 128), and a hash lookup
+ * costs less than an LPM trie's walk down 128 bits (bench.flows measures both). The key keeps the LPM
+ * trie's layout (the prefixlen word, always 128) so that an older agent's pinned trie migrates entry by
+ * entry. Built with -DPM_FILTER_LPM (a benchmark reference only) it is the LPM trie of before.
+ * max_entries is a default; the loader sets it from --filter-map-size before loading. */
 struct {
+#ifdef PM_FILTER_LPM
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+#else
+	__uint(type, BPF_MAP_TYPE_HASH);
+#endif
 	__uint(max_entries, 255);
 	__type(key, struct filter_key);
 	__type(value, __u8);

@@ -18,6 +18,10 @@
  * a packet pointer to a loader without CAP_PERFMON (Spectre v1 rules), and the agent runs with CAP_BPF
  * and CAP_NET_ADMIN only. None of this decides whether a frame is parsed: the counters count exactly
  * the frames they counted before.
+ *
+ * In two steps: pm_parse_l3 (addresses, protocol: all a filter decision needs) and pm_parse_l4 (ports,
+ * flags), so that the TC programs read the transport header only of a packet they keep; pm_parse does
+ * both (the parse-only benchmark program).
  */
 #ifndef PODMETER_PARSE_H
 #define PODMETER_PARSE_H
@@ -52,11 +56,11 @@ struct pm_vlan_hdr {
 };
 
 /* The first `need` bytes of the transport header: in the packet when `direct` and the skb's linear part
- * holds them, else copied into `copy`; NULL when the packet is shorter. `need` and `direct` are constants
- * at every call site (the functions are inlined), and `l4` is then at a constant offset from skb->data:
- * what lets the verifier check the direct reads. */
+ * holds them, else copied into `copy`; NULL when the packet is shorter. `need` is a constant at every
+ * call site (the functions are inlined) and `l4` a packet pointer at a constant offset from skb->data
+ * (struct pm_l4_at): what lets the verifier check the direct reads. */
 static __always_inline __u8 *pm_l4_bytes(struct __sk_buff *skb, __u8 *l4, void *data_end, __u32 offset,
-					 __u8 *copy, __u32 need, const int direct)
+					 __u8 *copy, __u32 need, int direct)
 {
 	if (direct && (void *)(l4 + need) <= data_end)
 		return l4;
@@ -66,9 +70,9 @@ static __always_inline __u8 *pm_l4_bytes(struct __sk_buff *skb, __u8 *l4, void *
 }
 
 /* Ports and flags from the transport header `offset` bytes into the frame (at packet pointer l4 when
- * `direct`). Leaves them 0 when the protocol has none or the header is cut short. */
-static __always_inline void pm_parse_l4(struct __sk_buff *skb, __u8 *l4, void *data_end, __u32 offset,
-					struct pm_packet *out, const int direct)
+ * `direct`). Leaves them as they are (0) when the protocol has none or the header is cut short. */
+static __always_inline void pm_parse_ports(struct __sk_buff *skb, __u8 *l4, void *data_end, __u32 offset,
+					   struct pm_packet *out, int direct)
 {
 	__u8 copy[sizeof(struct tcphdr)];
 	__u8 *hdr;
@@ -95,8 +99,20 @@ static __always_inline void pm_parse_l4(struct __sk_buff *skb, __u8 *l4, void *d
 	}
 }
 
-/* Returns 0 with *out filled, or -1 when the frame is not a well-formed IPv4/IPv6 packet. */
-static __always_inline int pm_parse(struct __sk_buff *skb, struct pm_packet *out)
+/* Where pm_parse_l3 left the transport header, for pm_parse_l4 to read it later (or never: the TC programs
+ * read it only for a packet they keep, after the filter decision). `l4` is always a packet pointer at a
+ * constant offset (the verifier checks every direct read against data_end); `direct` says whether the
+ * header is really there (IPv6, IPv4 without options) or must be copied from `offset` (IPv4 options). */
+struct pm_l4_at {
+	__u8 *l4;
+	__u32 offset;
+	__u8 direct;
+	__u8 present; /* 0: no transport header to read (an IPv4 fragment other than the first) */
+};
+
+/* The network layer: 0 with addresses and protocol in *out (ports and flags 0) and *at set, or -1 when
+ * the frame is not a well-formed IPv4/IPv6 packet. */
+static __always_inline int pm_parse_l3(struct __sk_buff *skb, struct pm_packet *out, struct pm_l4_at *at)
 {
 	void *data = (void *)(long)skb->data;
 	void *data_end = (void *)(long)skb->data_end;
@@ -136,12 +152,11 @@ static __always_inline int pm_parse(struct __sk_buff *skb, struct pm_packet *out
 		pm_map_v4(&out->src, ip->saddr);
 		pm_map_v4(&out->dst, ip->daddr);
 		out->protocol = ip->protocol;
-		if (ip->frag_off & bpf_htons(PM_IP_OFFSET_MASK))
-			return 0; /* not the first fragment: no transport header */
-		if (ip->ihl == 5) /* no options: the transport header is at a constant offset */
-			pm_parse_l4(skb, (__u8 *)(ip + 1), data_end, offset + sizeof(*ip), out, 1);
-		else
-			pm_parse_l4(skb, 0, data_end, offset + ip->ihl * 4, out, 0);
+		/* Not the first fragment: no transport header. */
+		at->present = !(ip->frag_off & bpf_htons(PM_IP_OFFSET_MASK));
+		at->direct = ip->ihl == 5; /* no options: the transport header is at a constant offset */
+		at->l4 = (__u8 *)(ip + 1);
+		at->offset = offset + ip->ihl * 4;
 		return 0;
 	}
 	if (proto == bpf_htons(ETH_P_IPV6)) {
@@ -154,10 +169,32 @@ static __always_inline int pm_parse(struct __sk_buff *skb, struct pm_packet *out
 		__builtin_memcpy(&out->src, &ip6->saddr, sizeof(out->src));
 		__builtin_memcpy(&out->dst, &ip6->daddr, sizeof(out->dst));
 		out->protocol = ip6->nexthdr;
-		pm_parse_l4(skb, (__u8 *)(ip6 + 1), data_end, offset + sizeof(*ip6), out, 1);
+		at->present = 1;
+		at->direct = 1;
+		at->l4 = (__u8 *)(ip6 + 1);
+		at->offset = offset + sizeof(*ip6);
 		return 0;
 	}
 	return -1;
+}
+
+/* The transport layer of a packet pm_parse_l3 parsed: ports and flags into *out. */
+static __always_inline void pm_parse_l4(struct __sk_buff *skb, struct pm_packet *out, const struct pm_l4_at *at)
+{
+	if (at->present)
+		pm_parse_ports(skb, at->l4, (void *)(long)skb->data_end, at->offset, out, at->direct);
+}
+
+/* Both layers at once. Returns 0 with *out filled, or -1 when the frame is not a well-formed IPv4/IPv6
+ * packet. */
+static __always_inline int pm_parse(struct __sk_buff *skb, struct pm_packet *out)
+{
+	struct pm_l4_at at;
+
+	if (pm_parse_l3(skb, out, &at) != 0)
+		return -1;
+	pm_parse_l4(skb, out, &at);
+	return 0;
 }
 
 #endif /* PODMETER_PARSE_H */

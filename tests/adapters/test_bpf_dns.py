@@ -149,6 +149,7 @@ def test_the_outstanding_queries_stay_bounded_under_a_flood_and_are_swept() -> N
 def test_an_unobserved_pod_is_not_read() -> None:
     with dns_program() as program:
         assert program.datapath.delete([program.pod]).error is None
+        program.datapath.take_counters([program.pod])  # as the agent's handover does: the IP is no one's now
         program.query(message(1, "a.test"))
         program.answer(response(1, "a.test"))
         assert program.maps.drain().entries == [] and program.counts() == {}
@@ -238,6 +239,7 @@ def test_a_pod_deleted_between_query_and_answer_leaves_nothing(node: Node, topol
         _, peer = server.recvfrom(512)
         assert datapath.dns.pending_count() == 1
         assert datapath.delete([pod.ip]).error is None  # the pod is deleted
+        datapath.take_counters([pod.ip])  # and its counters taken, as the agent's handover does
         server.sendto(response(42, "late.test", rcode=3), peer)
     entries = datapath.dns.drain().entries
     assert [key.direction for key, _ in entries] == [Direction.QUERY]  # the answer was not the pod's any more

@@ -1,7 +1,8 @@
-"""The pinned maps through EbpfDatapath: batches with partial counts, full trie, resize, pins, ownership."""
+"""The pinned maps through EbpfDatapath: batches with partial counts, full filter, resize, pins, ownership."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -24,6 +25,8 @@ from podmeter.adapters.datapath.ebpf import (
     layout,
 )
 from podmeter.adapters.datapath.ebpf import frames as f
+from podmeter.adapters.datapath.ebpf.libbpf import BPF_MAP_TYPE_HASH
+from podmeter.adapters.datapath.ebpf.maps import BpfMap
 from podmeter.adapters.datapath.memory import MemoryDatapath
 from podmeter.model.datapath import DatapathError, Direction, FilterFull, Traffic
 
@@ -61,19 +64,20 @@ def test_full_trie_stops_the_batch_with_filter_full_and_an_exact_count(open_data
     assert isinstance(result.error, FilterFull)
     assert result.error.errno_name == "ENOSPC"
     assert dp.contents() == set(batch[:8])  # the applied prefix, nothing half-written
+    assert _counter_ips(dp) == set(batch[:8])  # no counters left for the IPs the filter did not take
     assert dp.delete(batch[:2]).error is None
     assert dp.insert(batch[8:]).applied == 2  # two slots freed: two of the three fit
     assert dp.contents() == set(batch[2:10])
 
 
 def test_element_wise_fallback_has_the_batch_semantics(open_datapath: Opener) -> None:
-    """What kernels without batch writes for LPM tries get: same counts, same errors."""
+    """What kernels without batch writes get: same counts, same errors (E2BIG: the filter is a hash)."""
     dp = open_datapath(4)
     keys = [layout.filter_key(ip) for ip in ips(6)]
     outcome = dp.filter_map.update_each(keys, [layout.FILTER_VALUE] * 6)
     assert outcome.applied == 4
     assert outcome.error is not None
-    assert outcome.error.errno_name == "ENOSPC"
+    assert outcome.error.errno_name == "E2BIG"
     outcome = dp.filter_map.delete_each([keys[0], keys[5], keys[1]])
     assert outcome.applied == 1
     assert outcome.error is not None
@@ -150,6 +154,8 @@ def test_shrinking_keeps_what_fits(open_datapath: Opener) -> None:
     assert smaller.capacity == 8
     assert len(smaller.contents()) == 8
     assert smaller.contents() <= set(ips(12))
+    assert _counter_ips(smaller) == smaller.contents()  # the counters of the IPs that did not fit are gone
+    assert len(smaller.counters_map.collect_keys()) == 16
 
 
 def test_reopening_reuses_the_pinned_maps(open_datapath: Opener, pin_dir: Path) -> None:
@@ -195,6 +201,70 @@ def test_a_swap_interrupted_by_a_crash_is_cleaned_up(open_datapath: Opener, pin_
     dp = open_datapath(8)
     assert not leftover.exists()
     assert dp.capacity == 8
+
+
+def _counter_ips(dp: EbpfDatapath) -> set[str]:
+    return {layout.decode_counter_key(key)[0] for key in dp.counters_map.collect_keys()}
+
+
+def test_insert_creates_both_counters_and_readers_see_them_from_the_first_packet(open_datapath: Opener) -> None:
+    """The counters map is the counting path's filter: an IP has both entries exactly while it is in
+    the filter; entries no packet reached are not reported; an unobserved IP gets none."""
+    dp = open_datapath(16)
+    observed, other = ips(2)
+    assert dp.insert([observed]).error is None
+    assert {layout.decode_counter_key(key) for key in dp.counters_map.collect_keys()} == {
+        (observed, Direction.INGRESS), (observed, Direction.EGRESS)}
+    assert dp.read_counters() == {}
+    assert dp.take_counters([other]) == {}
+    assert dp.programs is not None
+    frame = f.udp_frame(observed, "192.0.2.1")
+    dp.programs.from_pod.test_run(frame, repeat=3)
+    dp.programs.from_pod.test_run(f.udp_frame("10.255.0.9", "192.0.2.1"))  # unobserved: no entry made
+    assert dp.insert([observed]).error is None  # again: a no-op, the count is kept
+    assert dp.read_counters() == {(observed, Direction.EGRESS): Traffic(3, 3 * len(frame))}
+    assert dp.read_counters_of([observed]) == dp.read_counters()
+    assert _counter_ips(dp) == {observed}
+    assert dp.delete([observed]).error is None
+    assert dp.take_counters([observed]) == {(observed, Direction.EGRESS): Traffic(3, 3 * len(frame))}
+    assert dp.counters_map.collect_keys() == []
+    dp.programs.from_pod.test_run(frame)  # gone from the filter and its counters taken: not counted
+    assert dp.counters_map.collect_keys() == []
+
+
+def test_the_owners_start_repairs_the_counters_invariant(open_datapath: Opener) -> None:
+    """What a crash or an older agent left: an IP without counters gets them, counters of an IP outside
+    the filter go."""
+    dp = open_datapath(16)
+    kept, orphan = ips(2)
+    dp.insert([kept, orphan])
+    dp.counters_map.delete(layout.counter_key(kept, Direction.INGRESS))  # an older program's lazy entries
+    dp.filter_map.delete(layout.filter_key(orphan))  # a writer killed between its two removal steps
+    dp.close()
+    again = open_datapath(16)
+    assert {layout.decode_counter_key(key) for key in again.counters_map.collect_keys()} == {
+        (kept, Direction.INGRESS), (kept, Direction.EGRESS)}
+
+
+def test_an_lpm_trie_filter_of_an_older_release_migrates_to_the_hash(open_datapath: Opener, pin_dir: Path) -> None:
+    """Until issue 29 the filter was an LPM trie of the same keys: the new agent copies its entries into
+    the hash, swaps the pin, and gives every IP its counters."""
+    pin_dir.mkdir(mode=0o700)
+    trie = pin_dir / "filter"
+    run("bpftool", "map", "create", str(trie), "type", "lpm_trie", "key", "20", "value", "1", "entries", "16",
+        "name", "filter", "flags", "1")
+    old = ips(3)
+    with contextlib.closing(BpfMap.open_pinned(str(trie))) as pinned:
+        for ip in old:
+            pinned.update(layout.filter_key(ip), layout.FILTER_VALUE)
+    dp = open_datapath(16)
+    assert dp.filter_map.shape.type == BPF_MAP_TYPE_HASH
+    assert dp.contents() == set(old)
+    assert _counter_ips(dp) == set(old)
+    assert dp.programs is not None
+    frame = f.udp_frame(old[0], "192.0.2.1")
+    dp.programs.from_pod.test_run(frame)
+    assert dp.read_counters() == {(old[0], Direction.EGRESS): Traffic(1, len(frame))}
 
 
 def _map_id(pin: Path) -> int:

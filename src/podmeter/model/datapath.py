@@ -45,7 +45,7 @@ class DatapathError(Exception):
 
 
 class FilterFull(DatapathError):
-    """The filter map has no room for another entry (the kernel's ENOSPC on an LPM trie)."""
+    """The filter map has no room for another entry (the kernel's E2BIG on a full hash, ENOSPC on an LPM trie)."""
 
     def __init__(self, message: str = "filter map is full") -> None:
         super().__init__("ENOSPC", message)

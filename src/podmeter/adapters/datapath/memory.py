@@ -1,6 +1,6 @@
 """An in-memory datapath with the kernel's semantics, for tests, the lab's memory mode and benchmarks.
 
-Like the kernel's LPM trie it has a fixed capacity and fails an insert into a full map with ENOSPC; like
+Like the kernel's filter map it has a fixed capacity and fails an insert into a full map (FilterFull); like
 the kernel's batch operations it applies elements in order, stops at the first error and reports how many
 it applied. Faults can be injected (:meth:`MemoryDatapath.fail_next`) to exercise the writer's error paths,
 and entries can be planted or removed behind the writer's back to simulate drift.

@@ -7,9 +7,13 @@ Two ways in:
 * :meth:`EbpfDatapath.open_pinned` (``podmeter inspect``, ``doctor``, tests): opens the pins of a
   running agent from another process, without programs and without taking ownership.
 
-Invariant kept with the C program: a ``counters`` entry exists only for an IP in ``filter``. The
-program never creates an entry for an IP that has left the filter, and the writer takes (reads and
-deletes) the counters of every IP it deletes. So ``counters`` needs two entries per filter slot.
+Invariant kept for the C program: a ``counters`` entry exists for both directions of an IP exactly
+while the IP is in ``filter``. :meth:`EbpfDatapath.insert` creates them (zero) before the filter entry,
+the writer takes (reads and deletes) the counters of every IP it deletes, and the owner's start repairs
+what a crash left (:meth:`EbpfDatapath.repair_counters`). The program never creates one: for it the
+counters map *is* the filter of the counting path (one lookup decides and finds the slot). So
+``counters`` needs two entries per filter slot. Entries no packet has reached yet (zero) are not
+reported: readers see an IP's counters from its first packet, as before the entries were made ahead.
 
 It is also the :class:`~podmeter.model.flows.FlowSource` over the double-buffered flows maps (the
 program adds every packet with an observed end to its entry in the active one of ``flows_a`` and
@@ -23,6 +27,7 @@ next drain), in ``flows_fill`` and ``flows_share``, which the drain resets.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -32,7 +37,7 @@ from pathlib import Path
 
 from podmeter.adapters.datapath.ebpf import layout, preflight
 from podmeter.adapters.datapath.ebpf.dns import DNS_MAP_NAMES, DNS_MAPS, DnsMaps, dns_map_sizes
-from podmeter.adapters.datapath.ebpf.libbpf import BPF_ANY, BPF_MAP_TYPE_HASH, BpfCallError, libbpf
+from podmeter.adapters.datapath.ebpf.libbpf import BPF_ANY, BPF_MAP_TYPE_HASH, BPF_NOEXIST, BpfCallError, libbpf
 from podmeter.adapters.datapath.ebpf.loader import Loaded, Program, load
 from podmeter.adapters.datapath.ebpf.maps import (
     BATCH_UNSUPPORTED,
@@ -62,6 +67,10 @@ READER_MAPS = [FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_LOST
                *DNS_MAPS]  # what open_pinned opens
 # Replaced, not migrated, when the pin does not match.
 TRANSIENT_MAPS = frozenset({FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_FILL_MAP, FLOWS_SHARE_MAP, *DNS_MAP_NAMES})
+# Migrated entry by entry when the pin is of an older type with the same entries: the filter was an LPM
+# trie of host entries until it became an exact-match hash of the same keys.
+CONVERTED_MAPS = frozenset({FILTER_MAP})
+FILTER_FULL_ERRNOS = frozenset({"E2BIG", "ENOSPC"})  # a full hash map, a full LPM trie
 # The layout of flows_a and flows_b (max_entries aside): what the slot's inner map template accepts.
 FLOW_MAP_SHAPE = MapShape(BPF_MAP_TYPE_HASH, layout.FLOW_KEY.size, layout.FLOW_VALUE.size, 0, 0)
 FLOWS_SLOT_SHAPE = MapShape(BPF_MAP_TYPE_ARRAY_OF_MAPS, len(layout.FLOWS_SLOT_KEY), layout.MAP_REF.size, 0, 1)
@@ -124,7 +133,7 @@ def _load_owned(pins: PinDir, path: Path, filter_size: int, flow_size: int) -> L
         log.warning("removed %s left by an interrupted map resize", name)
     replace = frozenset({FLOWS_MAP}) if _slot_unproven(pins) else frozenset()
     return load(path, pins, map_sizes(filter_size, flow_size), [FROM_POD, TO_POD], TRANSIENT_MAPS,
-                replace=replace)
+                replace=replace, convert=CONVERTED_MAPS)
 
 
 def _slot_unproven(pins: PinDir) -> bool:
@@ -374,7 +383,9 @@ class EbpfDatapath:
             pins.unlock()
             raise
         programs = Programs(loaded.programs[FROM_POD], loaded.programs[TO_POD])
-        return cls.from_loaded(loaded, programs, pins)
+        datapath = cls.from_loaded(loaded, programs, pins)
+        datapath.repair_counters()
+        return datapath
 
     @classmethod
     def open_pinned(cls, bpffs: str | os.PathLike[str] = DEFAULT_BPFFS) -> EbpfDatapath:
@@ -433,10 +444,31 @@ class EbpfDatapath:
         return self.filter_map.shape.max_entries
 
     def insert(self, ips: Sequence[str]) -> BatchResult:
-        """Insert in order (idempotent per IP); a full trie stops the batch with FilterFull."""
+        """Insert in order (idempotent per IP); a full filter stops the batch with FilterFull. The IPs'
+        counters are created first (kept if they exist), so the programs count an IP from the instant it
+        is in the filter; those of IPs the filter did not take are removed again."""
+        self._create_counters([(ip, direction) for ip in ips for direction in Direction])
         keys = [layout.filter_key(ip) for ip in ips]
         outcome = self.filter_map.update_batch(keys, [layout.FILTER_VALUE] * len(keys), BPF_ANY)
+        if outcome.applied < len(ips):
+            self._drop_counters([ip for ip in ips[outcome.applied:] if self.filter_map.lookup(layout.filter_key(ip))
+                                 is None])
         return self._result(outcome, ips, "insert")
+
+    def repair_counters(self) -> None:
+        """Make the counters invariant hold again (the owner's start): zero counters for every filter IP
+        that lacks them (a predecessor whose program created them at the first packet, a migrated
+        filter, a resize that dropped some), and no counters for an IP outside the filter (a writer that
+        died between its two removal steps, a shrink). Logged when it changed anything."""
+        observed = self.contents()
+        present = set(self._counter_keys())
+        orphans = sorted({ip for ip, _ in present} - observed)
+        self._drop_counters(orphans)
+        created = self._create_counters(sorted((ip, direction) for ip in observed for direction in Direction
+                                               if (ip, direction) not in present))
+        if orphans or created:
+            log.warning("counters repaired: %d IPs outside the filter removed, %d counters created",
+                        len(orphans), created)
 
     def delete(self, ips: Sequence[str]) -> BatchResult:
         """Delete in order; an absent IP stops the batch with ENOENT."""
@@ -454,11 +486,13 @@ class EbpfDatapath:
         return ips
 
     def read_counters(self) -> dict[tuple[str, Direction], Traffic]:
-        """Every counter, summed over CPUs."""
-        return {
-            layout.decode_counter_key(key): layout.sum_per_cpu(value)
-            for key, value in self.counters_map.collect_items()
-        }
+        """Every counter a packet reached, summed over CPUs."""
+        found = {}
+        for key, value in self.counters_map.collect_items():
+            traffic = layout.sum_per_cpu(value)
+            if traffic.packets:
+                found[layout.decode_counter_key(key)] = traffic
+        return found
 
     def take_counters(self, ips: Iterable[str]) -> dict[tuple[str, Direction], Traffic]:
         """Read and delete the counters of ``ips`` (each key atomically: no increment is lost between)."""
@@ -466,9 +500,41 @@ class EbpfDatapath:
         for ip in ips:
             for direction in Direction:
                 value = self.counters_map.take(layout.counter_key(ip, direction))
-                if value is not None:
-                    taken[(ip, direction)] = layout.sum_per_cpu(value)
+                traffic = None if value is None else layout.sum_per_cpu(value)
+                if traffic is not None and traffic.packets:
+                    taken[(ip, direction)] = traffic
         return taken
+
+    def _create_counters(self, keys: Sequence[tuple[str, Direction]]) -> int:
+        """Create zero counters at ``keys`` (IP, direction), keeping those that exist; returns how many
+        were created. One syscall per entry: batch writes take no BPF_NOEXIST, and only BPF_NOEXIST
+        cannot overwrite what an older program (still attached during an upgrade) created meanwhile."""
+        zero = bytes(self.counters_map.value_bytes)
+        created = 0
+        for ip, direction in keys:
+            try:
+                self.counters_map.update(layout.counter_key(ip, direction), zero, BPF_NOEXIST)
+            except BpfCallError as error:
+                if error.errno != errno.EEXIST:  # no room: cannot happen while the invariant holds
+                    log.warning("counters: no entry for %s %s (%s)", ip, direction.value, error)
+                continue
+            created += 1
+        return created
+
+    def _drop_counters(self, ips: Iterable[str]) -> None:
+        """Delete the counters of IPs that are not in the filter (what they hold belongs to no pod)."""
+        for ip in ips:
+            for direction in Direction:
+                self.counters_map.delete(layout.counter_key(ip, direction))
+
+    def _counter_keys(self) -> list[tuple[str, Direction]]:
+        keys = []
+        for raw in self.counters_map.collect_keys():
+            try:
+                keys.append(layout.decode_counter_key(raw))
+            except ValueError as error:  # not podmeter's: left alone
+                log.warning("counters map: ignoring foreign entry: %s", error)
+        return keys
 
     # --- the FlowSource protocol ----------------------------------------------------------------
 
@@ -565,7 +631,7 @@ class EbpfDatapath:
 
     def _error(self, error: BpfCallError, ips: Sequence[str], applied: int, op: str) -> DatapathError:
         failed = ips[applied] if applied < len(ips) else "?"
-        if error.errno_name == "ENOSPC" and op == "insert":
+        if error.errno_name in FILTER_FULL_ERRNOS and op == "insert":
             return FilterFull(f"filter map is full ({self.capacity} entries); {failed} was not inserted")
         return DatapathError(error.errno_name, f"filter {op} of {failed} failed: {os.strerror(error.errno or 0)}")
 
@@ -576,8 +642,9 @@ class EbpfDatapath:
         for ip in ips:
             for direction in Direction:
                 value = self.counters_map.lookup(layout.counter_key(ip, direction))
-                if value is not None:
-                    found[(ip, direction)] = layout.sum_per_cpu(value)
+                traffic = None if value is None else layout.sum_per_cpu(value)
+                if traffic is not None and traffic.packets:
+                    found[(ip, direction)] = traffic
         return found
 
 

@@ -197,18 +197,21 @@ def load(
     transient: frozenset[str] = frozenset(),
     *,
     replace: frozenset[str] = frozenset(),
+    convert: frozenset[str] = frozenset(),
 ) -> Loaded:
     """Load the object at ``path`` with each map in ``sizes`` at that size, pinned in ``pins``.
 
     With ``pins=None`` nothing is reused or pinned (benchmarks, the parse-only program). A pinned map
     named in ``transient`` that does not match is replaced, not migrated or refused; one named in
-    ``replace`` (transient too) is replaced even when it matches.
+    ``replace`` (transient too) is replaced even when it matches; one named in ``convert`` whose pin is
+    of another map type with the same key and value layout (an older release's) is migrated into a map
+    of the type this object declares, as a resize is.
     """
     obj = BpfObject(path)
     old: dict[str, BpfMap] = {}
     try:
         try:
-            migrate, replaced = _plan(obj, pins, sizes, old, transient, always=replace)
+            migrate, replaced = _plan(obj, pins, sizes, old, transient, always=replace, convert=convert)
             obj.load()
             loaded = _take(obj, list(sizes), programs)
         finally:
@@ -244,6 +247,7 @@ def _plan(
     transient: frozenset[str],
     *,
     always: frozenset[str],
+    convert: frozenset[str] = frozenset(),
 ) -> tuple[set[str], set[str]]:
     """Size every map, reuse matching pins; fill ``old`` with the pins found; return the maps to migrate
     and the (transient) maps to replace (``always``: whatever their layout)."""
@@ -262,6 +266,9 @@ def _plan(
                 replace.add(name)
             continue
         if not pinned.shape.compatible(wanted):
+            if name in convert and pinned.shape.same_entries(wanted):
+                migrate.add(name)
+                continue
             raise PinMismatch(
                 f"pinned map {pins.pin_path(name)} has layout {pinned.shape} but this podmeter needs "
                 f"{wanted}: it was left by another version. Remove it (`rm {pins.pin_path(name)}`, its "
@@ -294,10 +301,10 @@ def _pin_new_maps(
         elif name in migrate:
             copied, dropped = copy_entries(old[name], bpf_map)
             log.warning(
-                "map %s resized from %d to %d entries: %d entries migrated, %d did not fit",
+                "map %s migrated from (%s) to (%s): %d entries migrated, %d did not fit",
                 name,
-                old[name].shape.max_entries,
-                bpf_map.shape.max_entries,
+                _describe(old[name].shape),
+                _describe(bpf_map.shape),
                 copied,
                 dropped,
             )

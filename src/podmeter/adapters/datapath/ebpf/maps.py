@@ -53,6 +53,10 @@ class MapShape:
             other.map_flags,
         )
 
+    def same_entries(self, other: MapShape) -> bool:
+        """Same key and value layout, whatever the map type: the entries of one can be copied into the other."""
+        return (self.key_size, self.value_size, self.map_flags) == (other.key_size, other.value_size, other.map_flags)
+
 
 @dataclass(frozen=True, slots=True)
 class BatchOutcome:

@@ -16,7 +16,7 @@ from podmeter.adapters.datapath.ebpf.errors import (
     ObjectMissing,
 )
 
-# Oldest kernel with everything the datapath uses: LPM-trie and hash batch operations, and
+# Oldest kernel with everything the datapath uses: hash batch operations, and
 # lookup-and-delete on per-CPU hashes (5.14). TCX (6.6) is optional: older kernels use clsact.
 MIN_KERNEL = (5, 15)
 TCX_KERNEL = (6, 6)
