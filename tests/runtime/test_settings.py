@@ -85,4 +85,6 @@ def _other(action: argparse.Action) -> list[str]:
         return [flag, str(action.default + 1)]
     if action.dest == "retina_compat":
         return [flag, "remote"]
+    if action.dest in ("flow_export_allow", "flow_export_deny"):  # observe's filters
+        return [flag, "namespace=other-value"]
     return [flag, "other-value"]

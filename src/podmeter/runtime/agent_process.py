@@ -40,9 +40,10 @@ from podmeter.runtime.agent import Agent
 from podmeter.runtime.datapaths import OpenDatapath, open_datapath
 from podmeter.runtime.logs import setup_logging
 from podmeter.runtime.service_names import ServiceNames
-from podmeter.runtime.settings import AgentProcessSettings, HubbleSettings
+from podmeter.runtime.settings import AgentProcessSettings, FlowExportSettings, HubbleSettings
 
 if TYPE_CHECKING:
+    from podmeter.adapters.flow_export import FlowExporter
     from podmeter.adapters.hubble.server import HubbleConfig, HubbleServer
 
 log = logging.getLogger("podmeter.agent")
@@ -54,6 +55,7 @@ def run(settings: AgentProcessSettings) -> int:
     try:
         parse_listen(settings.listen)
         hubble = hubble_config(settings.hubble)
+        check_flow_export(settings.flow_export)
         connection = load_connection(settings.kubeconfig, settings.context)
     except (ValueError, ConnectionConfigError) as exc:
         log.error("%s", exc)
@@ -85,6 +87,15 @@ def hubble_config(settings: HubbleSettings) -> HubbleConfig | None:
     return checked(settings.listen, settings.tls_cert, settings.tls_key, settings.tls_client_ca)
 
 
+def check_flow_export(settings: FlowExportSettings) -> None:
+    """ValueError for a field mask that names no field of Hubble's Flow (the export imports protobuf: only
+    when it is on)."""
+    if settings.file is not None and settings.field_mask:
+        from podmeter.adapters.flow_export import check_field_mask
+
+        check_field_mask(settings.field_mask)
+
+
 class AgentProcess:
     """Everything one ``podmeter agent`` runs, on a datapath already opened (the caller closes it)."""
 
@@ -107,6 +118,7 @@ class AgentProcess:
         self.registry.register(AgentStateCollector(self.agent.snapshot))
         self.app = self._http_app(opened)
         self.hubble = self._hubble_server(hubble) if hubble is not None else None
+        self.flow_export = self._flow_exporter(settings.flow_export) if settings.flow_export.file else None
 
     def _expositions(self, opened: OpenDatapath) -> list[Callable[[], bytes]]:
         """The series rendered as text at each scrape: per pod (and Retina's local context), per workload
@@ -145,6 +157,19 @@ class AgentProcess:
         self.registry.register(HubbleStateCollector(server.peer_figures))
         return server
 
+    def _flow_exporter(self, settings: FlowExportSettings) -> FlowExporter:
+        from podmeter.adapters.flow_export import exporter
+        from podmeter.adapters.metrics.flow_export import FlowExportCollector
+        from podmeter.model.flow_export import ExportSelector, mask_tree
+
+        assert settings.file is not None
+        export = exporter(self.agent.flow_feed, settings.file, self.settings.agent.node_name, self.labels,
+                          selector=ExportSelector(settings.allow, settings.deny), mask=mask_tree(settings.field_mask),
+                          max_bytes=max(1, int(settings.max_size_mb * 1024 * 1024)), max_backups=settings.max_backups,
+                          queue_records=settings.queue_records, retry_interval=settings.retry_interval)
+        self.registry.register(FlowExportCollector(export.figures))
+        return export
+
     async def serve(self) -> int:
         """Serve until SIGTERM or SIGINT (0) or until a supervised task dies (1); the pinned state stays."""
         runner, port = await serve(self.app, self.settings.listen)
@@ -162,6 +187,8 @@ class AgentProcess:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await self.agent.start()
+        if self.flow_export is not None:
+            await self.flow_export.start()
         failed = asyncio.ensure_future(self.agent.supervisor.failed.wait())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
@@ -171,6 +198,8 @@ class AgentProcess:
         log.info("stopping: pinned state stays for the next agent")
         if self.hubble is not None:
             await self.hubble.stop()
+        if self.flow_export is not None:
+            await self.flow_export.stop()
         await self.agent.stop()
         await runner.cleanup()
         return 1 if crashed else 0
