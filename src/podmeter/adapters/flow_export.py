@@ -7,7 +7,7 @@ file, ``time`` its time (RFC 3339, UTC, to the nanosecond as far as it has digit
 not get are said in a line ``{"lost_events": {"source": ..., "num_events_lost": "N"}, ...}`` as Hubble's
 exporter writes its lost events: ``HUBBLE_RING_BUFFER`` for those the flow feed's ring overwrote before the
 export read them, ``OBSERVER_EVENTS_QUEUE`` for those that found the export's queue full,
-``UNKNOWN_LOST_EVENT_SOURCE`` for those a failed write lost.
+``UNKNOWN_LOST_EVENT_SOURCE`` (0: left out of the JSON) for those a failed write lost.
 
 Writing never holds up the agent. :class:`FlowExporter` is a follower of the flow feed
 (``adapters.flow_serving``: a cursor on the ring, told what it lost) whose task only selects the records
@@ -327,7 +327,7 @@ class FlowExporter:
         if self._failing != error:
             log.warning("the flow export cannot write to %s: %s; its records are dropped and counted "
                         "(podmeter_flow_export_records_dropped_total{reason=\"write_error\"}), tried again every "
-                        "%.0f s", self.file.path, exc, self.retry_interval)
+                        "%g s", self.file.path, exc, self.retry_interval)
             self._failing = error
 
 
