@@ -87,11 +87,10 @@ def apply_mask(tree: MaskTree, message: Mapping[str, Any]) -> dict[str, Any]:
     if not tree:
         return dict(message)
     out: dict[str, Any] = {}
-    for name, sub in tree.items():
-        if name not in message:
-            continue
-        value = message[name]
-        out[name] = apply_mask(sub, value) if sub and isinstance(value, Mapping) else value
+    for name, value in message.items():  # in the message's order (protobuf's: by field number)
+        sub = tree.get(name)
+        if sub is not None:
+            out[name] = apply_mask(sub, value) if sub and isinstance(value, Mapping) else value
     return out
 
 
