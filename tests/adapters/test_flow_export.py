@@ -272,3 +272,19 @@ def test_the_agent_refuses_a_field_mask_that_names_no_flow_field(tmp_path: Path)
                            "time,source.pod"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "'pod' is not a field of flow.Endpoint" in done.stderr
     assert not (tmp_path / "flows.log").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/promtool"), reason="promtool (Debian's prometheus) missing")
+async def test_the_exports_metrics_exist_from_the_start_and_promtool_finds_nothing(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    export = make(FlowFeed(10), tmp_path / "flows.log")
+    registry.register(FlowExportCollector(export.figures))
+    text = generate_latest(registry)
+    for reason in ("lost", "queue_full", "write_error"):
+        assert registry.get_sample_value("podmeter_flow_export_records_dropped_total", {"reason": reason}) == 0
+    assert registry.get_sample_value("podmeter_flow_export_records_written_total") == 0
+    assert registry.get_sample_value("podmeter_flow_export_failing") == 0
+    done = subprocess.run(["/usr/bin/promtool", "check", "metrics"], input=text, capture_output=True, timeout=30)
+    assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), done
