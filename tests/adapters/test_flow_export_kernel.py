@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -193,17 +192,6 @@ def test_filters_the_field_mask_and_rotation_apply_to_a_real_agents_export(
     assert any(f["verdict"] == "DROPPED" and f["l4"] == {"UDP": {"destination_port": DROPPED_PORT}} for f in kept)
     assert any(f["verdict"] == "FORWARDED" and LISTENER_PORT in ports(f) for f in kept)
     assert not any(f["verdict"] == "DROPPED" and LISTENER_PORT in ports(f) for f in kept)  # denied
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mount)], check=True)
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_file_system_is_counted_and_the_agent_keeps_draining_and_answering(
