@@ -7,7 +7,7 @@ The records are ``bench.observer``'s (200 pods with labels and workloads, TCP an
 points, a fifth to the world).
 
 - ``export_lines_per_s``: records turned into the export's lines (``ExportLines``: Hubble's Flow in
-  protobuf's JSON form, the export event around it), no I/O; median of ``--runs``.
+  protobuf's JSON form, the export event around it), no I/O, a cold cache each run; median of ``--runs``.
 - ``encode_flows_per_s``: the same records turned into ``GetFlowsResponse`` bytes as the Hubble API sends
   them (``FlowMessages.serialized``), the reference in the same run.
 - ``export_records_per_s``: end to end on a real file in a temporary directory: ``--records`` records

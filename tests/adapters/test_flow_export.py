@@ -21,18 +21,20 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from google.protobuf import json_format
 
 from bpf_support import needs_root
 from flow_support import sample_records
-from podmeter.adapters.flow_export import FlowExporter, check_field_mask, exporter
+from podmeter.adapters.flow_export import ExportLines, FlowExporter, check_field_mask, exporter
 from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.adapters.hubble.flows import FlowMessages
 from podmeter.adapters.metrics.flow_export import FlowExportCollector
 from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_export import ExportSelector, is_backup, mask_tree
 from podmeter.model.flow_records import FlowFilter
+from podmeter.model.services import ServiceName
 
 THREAD = "podmeter-flow-export"
 
@@ -120,6 +122,27 @@ async def test_allow_deny_and_the_field_mask_apply(tmp_path: Path) -> None:
         expected["l4"] = {"TCP": tcp} if port % 3 == 0 else {}  # ICMP's l4 has no TCP
         assert line["flow"] == expected
         assert "node_name" not in line and line["time"] == line["flow"]["time"]  # as Hubble: the masked flow's
+
+
+def test_the_hand_written_json_is_protobufs_json_of_the_flow() -> None:
+    """``ExportLines.flow_json`` is, for every shape of record (every TCP flag byte, ports 0 and the highest,
+    a protocol without a name, times with and without a fraction, an identity, both verdicts and every kind
+    of drop, IPv6, the world, a Service's frontend), what protobuf's ``MessageToDict`` makes of the Hubble
+    API's own message, key for key in the same order."""
+    from test_hubble_observer import odd_records
+
+    export = ExportLines("node-a", mask_tree(()))
+    messages = FlowMessages(labels)
+    served = sample_records(9)
+    through_service = msgspec.structs.replace(served[0], destination=msgspec.structs.replace(
+        served[0].destination, service=ServiceName("shop", "api")))
+    every = [*odd_records(), *served, through_service]
+    export._labels = {e: labels(e) for r in every for e in (r.source.endpoint, r.destination.endpoint) if e}
+    for record in every:
+        expected = json_format.MessageToDict(messages.flow(record), preserving_proto_field_name=True)
+        got = export.flow_json(record)
+        assert got == expected and list(got) == list(expected), record
+        assert json.dumps(got) == json.dumps(expected)  # nested keys in the same order too
 
 
 def test_a_field_mask_names_fields_of_hubbles_flow() -> None:
