@@ -171,6 +171,18 @@ def topology() -> Iterator[Topology]:
 
 
 @pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs (a file system that fills), unmounted after the test (root)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
 def server(topology: Topology) -> Iterator[LabServer]:
     """The lab API server on a thread that lives in the test's host netns (agents started in that netns
     reach it on its loopback)."""

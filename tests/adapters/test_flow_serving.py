@@ -257,3 +257,13 @@ def test_joined_batches_are_bounded_by_the_records_they_hold() -> None:
     for low in range(1, 2000, 50):
         encoded.lines(Batch(low, low + 49, batch[:50], True))
     assert encoded._joined_records <= 100 and len(encoded._joined) == 2
+
+
+async def test_a_pinned_follower_never_yields_its_slot() -> None:
+    """The agent's own follower (the flow export) keeps its slot however long its filter matches nothing."""
+    feed = FlowFeed(10, max_followers=1, follower_idle=0.0)
+    pinned = feed.open(FlowFilter(), follow=True, client="flow-export", pinned=True)
+    with pytest.raises(Busy, match="1 follow"):
+        feed.open(FlowFilter(), follow=True, client="b")
+    assert pinned.cut_off is None and feed.evicted == 0 and feed.followers == 1
+    feed._close(pinned)

@@ -85,4 +85,25 @@ def _other(action: argparse.Action) -> list[str]:
         return [flag, str(action.default + 1)]
     if action.dest == "retina_compat":
         return [flag, "remote"]
+    if action.dest in ("flow_export_allow", "flow_export_deny"):  # observe's filters
+        return [flag, "namespace=other-value"]
     return [flag, "other-value"]
+
+
+def test_the_flow_export_filters_are_observes_and_bad_ones_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from podmeter.model.flow_records import FlowFilter
+
+    args = ["agent", "--node-name", "n", "--flow-export-file", "/var/run/podmeter/flows.log",
+            "--flow-export-allow", "namespace=shop verdict=dropped",
+            "--flow-export-allow", "--to-pod shop/db --port 5432",
+            "--flow-export-deny=protocol=icmp", "--flow-export-field-mask", "time, source.namespace,verdict"]
+    export = agent_cli.settings_from(build_parser("agent").parse_args(args)).flow_export
+    assert export.allow == (FlowFilter(namespace="shop", verdict="dropped"), FlowFilter(to_pod="shop/db", port=5432))
+    assert export.deny == (FlowFilter(protocol="icmp"),)
+    assert export.field_mask == ("time", "source.namespace", "verdict")
+    for bad, said in (("verdict=lost", "invalid choice: 'lost'"), ("port=99999", "port number"),
+                      ("shop", "unrecognized arguments: shop"), ("", "at least one filter"),
+                      ("last=5", "unrecognized arguments: --last=5"), ("'namespace=shop", "No closing quotation")):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser("agent").parse_args(["agent", "--node-name", "n", "--flow-export-allow", bad])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err

@@ -137,8 +137,9 @@ class Reader:
     read, or a follower that yielded its slot); it is called once, from the watchdog if the handler is
     stuck in a write, else from :meth:`finish`. ``alive`` says whether the client is still there."""
 
-    def __init__(self, feed: FlowFeed, selector: Selector, follow: bool, client: str) -> None:
+    def __init__(self, feed: FlowFeed, selector: Selector, follow: bool, client: str, pinned: bool = False) -> None:
         self.feed, self.selector, self.following, self.client = feed, selector, follow, client
+        self.pinned = pinned  # never yields its slot to a new follower (the agent's own: the flow export)
         self.cursor = feed.ring.last_seq  # the past is up to here, the followed records after it
         self.end: Callable[[str], Awaitable[None]] | None = None
         self.alive: Callable[[], bool] = lambda: True
@@ -358,16 +359,16 @@ class FlowFeed:
             if reader.following:
                 reader.woken()
 
-    def open(self, selector: Selector, *, follow: bool, client: str = "") -> Reader:
+    def open(self, selector: Selector, *, follow: bool, client: str = "", pinned: bool = False) -> Reader:
         """A new read, holding its slot from now (so a refusal is an answer, never a stream cut after its
-        headers); :class:`Busy` if a bound is reached."""
+        headers); :class:`Busy` if a bound is reached. A ``pinned`` follower is never evicted for being idle."""
         if len(self._readers) >= self.max_streams:
             self._refuse(f"too many readers: {self.max_streams} reads of this agent's flows are open")
         if client and sum(1 for r in self._readers if r.client == client) >= self.max_per_client:
             self._refuse(f"too many readers: this client has {self.max_per_client} reads of the flows open")
         if follow and self.followers >= self.max_followers and not self._evict_idle_follower():
             self._refuse(f"too many readers: {self.max_followers} follow this agent's flows")
-        reader = Reader(self, selector, follow, client)
+        reader = Reader(self, selector, follow, client, pinned)
         self._readers.append(reader)
         return reader
 
@@ -376,7 +377,7 @@ class FlowFeed:
         raise Busy(f"{why}; try again later")
 
     def _evict_idle_follower(self) -> bool:
-        followers = [r for r in self._readers if r.following and r.cut_off is None]
+        followers = [r for r in self._readers if r.following and r.cut_off is None and not r.pinned]
         if not followers:
             return False
         idlest = min(followers, key=lambda r: r.last_sent)

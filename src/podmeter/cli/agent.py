@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import shlex
+from typing import Any, NoReturn
 
+from podmeter.adapters.flow_http import BadQuery, parse_query
 from podmeter.adapters.metrics.retina import LOCAL, retina_context
+from podmeter.cli.observe import add_filters, filter_query
+from podmeter.model.flow_export import mask_paths
+from podmeter.model.flow_records import FlowFilter
 from podmeter.runtime import agent_process
 from podmeter.runtime.settings import (
     AgentProcessSettings,
     AgentSettings,
     DatapathSettings,
+    FlowExportSettings,
     HubbleSettings,
     LogSettings,
 )
@@ -91,6 +97,7 @@ def register(subparsers: Any) -> None:
                         "flow:sourceContext=pod;destinationContext=pod' (docs/metrics.md, \"Hubble metrics\")")
     p.add_argument("--hubble-metrics-series-limit", type=_positive, default=AgentSettings.hubble_metrics_series_limit,
                    help="series of Hubble's metrics in all; beyond, each family's overflow series")
+    _add_flow_export(p)
     p.add_argument("--log-format", choices=("text", "json"), default=LogSettings.format,
                    help="text for people, json: one object per line (ts, level, logger, msg)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=LogSettings.level,
@@ -116,6 +123,10 @@ def settings_from(args: argparse.Namespace) -> AgentProcessSettings:
                               args.hubble_tls_client_ca),
         log=LogSettings(args.log_format, args.log_level),
         hubble_metrics_server=args.hubble_metrics_server,
+        flow_export=FlowExportSettings(
+            file=args.flow_export_file, max_size_mb=args.flow_export_file_max_size_mb,
+            max_backups=args.flow_export_file_max_backups, allow=tuple(args.flow_export_allow),
+            deny=tuple(args.flow_export_deny), field_mask=tuple(args.flow_export_field_mask)),
     )
 
 
@@ -142,3 +153,64 @@ def _positive_float(value: str) -> float:
     if number <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, not {value}")
     return number
+
+
+def _add_flow_export(p: argparse.ArgumentParser) -> None:
+    """The flow export file's options (docs/flow-export.md), Hubble's exporter's."""
+    p.add_argument("--flow-export-file", metavar="PATH", default=FlowExportSettings.file,
+                   help="write every flow record as one JSON line of Hubble's exporter format to this file (created "
+                        "0600; default: off)")
+    p.add_argument("--flow-export-file-max-size-mb", type=_positive_float, metavar="MB",
+                   default=FlowExportSettings.max_size_mb,
+                   help="rotate the flow export file before it grows past this many MiB")
+    p.add_argument("--flow-export-file-max-backups", type=_non_negative, metavar="N",
+                   default=FlowExportSettings.max_backups, help="rotated flow export files kept, the newest")
+    p.add_argument("--flow-export-allow", action="append", type=export_filter, metavar="FILTERS",
+                   default=list(FlowExportSettings.allow),
+                   help="export only the records matching these filters of `podmeter observe` (e.g. "
+                        "'namespace=shop verdict=dropped'); repeatable: a record matching any of them (default: all)")
+    p.add_argument("--flow-export-deny", action="append", type=export_filter, metavar="FILTERS",
+                   default=list(FlowExportSettings.deny),
+                   help="never export the records matching these filters of `podmeter observe` (e.g. "
+                        "'to-pod=kube-system/coredns'); repeatable: a record matching any of them")
+    p.add_argument("--flow-export-field-mask", type=_mask, metavar="PATHS",
+                   default=list(FlowExportSettings.field_mask),
+                   help="the Flow fields exported, comma-separated paths (e.g. "
+                        "time,source.namespace,destination.pod_name,verdict; default: every field)")
+
+
+class _FilterParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise argparse.ArgumentTypeError(message)
+
+
+_FILTER_PARSER = _FilterParser(prog="filter", add_help=False)
+add_filters(_FILTER_PARSER)
+
+
+def export_filter(text: str) -> FlowFilter:
+    """A filter of the flow export in ``podmeter observe``'s filter options, with or without their ``--``:
+    ``namespace=shop verdict=dropped``, ``--to-pod shop/db``. Parsed by observe's own options and checked by
+    the agent's own ``/debug/flows`` query parser, so both speak one language."""
+    try:
+        split = shlex.split(text)
+    except ValueError as exc:  # an unclosed quote
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from exc
+    words = [f"--{word}" if "=" in word and not word.startswith("-") else word for word in split]
+    args = _FILTER_PARSER.parse_args(words)
+    params = filter_query(args)
+    if not params:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected at least one filter (namespace=NS, to-pod=NS/NAME, "
+                                         "verdict=dropped, ...)")
+    try:
+        wanted, _, _ = parse_query(params)
+    except BadQuery as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return wanted
+
+
+def _mask(value: str) -> tuple[str, ...]:
+    try:
+        return mask_paths(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc

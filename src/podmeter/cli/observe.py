@@ -44,6 +44,21 @@ def register(subparsers: Any) -> None:
     p.add_argument("--last", type=_count, default=None,
                    help="print the last N matching flows first (default: 20, or 0 with --follow)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new flows until interrupted")
+    add_filters(p)
+    p.add_argument("--since", type=parse_since,
+                   help="flows seen since this long ago (30s, 5m, 2h) or this time (RFC 3339 or epoch seconds)")
+    p.add_argument("--labels", action="store_true",
+                   help="show each end's labels (a pod of the agent's node: its own; another node's: its identity's)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the agent to answer")
+    p.set_defaults(func=run)
+
+
+FILTERS = ("namespace", "pod", "from_pod", "to_pod", "workload", "service", "from_service", "to_service", "protocol",
+           "port", "verdict")  # what add_filters adds (and --since)
+
+
+def add_filters(p: argparse.ArgumentParser) -> None:
+    """The filter options: observe's, and the language of the agent's flow export filters (cli.agent)."""
     p.add_argument("--namespace", help="flows with either end in this namespace")
     p.add_argument("--pod", help="flows with either end this pod: NAME or NAMESPACE/NAME")
     p.add_argument("--from-pod", help="flows whose source is this pod: NAME or NAMESPACE/NAME")
@@ -57,12 +72,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--port", type=_port, help="flows with either end on this port")
     p.add_argument("--verdict", choices=("forwarded", "dropped"),
                    help="forwarded flows only, or the packets the kernel dropped (with their reason)")
-    p.add_argument("--since", type=parse_since,
-                   help="flows seen since this long ago (30s, 5m, 2h) or this time (RFC 3339 or epoch seconds)")
-    p.add_argument("--labels", action="store_true",
-                   help="show each end's labels (a pod of the agent's node: its own; another node's: its identity's)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the agent to answer")
-    p.set_defaults(func=run)
+
+
+def filter_query(args: argparse.Namespace, names: tuple[str, ...] = FILTERS) -> dict[str, str]:
+    """The filters given, as ``/debug/flows``'s query parameters (``adapters.flow_http.parse_query``)."""
+    return {name: str(getattr(args, name)) for name in names if getattr(args, name) is not None}
 
 
 def _count(value: str) -> int:
@@ -103,12 +117,7 @@ def query(args: argparse.Namespace) -> dict[str, str]:
         params["last"] = str(args.last)
     if args.labels:
         params["labels"] = "1"
-    for name in ("namespace", "pod", "from_pod", "to_pod", "workload", "service", "from_service", "to_service",
-                 "protocol", "port", "since", "verdict"):
-        value = getattr(args, name)
-        if value is not None:
-            params[name] = str(value)
-    return params
+    return params | filter_query(args, (*FILTERS, "since"))
 
 
 class AgentRefused(Exception):

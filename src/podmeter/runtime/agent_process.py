@@ -44,9 +44,10 @@ from podmeter.runtime.agent import Agent
 from podmeter.runtime.datapaths import OpenDatapath, open_datapath
 from podmeter.runtime.logs import setup_logging
 from podmeter.runtime.service_names import ServiceNames
-from podmeter.runtime.settings import AgentProcessSettings, HubbleSettings
+from podmeter.runtime.settings import AgentProcessSettings, FlowExportSettings, HubbleSettings
 
 if TYPE_CHECKING:
+    from podmeter.adapters.flow_export import FlowExporter
     from podmeter.adapters.hubble.server import HubbleConfig, HubbleServer
 
 log = logging.getLogger("podmeter.agent")
@@ -59,6 +60,7 @@ def run(settings: AgentProcessSettings) -> int:
         parse_listen(settings.listen)
         check_hubble_metrics(settings)
         hubble = hubble_config(settings.hubble)
+        check_flow_export(settings.flow_export)
         connection = load_connection(settings.kubeconfig, settings.context)
     except (ValueError, ConnectionConfigError) as exc:
         log.error("%s", exc)
@@ -100,6 +102,15 @@ def check_hubble_metrics(settings: AgentProcessSettings) -> None:
         parse_listen(server)
 
 
+def check_flow_export(settings: FlowExportSettings) -> None:
+    """ValueError for a field mask that names no field of Hubble's Flow (the export imports protobuf: only
+    when it is on)."""
+    if settings.file is not None and settings.field_mask:
+        from podmeter.adapters.flow_export import check_field_mask
+
+        check_field_mask(settings.field_mask)
+
+
 class AgentProcess:
     """Everything one ``podmeter agent`` runs, on a datapath already opened (the caller closes it)."""
 
@@ -124,6 +135,7 @@ class AgentProcess:
         self.hubble = self._hubble_server(hubble) if hubble is not None else None
         self.hubble_metrics_app = self._hubble_metrics_app()
         self.hubble_metrics_port: int | None = None  # the bound port, once serving
+        self.flow_export = self._flow_exporter(settings.flow_export) if settings.flow_export.file else None
 
     def _expositions(self, opened: OpenDatapath) -> list[Callable[[], bytes]]:
         """The series rendered as text at each scrape: per pod (and Retina's local context), per workload
@@ -178,6 +190,19 @@ class AgentProcess:
         self.registry.register(HubbleStateCollector(server.peer_figures))
         return server
 
+    def _flow_exporter(self, settings: FlowExportSettings) -> FlowExporter:
+        from podmeter.adapters.flow_export import exporter
+        from podmeter.adapters.metrics.flow_export import FlowExportCollector
+        from podmeter.model.flow_export import ExportSelector, mask_tree
+
+        assert settings.file is not None
+        export = exporter(self.agent.flow_feed, settings.file, self.settings.agent.node_name, self.labels,
+                          selector=ExportSelector(settings.allow, settings.deny), mask=mask_tree(settings.field_mask),
+                          max_bytes=max(1, int(settings.max_size_mb * 1024 * 1024)), max_backups=settings.max_backups,
+                          queue_records=settings.queue_records, retry_interval=settings.retry_interval)
+        self.registry.register(FlowExportCollector(export.figures))
+        return export
+
     async def serve(self) -> int:
         """Serve until SIGTERM or SIGINT (0) or until a supervised task dies (1); the pinned state stays."""
         runner, port = await serve(self.app, self.settings.listen)
@@ -202,6 +227,8 @@ class AgentProcess:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await self.agent.start()
+        if self.flow_export is not None:
+            await self.flow_export.start()
         failed = asyncio.ensure_future(self.agent.supervisor.failed.wait())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
@@ -211,6 +238,8 @@ class AgentProcess:
         log.info("stopping: pinned state stays for the next agent")
         if self.hubble is not None:
             await self.hubble.stop()
+        if self.flow_export is not None:
+            await self.flow_export.stop()
         await self.agent.stop()
         await runner.cleanup()
         if hubble_metrics is not None:

@@ -9,7 +9,8 @@ Groups, one meaning per name within a process:
 
 * the agent: :class:`AgentProcessSettings` holds :class:`AgentSettings` (the writer task, its timers, its
   drains and series: ``runtime.agent``), :class:`DatapathSettings` (what is opened on the node:
-  ``runtime.datapaths``), :class:`HubbleSettings` and :class:`LogSettings`, plus the HTTP endpoints;
+  ``runtime.datapaths``), :class:`HubbleSettings`, :class:`LogSettings` and :class:`FlowExportSettings`, plus
+  the HTTP endpoints;
 * the operator: :class:`OperatorProcessSettings` holds :class:`OperatorSettings` (the periods of the
   operator's own jobs: ``runtime.operator``), :class:`ElectionSettings` (the Lease: ``runtime.leadership``),
   :class:`IdentitySettings` with :class:`EtcdSettings` (the identity backend), :class:`LogSettings`, the
@@ -28,6 +29,7 @@ from typing import Any
 
 from podmeter.adapters.kube.reflector import ReflectorSettings
 from podmeter.adapters.kube.resources import ResourceKind
+from podmeter.model.flow_records import FlowFilter
 from podmeter.runtime.drop_drain import DEFAULT_DROP_MAP_SIZE
 
 
@@ -100,6 +102,20 @@ class HubbleSettings:
 
 
 @dataclass(frozen=True)
+class FlowExportSettings:
+    """The flow export file (off unless ``file``): ``adapters.flow_export``, docs/flow-export.md."""
+
+    file: str | None = None  # PATH: every flow record as one line of Hubble's exporter's JSON
+    max_size_mb: float = 10.0  # the file is rotated before it grows past this many MiB (Hubble's default)
+    max_backups: int = 5  # rotated files kept, the newest (Hubble's default); 0: none
+    allow: tuple[FlowFilter, ...] = ()  # a record is written if it matches one of these (none: every record)
+    deny: tuple[FlowFilter, ...] = ()  # ... and none of these
+    field_mask: tuple[str, ...] = ()  # the Flow fields written (paths: source.namespace); none: every field
+    queue_records: int = 16384  # records waiting for the writer at most; beyond, dropped and counted
+    retry_interval: float = 2.0  # seconds between two attempts to write to a failing file
+
+
+@dataclass(frozen=True)
 class AgentProcessSettings:
     """Everything ``podmeter agent`` runs with (``runtime.agent_process``)."""
 
@@ -113,6 +129,7 @@ class AgentProcessSettings:
     hubble: HubbleSettings = field(default_factory=HubbleSettings)
     log: LogSettings = field(default_factory=LogSettings)
     hubble_metrics_server: str | None = None  # HOST:PORT of Hubble's metrics (":9965": loopback); None: off
+    flow_export: FlowExportSettings = field(default_factory=FlowExportSettings)
 
 
 # --- the operator ------------------------------------------------------------------------------------
