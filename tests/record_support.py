@@ -48,3 +48,30 @@ def records(n: int, start: int = 0) -> list[FlowRecord]:
         at = int(i * 1e9)
         entries.append((key, FlowCounts(1 + i % 3, 100 + i, at, at, flags)))
     return name_flows(entries, BOOK, "node-a", BASE)
+
+
+def with_drops(batch: list[FlowRecord]) -> list[FlowRecord]:
+    """The records with 5, 6, 8 and 9 dropped: by netfilter (Cilium's POLICY_DENIED), for a bad IPv6 extension
+    header, for a bad TCP checksum (an invalid packet), for a reason the kernel does not specify (no code)."""
+    reasons = {5: "NETFILTER_DROP", 6: "IPV6_BAD_EXTHDR", 8: "TCP_CSUM", 9: "NOT_SPECIFIED"}
+    return [msgspec.structs.replace(r, verdict="dropped", drop_reason=reasons[i]) if i in reasons else r
+            for i, r in enumerate(batch)]
+
+
+def odd_records() -> list[FlowRecord]:
+    """Shapes beyond the shared ones: every TCP flag byte, port 0 and the highest, a protocol without a
+    name, times with no fraction and before one second, an identity, an unknown pod, every verdict."""
+    book = AddressBook([msgspec.structs.replace(WEB, uid="w"), DB, CACHE])
+    entries = [(FlowKey("10.0.0.1", "10.0.0.2", flags * 200, 65535 - flags, TCP, FROM if flags % 2 else TO),
+                FlowCounts(1, 60, 0, flags * 999_999_937, flags)) for flags in range(256)]
+    entries += [(FlowKey("10.0.0.2", "192.0.2.9", 0, 0, 47, FROM), FlowCounts(1, 1, 0, 0, 0)),
+                (FlowKey("10.0.0.2", "192.0.2.9", 0, 65535, UDP, TO), FlowCounts(1, 1, 0, 10**9, 0)),
+                (FlowKey("2001:db8::1", "fd00::3", 3, 4, ICMPV6, TO), FlowCounts(1, 1, 0, 5 * 10**8, 0)),
+                (FlowKey("10.0.0.9", "10.0.0.1", 0, 0, ICMP, TO), FlowCounts(1, 1, 0, 1, 0))]
+    named = name_flows(entries, book, "node-ä.example", 0.0) + name_flows(entries[:20], book, "n", BASE)
+    identified = [msgspec.structs.replace(r, source=msgspec.structs.replace(r.source, endpoint=msgspec.structs.replace(
+        r.source.endpoint, identity=70000))) for r in named[:10] if r.source.endpoint is not None]
+    reasons = ("NETFILTER_DROP", "IPV6_BAD_EXTHDR", None)
+    dropped = [msgspec.structs.replace(r, verdict="dropped", drop_reason=reasons[i % 3])
+               for i, r in enumerate(named[:30])]
+    return [*named, *identified, *dropped, *with_drops(records(40))]

@@ -129,7 +129,7 @@ def test_the_hand_written_json_is_protobufs_json_of_the_flow() -> None:
     a protocol without a name, times with and without a fraction, an identity, both verdicts and every kind
     of drop, IPv6, the world, a Service's frontend), what protobuf's ``MessageToDict`` makes of the Hubble
     API's own message, key for key in the same order."""
-    from test_hubble_observer import odd_records
+    from record_support import odd_records
 
     export = ExportLines("node-a", mask_tree(()))
     messages = FlowMessages(labels)

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import msgspec
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -38,9 +37,9 @@ from podmeter.adapters.hubble.server import (
     parse_listen,
 )
 from podmeter.model.endpoints import AddressBook
-from podmeter.model.flow_records import FlowRecord, name_flows
-from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, FlowCounts, FlowKey
-from record_support import BASE, CACHE, DB, FROM, PODS, TO, WEB, records
+from podmeter.model.flow_records import name_flows
+from podmeter.model.flows import TCP, UDP, FlowCounts, FlowKey
+from record_support import BASE, FROM, PODS, TO, odd_records, records, with_drops
 
 
 def stamp(seconds: float) -> Timestamp:
@@ -323,14 +322,6 @@ async def test_a_flow_carries_what_podmeter_knows_in_hubbles_fields(hubble: Any)
         "TCP Flags: SYN, ACK", "UDP", "ICMPv4 type 8 code 0", "TCP Flags: ACK, FIN, PSH", "ICMPv6 type 128 code 0"]
 
 
-def with_drops(batch: list[FlowRecord]) -> list[FlowRecord]:
-    """The records with 5, 6, 8 and 9 dropped: by netfilter (Cilium's POLICY_DENIED), for a bad IPv6 extension
-    header, for a bad TCP checksum (an invalid packet), for a reason the kernel does not specify (no code)."""
-    reasons = {5: "NETFILTER_DROP", 6: "IPV6_BAD_EXTHDR", 8: "TCP_CSUM", 9: "NOT_SPECIFIED"}
-    return [msgspec.structs.replace(r, verdict="dropped", drop_reason=reasons[i]) if i in reasons else r
-            for i, r in enumerate(batch)]
-
-
 DROPPED = [5, 6, 8, 9]
 
 
@@ -401,25 +392,6 @@ async def test_labels_of_a_pod_the_agent_no_longer_knows_are_absent(hubble: Any)
     feed.publish([record])
     (response,) = await client.flows(number=1)
     assert response.flow.source.pod_name == "gone" and list(response.flow.source.labels) == []
-
-
-def odd_records() -> list[FlowRecord]:
-    """Shapes beyond the shared ones: every TCP flag byte, port 0 and the highest, a protocol without a
-    name, times with no fraction and before one second, an identity, an unknown pod, every verdict."""
-    book = AddressBook([msgspec.structs.replace(WEB, uid="w"), DB, CACHE])
-    entries = [(FlowKey("10.0.0.1", "10.0.0.2", flags * 200, 65535 - flags, TCP, FROM if flags % 2 else TO),
-                FlowCounts(1, 60, 0, flags * 999_999_937, flags)) for flags in range(256)]
-    entries += [(FlowKey("10.0.0.2", "192.0.2.9", 0, 0, 47, FROM), FlowCounts(1, 1, 0, 0, 0)),
-                (FlowKey("10.0.0.2", "192.0.2.9", 0, 65535, UDP, TO), FlowCounts(1, 1, 0, 10**9, 0)),
-                (FlowKey("2001:db8::1", "fd00::3", 3, 4, ICMPV6, TO), FlowCounts(1, 1, 0, 5 * 10**8, 0)),
-                (FlowKey("10.0.0.9", "10.0.0.1", 0, 0, ICMP, TO), FlowCounts(1, 1, 0, 1, 0))]
-    named = name_flows(entries, book, "node-ä.example", 0.0) + name_flows(entries[:20], book, "n", BASE)
-    identified = [msgspec.structs.replace(r, source=msgspec.structs.replace(r.source, endpoint=msgspec.structs.replace(
-        r.source.endpoint, identity=70000))) for r in named[:10] if r.source.endpoint is not None]
-    reasons = ("NETFILTER_DROP", "IPV6_BAD_EXTHDR", None)
-    dropped = [msgspec.structs.replace(r, verdict="dropped", drop_reason=reasons[i % 3])
-               for i, r in enumerate(named[:30])]
-    return [*named, *identified, *dropped, *with_drops(records(40))]
 
 
 def test_the_hand_written_bytes_are_the_messages_bytes() -> None:
