@@ -33,9 +33,9 @@ of its values does (OR). What each field means for podmeter's records:
 - ``uuid``, ``source_fqdn``/``destination_fqdn``, ``http_*``
   (status code, method, path, URL, header), ``dns_query`` (a regular expression: podmeter does not run a
   client's patterns), ``trace_id``, ``ip_trace_id``,
-  ``source_ip_xlated``: podmeter's records carry none of these (no L7; no translated source, observed at the
-  pod, before any SNAT), so a filter that sets one matches no record (in an allow list it selects nothing,
-  in a deny list it removes nothing), as Hubble's filters do on a flow without them.
+  ``source_ip_xlated``: podmeter's records carry none of these (no HTTP or Kafka; no translated source,
+  observed at the pod, before any SNAT), so a filter that sets one matches no record (in an allow list it
+  selects nothing, in a deny list it removes nothing), as Hubble's filters do on a flow without them.
 - ``interface``, ``node_labels``, ``encrypted``, ``experimental.cel_expression``: a record has an
   interface, a node and an encryption state, and a CEL expression may hold for it, but podmeter does not
   know them (or evaluate CEL): matching nothing would let a deny list through what it excludes, so a
