@@ -187,6 +187,7 @@ async def wait_until(condition: Any, timeout: float = 10.0) -> None:
 
 async def test_follow_interleaves_both_feeds_and_counts_lost_records_per_feed(hubble: Any) -> None:
     flows, dns_feed, client = hubble
+    tasks = len(asyncio.all_tasks())
     call = client.observer.GetFlows(observer_pb2.GetFlowsRequest(follow=True))
     await wait_until(lambda: flows.followers == 1 and dns_feed.followers == 1)
     flows.publish(records(1))
@@ -198,6 +199,7 @@ async def test_follow_interleaves_both_feeds_and_counts_lost_records_per_feed(hu
     assert [first.flow.Type, second.flow.Type, third.flow.Type] == [flow_pb2.L3_L4, flow_pb2.L7, flow_pb2.L3_L4]
     call.cancel()
     await wait_until(lambda: flows.streams == 0 and dns_feed.streams == 0)
+    await wait_until(lambda: len(asyncio.all_tasks()) <= tasks)  # the waits on both feeds ended with the call
 
     # a follower that does not read while the DNS ring (50) laps it is told what it lost, in the DNS feed only
     slow = client.observer.GetFlows(observer_pb2.GetFlowsRequest(follow=True, whitelist=[

@@ -33,7 +33,7 @@ import dataclasses
 import heapq
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -137,18 +137,20 @@ class ObserverService:
     async def _follow(self, readers: list[Reader], context: aio.ServicerContext[Any, Any],
                       until: float | None) -> None:
         encoded = self.messages.encoded
-        async for item in _interleaved([reader.follow_batches() for reader in readers]):
-            if isinstance(item, Gap):
-                with _writing(readers):
-                    await context.write(lost_message(item.lost, self.node_name))
-                continue
-            for record in item.records:  # one message per flow: Hubble's protocol
-                if until is not None and record.time > until:
-                    return
-                with _writing(readers):
-                    await context.write(encoded(record))
-            for reader in readers:  # the stream was sent something: no reader of it is idle
-                reader.last_sent = time.monotonic()
+        # closed on the way out, however it ends (a cancelled call too): its reads' tasks end with it
+        async with contextlib.aclosing(_interleaved([reader.follow_batches() for reader in readers])) as items:
+            async for item in items:
+                if isinstance(item, Gap):
+                    with _writing(readers):
+                        await context.write(lost_message(item.lost, self.node_name))
+                    continue
+                for record in item.records:  # one message per flow: Hubble's protocol
+                    if until is not None and record.time > until:
+                        return
+                    with _writing(readers):
+                        await context.write(encoded(record))
+                for reader in readers:  # the stream was sent something: no reader of it is idle
+                    reader.last_sent = time.monotonic()
 
     async def _past(self, request: observer_pb2.GetFlowsRequest, readers: Sequence[Reader]) -> list[FlowRecord]:
         """The past records of every reader, merged by time: the last ``number`` of them all (the first with
@@ -210,7 +212,7 @@ def _writing(readers: Sequence[Reader]) -> Iterator[None]:
         yield
 
 
-async def _interleaved(sources: list[AsyncGenerator[Batch | Gap, None]]) -> AsyncIterator[Batch | Gap]:
+async def _interleaved(sources: list[AsyncGenerator[Batch | Gap, None]]) -> AsyncGenerator[Batch | Gap, None]:
     """What the sources yield, each item as soon as its source has it; ends when one source ends (its read
     was cut off: the stream ends). The sources are closed on the way out."""
     if len(sources) == 1:
