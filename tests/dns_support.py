@@ -152,6 +152,13 @@ def _read(sock: socket.socket, size: int) -> bytes:
     return data
 
 
+def ask_from(netns_path: str, server: str, msg: bytes, *, tcp: bool = False) -> bytes | None:
+    """One query from inside a pod's netns (``Pod.netns_path``), over UDP or TCP; the answer (UDP: None on
+    timeout)."""
+    with netns(netns_path):
+        return ask_tcp(server, msg) if tcp else ask(server, msg)
+
+
 def rcode_of(answer: bytes) -> int:
     return struct.unpack_from("!H", answer, 2)[0] & 0xF
 

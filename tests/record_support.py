@@ -9,8 +9,9 @@ from collections.abc import Callable
 import msgspec
 
 from factories import make_pod
+from podmeter.model import dns
 from podmeter.model.endpoints import AddressBook
-from podmeter.model.flow_records import FlowRecord, name_flows
+from podmeter.model.flow_records import EndpointCache, FlowRecord, name_dns, name_flows
 from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, FlowCounts, FlowKey, Observation
 from podmeter.model.records import Pod
 
@@ -75,3 +76,23 @@ def odd_records() -> list[FlowRecord]:
     dropped = [msgspec.structs.replace(r, verdict="dropped", drop_reason=reasons[i % 3])
                for i, r in enumerate(named[:30])]
     return [*named, *identified, *dropped, *with_drops(records(40))]
+
+
+# DNS records (model.dns aggregates, as the agent's DNS drain names them): web and cache ask a CoreDNS pod.
+COREDNS = owned(make_pod("coredns-7db6d-k2x9f", "kube-system", ips=("10.0.0.53", "fd00::53"),
+                         labels={"k8s-app": "kube-dns"}), "ReplicaSet", "coredns-7db6d")
+DNS_PODS = {**PODS, COREDNS.uid: COREDNS}
+CART = "cart.shop.svc.cluster.local."
+
+
+def dns_entry(pod: str, name: str = CART, qtype: int = 1, rcode: int | None = None, *, server: str = "10.0.0.53",
+              count: int = 1, latency_ns: int = 0, protocol: int = UDP) -> dns.DnsEntry:
+    """One aggregate: a query (``rcode`` None) or an answer of ``rcode``, its answers ``latency_ns`` each."""
+    direction = dns.Direction.QUERY if rcode is None else dns.Direction.RESPONSE
+    timed = count if latency_ns and rcode is not None else 0
+    return (dns.DnsKey(pod, server, direction, name, qtype, rcode or 0, protocol),
+            dns.DnsCounts(count, timed, timed * latency_ns, (timed,) + (0,) * (dns.BUCKETS - 1)))
+
+
+def dns_records(entries: list[dns.DnsEntry], at: float = BASE) -> list[FlowRecord]:
+    return name_dns(entries, EndpointCache(AddressBook(DNS_PODS.values())), "node-a", at)

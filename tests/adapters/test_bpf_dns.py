@@ -31,7 +31,7 @@ from dns_support import (
     Dnsmasq,
     DnsProgram,
     ask,
-    ask_tcp,
+    ask_from,
     dns_program,
     message,
     name_of,
@@ -184,8 +184,7 @@ def dnsmasq(node: Node, topology: Topology) -> Iterator[Dnsmasq]:
 
 
 def _ask_from(pod: Pod, server: str, msg: bytes, *, tcp: bool = False) -> bytes | None:
-    with netns(pod.netns_path):
-        return ask_tcp(server, msg) if tcp else ask(server, msg)
+    return ask_from(pod.netns_path, server, msg, tcp=tcp)
 
 
 def test_real_queries_are_counted_per_pod_by_qtype_and_rcode(node: Node, dnsmasq: Dnsmasq,

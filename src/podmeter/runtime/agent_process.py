@@ -186,7 +186,8 @@ class AgentProcess:
         from podmeter.adapters.metrics.hubble_state import HubbleStateCollector
 
         server = HubbleServer(self.agent.flow_feed, self.settings.agent.node_name, hubble.address, tls=hubble.tls,
-                              labels=self.labels, nodes=self.agent)
+                              labels=self.labels, nodes=self.agent,
+                              dns_feed=self.agent.dns_feed if self.agent.dns is not None else None)
         self.registry.register(HubbleStateCollector(server.peer_figures))
         return server
 

@@ -8,12 +8,16 @@ of its values does (OR). What each field means for podmeter's records:
   (every pod of NS), ``PREFIX`` (namespace ``default``, as ``hubble observe --pod`` means it).
 - ``source_ip``/``destination_ip``: an address or a CIDR range.
 - ``source_port``/``destination_port``: a TCP or UDP port (as a string).
-- ``protocol``: ``tcp``, ``udp``, ``icmpv4``, ``icmpv6``, ``sctp`` (any case); ``http``, ``dns``, ``kafka``
-  (L7: no podmeter flow is one).
+- ``protocol``: ``tcp``, ``udp``, ``icmpv4``, ``icmpv6``, ``sctp`` (any case), the record's layer 4 (a DNS
+  record's too: its messages' UDP or TCP); ``dns`` the DNS records (Hubble's L7 DNS flows); ``http``,
+  ``kafka`` (L7 podmeter does not read: no record is one).
+- ``reply``: a DNS record is a reply if it is an answer; a flow record has no ``is_reply`` (podmeter tracks
+  no connections) and matches neither value, as Hubble's filter treats a flow without it.
 - ``verdict``, ``traffic_direction``, ``ip_version``, ``source_identity``/``destination_identity``
   (world is identity 2), ``node_name`` (``*`` wildcards; ``CLUSTER/NODE`` with cluster ``default``).
 - ``event_type``: the type and sub-type ``adapters.hubble.flows`` gives the record (a trace at its
-  observation point, or a drop); type 0 is any type, the sub-type counts only with ``match_sub_type``.
+  observation point, a drop, or 129, an L7 event, for a DNS record: ``hubble observe --type l7``); type 0
+  is any type, the sub-type counts only with ``match_sub_type``.
 - ``tcp_flags``: a TCP record whose flags include every flag of one of the values.
 - ``source_workload``/``destination_workload``: name and kind (an empty one matches any).
 - ``source_label``/``destination_label``: Kubernetes label selectors (``app=web``, ``app!=web``,
@@ -27,10 +31,11 @@ of its values does (OR). What each field means for podmeter's records:
 - ``source_service``/``destination_service``: ``NS/PREFIX`` as pods, the Service whose frontend the end is
   (docs/services.md).
 - ``uuid``, ``source_fqdn``/``destination_fqdn``, ``http_*``
-  (status code, method, path, URL, header), ``dns_query``, ``reply``, ``trace_id``, ``ip_trace_id``,
-  ``source_ip_xlated``: podmeter's records carry none of these (no L7; no translated source, observed at the
-  pod, before any SNAT), so a filter that sets one matches no record (in an allow list it selects nothing,
-  in a deny list it removes nothing), as Hubble's filters do on a flow without them.
+  (status code, method, path, URL, header), ``dns_query`` (a regular expression: podmeter does not run a
+  client's patterns), ``trace_id``, ``ip_trace_id``,
+  ``source_ip_xlated``: podmeter's records carry none of these (no HTTP or Kafka; no translated source,
+  observed at the pod, before any SNAT), so a filter that sets one matches no record (in an allow list it
+  selects nothing, in a deny list it removes nothing), as Hubble's filters do on a flow without them.
 - ``interface``, ``node_labels``, ``encrypted``, ``experimental.cel_expression``: a record has an
   interface, a node and an encryption state, and a CEL expression may hold for it, but podmeter does not
   know them (or evaluate CEL): matching nothing would let a deny list through what it excludes, so a
@@ -65,6 +70,7 @@ from podmeter.adapters.hubble.flows import (
     no_labels,
 )
 from podmeter.adapters.hubble.proto import flow_pb2
+from podmeter.model.dns import Direction
 from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
 from podmeter.model.flows import ICMP, ICMPV6, TCP, TCP_FLAG_NAMES, UDP
 
@@ -74,7 +80,7 @@ PROTOCOLS: dict[str, int | None] = {"tcp": TCP, "udp": UDP, "icmpv4": ICMP, "icm
                                     "http": None, "dns": None, "kafka": None}
 DEFAULT_NAMESPACE = "default"
 ABSENT = ("uuid", "source_fqdn", "destination_fqdn", "http_status_code",
-          "http_method", "http_path", "http_url", "http_header", "dns_query", "reply", "trace_id", "ip_trace_id",
+          "http_method", "http_path", "http_url", "http_header", "dns_query", "trace_id", "ip_trace_id",
           "source_ip_xlated")
 # Filter fields about what a record has but podmeter does not know: the field, its number, and why.
 UNSUPPORTED = (
@@ -317,7 +323,15 @@ def _protocols(values: Sequence[str]) -> Check:
         number = PROTOCOLS[value.lower()]
         if number is not None:
             wanted.add(number)
+    if any(value.lower() == "dns" for value in values):
+        return lambda record: record.dns is not None or record.protocol in wanted
     return lambda record: record.protocol in wanted
+
+
+def _replies(values: Iterable[bool]) -> Check:
+    """Hubble's ``reply``: the flows whose ``is_reply`` is one of the values; only a DNS record has one."""
+    wanted = set(values)
+    return lambda record: record.dns is not None and (record.dns.direction is Direction.RESPONSE) in wanted
 
 
 def _tcp_flags(values: Iterable[flow_pb2.TCPFlags]) -> Check:
@@ -457,6 +471,8 @@ def compile_filter(message: flow_pb2.FlowFilter, labels: LabelSource = no_labels
         checks.append(_event_types(m.event_type))
     if m.drop_reason_desc:
         checks.append(_drop_reasons(m.drop_reason_desc))
+    if m.reply:
+        checks.append(_replies(m.reply))
     return tuple(checks)
 
 

@@ -30,6 +30,17 @@ What a record carries maps onto Hubble's message like this (the compatibility ta
   ``UDP``, ``ICMPv4 type 8 code 0``, the protocol's number for others, and for a dropped record the kernel's
   reason name (``NETFILTER_DROP``), which no other Hubble field can carry.
 
+A DNS record (``FlowRecord.dns``: one aggregate of a drain, docs/dns.md) is an L7 flow, as Cilium's DNS proxy
+writes one: ``Type`` ``L7``, ``event_type`` type 129 (Cilium's access-log message, what ``hubble observe --type
+l7`` selects), ``l7`` = {``type`` ``REQUEST`` for queries, ``RESPONSE`` for answers, ``latency_ns`` the mean
+latency of the answers measured, ``dns`` = {the query with its final dot, ``qtypes`` its type's name,
+``rcode`` (answers), ``observation_source`` ``podmeter``}}, ``is_reply`` false for queries and true for
+answers (the compact printer draws ``pod <- server`` for them), no ``trace_observation_point`` (not a trace
+event). Its ``Summary`` is the line Hubble's agent writes for DNS: ``DNS Query NAME TYPE``, ``DNS Answer
+RCode: NXDOMAIN (Query NAME TYPE)`` (podmeter reads no answer section, so no addresses or TTL; the code by
+its IANA name, also for ``NOERROR``). Nothing says how many messages the aggregate counts
+(``podmeter observe --protocol dns -o json`` has it).
+
 Hubble's flow has no packet or byte counts, no retransmit count and no field for the kernel's drop reason
 but ``Summary``: the counts are absent from the message (``podmeter observe -o json`` and the metrics have them).
 """
@@ -44,9 +55,10 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from podmeter.adapters.flow_serving import Encoded
 from podmeter.adapters.hubble.proto import flow_pb2, observer_pb2
+from podmeter.model import dns
 from podmeter.model.drop_codes import CILIUM_CODES
 from podmeter.model.endpoints import Endpoint
-from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
+from podmeter.model.flow_records import VERDICT_DROPPED, DnsInfo, FlowEnd, FlowRecord
 from podmeter.model.flows import ICMP, ICMPV6, TCP, TCP_FLAG_NAMES, UDP, Observation, protocol_name
 from podmeter.model.records import Pod
 
@@ -60,6 +72,8 @@ NAMESPACE_LABEL = "io.kubernetes.pod.namespace"
 MESSAGE_TYPE_TRACE = 4  # Cilium's monitor message type of a trace event
 TRACE_TO_ENDPOINT, TRACE_FROM_ENDPOINT = 0, 5  # its sub-types: to and from a pod (an "lxc")
 MESSAGE_TYPE_DROP = 1  # Cilium's monitor message type of a drop event; its sub-type is the drop code
+MESSAGE_TYPE_ACCESS_LOG = 129  # Cilium's monitor message type of an L7 (proxy access log) event: DNS records
+OBSERVATION_SOURCE = "podmeter"  # who read the DNS message (Cilium's proxy says "proxy")
 DROP_SUB_TYPE_UNKNOWN = 255  # the sub-type of a drop whose kernel reason has no Cilium code (Cilium's end at 205)
 # Kernel drop reasons (skb_drop_reason names, without the SKB_DROP_REASON_ prefix) as the Cilium drop code
 # whose meaning is theirs (model.drop_codes: the why of each is there and in docs/hubble.md).
@@ -123,6 +137,8 @@ def drop_reason(record: FlowRecord) -> flow_pb2.DropReason.ValueType:
 
 def event_type(record: FlowRecord) -> tuple[int, int]:
     """The monitor event type and sub-type of the record's flow: a trace at its observation point, or a drop."""
+    if record.dns is not None:
+        return MESSAGE_TYPE_ACCESS_LOG, 0
     if record.verdict == VERDICT_DROPPED:
         return MESSAGE_TYPE_DROP, drop_reason(record) or DROP_SUB_TYPE_UNKNOWN
     return MESSAGE_TYPE_TRACE, SUB_TYPES[record.observation]
@@ -153,6 +169,8 @@ def layer4(record: FlowRecord) -> flow_pb2.Layer4 | None:
 
 def summary(record: FlowRecord) -> str:
     """The flow's one line for Hubble's compact printer (the module docstring says what each shape gets)."""
+    if record.dns is not None:
+        return dns_summary(record.dns)
     if record.verdict == VERDICT_DROPPED:
         return record.drop_reason or "dropped"
     if record.protocol == TCP:
@@ -161,6 +179,23 @@ def summary(record: FlowRecord) -> str:
     if record.protocol in (ICMP, ICMPV6):
         return f"{protocol_name(record.protocol)} type {record.source.port} code {record.destination.port}"
     return protocol_name(record.protocol)  # UDP, or the number of a protocol podmeter has no name for
+
+
+def dns_summary(info: DnsInfo) -> str:
+    """The Summary of a DNS record: Hubble's words for a DNS query or answer (the module docstring)."""
+    asked = f"{info.query} {dns.qtype_name(info.qtype)}"
+    if info.direction is dns.Direction.QUERY:
+        return f"DNS Query {asked}"
+    return f"DNS Answer RCode: {dns.rcode_name(info.rcode or 0)} (Query {asked})"
+
+
+def layer7(info: DnsInfo) -> flow_pb2.Layer7:
+    """A DNS record's ``l7``: request or response, the mean latency of the answers measured, the question."""
+    query = info.direction is dns.Direction.QUERY
+    record = flow_pb2.DNS(query=info.query, qtypes=[dns.qtype_name(info.qtype)], observation_source=OBSERVATION_SOURCE,
+                          rcode=0 if query else info.rcode or 0)
+    latency = info.latency_sum_ns // info.latency_count if info.latency_count else 0
+    return flow_pb2.Layer7(type=flow_pb2.REQUEST if query else flow_pb2.RESPONSE, latency_ns=latency, dns=record)
 
 
 ENCODED = 4096  # recent records kept encoded (at most the ring's: see adapters.flow_serving.Encoded)
@@ -285,6 +320,11 @@ class FlowMessages:
         )
         if kind == MESSAGE_TYPE_DROP:
             flow.drop_reason_desc = drop_reason(record)
+        if record.dns is not None:
+            flow.Type = flow_pb2.L7
+            flow.l7.CopyFrom(layer7(record.dns))
+            flow.is_reply.value = record.dns.direction is dns.Direction.RESPONSE
+            flow.ClearField("trace_observation_point")
         for end, field in ((record.source, flow.source_service), (record.destination, flow.destination_service)):
             if end.service is not None:
                 field.name, field.namespace = end.service.name, end.service.namespace
@@ -300,8 +340,9 @@ class FlowMessages:
 
     def serialized(self, record: FlowRecord) -> bytes:
         """``self.response(record).SerializeToString()``, written by hand (a flow through a Service, whose
-        fields sit in the middle of the tail, is serialized by protobuf)."""
-        if record.source.service is not None or record.destination.service is not None:
+        fields sit in the middle of the tail, and a DNS record, an aggregate of which a drain has at most the
+        kernel map's 8,192 where it may have a million flows, are serialized by protobuf)."""
+        if record.source.service is not None or record.destination.service is not None or record.dns is not None:
             return self.response(record).SerializeToString()
         seconds = record.time
         whole = int(seconds)

@@ -10,8 +10,15 @@ serves them.
   A follower is a cursor on the agent's ring like any other reader: one the ring laps is sent a
   ``lost_events`` response (``HUBBLE_RING_BUFFER``) with the number it missed; one that does not read is
   cut off (``RESOURCE_EXHAUSTED``) by the core's write timeout, and every read counts against its bounds.
-- ``ServerStatus``: flows held (the ring), the ring's capacity, flows seen, uptime, one connected node.
-- ``GetNamespaces``: the namespaces of the pods at either end of the flows the ring holds, sorted, each in
+- **DNS records** (``model.dns``: the agent's DNS feed, a ring of its own) are served beside the flows as
+  Hubble's L7 DNS flows (``adapters.hubble.flows``): a ``GetFlows`` opens a reader on each feed with the
+  same selection, sends their past records merged by time (the last ``number`` of both together), then
+  follows both, each record as its feed publishes it. Each reader is a cursor of its own: a ``lost_events``
+  response counts what one ring overwrote before it was read; both count against their feed's bounds (a
+  read refused by either is refused), both are cut off together (a write that does not complete is a write
+  of both), and a record sent by either keeps both from looking idle.
+- ``ServerStatus``: flows held (both rings), their capacity, flows seen, uptime, one connected node.
+- ``GetNamespaces``: the namespaces of the pods at either end of the flows the rings hold, sorted, each in
   podmeter's one cluster (``default``).
 - ``GetNodes``: this node.
 
@@ -20,9 +27,14 @@ Next stage: ``adapters.hubble.server`` registers these handlers beside ``peer`` 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import heapq
 import sys
 import time
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from operator import attrgetter
 from typing import Any
 
 import grpc
@@ -30,7 +42,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from google.protobuf.wrappers_pb2 import UInt32Value
 from grpc import aio
 
-from podmeter.adapters.flow_serving import Busy, FlowFeed, Gap, Reader
+from podmeter.adapters.flow_serving import Batch, Busy, FlowFeed, Gap, Reader
 from podmeter.adapters.hubble.access import ListenAddress, TlsFiles
 from podmeter.adapters.hubble.filters import BadFilter, UnsupportedFilter, selection
 from podmeter.adapters.hubble.flows import CLUSTER, ENCODED, FlowMessages, LabelSource, lost_message
@@ -39,6 +51,7 @@ from podmeter.adapters.hubble.streams import EndableStream
 from podmeter.model.flow_records import FlowRecord
 
 UNBOUNDED = sys.maxsize
+_TIME = attrgetter("time")
 
 
 def _encoded(message: bytes) -> bytes:
@@ -50,15 +63,17 @@ def _seconds(stamp: Timestamp) -> float:
 
 
 class ObserverService:
-    """The Observer's handlers on one agent's flow feed."""
+    """The Observer's handlers on one agent's flow feed and, when it reads DNS, its DNS feed."""
 
     def __init__(self, feed: FlowFeed, node_name: str, address: ListenAddress, *, tls: TlsFiles | None,
-                 labels: LabelSource, version: str) -> None:
+                 labels: LabelSource, version: str, dns_feed: FlowFeed | None = None) -> None:
         self.feed, self.node_name, self.address, self.tls, self.labels = feed, node_name, address, tls, labels
+        self.feeds = [feed] if dns_feed is None else [feed, dns_feed]
         self.version = version
         self.started = time.monotonic()
         self.streams = 0  # GetFlows calls in progress
-        self.messages = FlowMessages(labels, min(ENCODED, feed.ring.capacity))  # shared: a record is encoded once
+        # shared: a record is encoded once
+        self.messages = FlowMessages(labels, min(ENCODED, sum(f.ring.capacity for f in self.feeds)))
 
     def handlers(self) -> grpc.GenericRpcHandler:
         methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
@@ -92,70 +107,136 @@ class ObserverService:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
         except BadFilter as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            reader = self.feed.open(dataclasses.replace(wanted, until=None) if request.follow else wanted,
-                                    follow=request.follow, client=context.peer())
-        except Busy as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        selector = dataclasses.replace(wanted, until=None) if request.follow else wanted
         stream = EndableStream(context, "")
-        reader.end = stream.end_with
-        self.streams += 1
-        try:
-            async with reader:
-                for past in await self._past(request, reader):
-                    with reader.writing():
-                        await context.write(self.messages.encoded(past))
-                if request.follow:
-                    await self._follow(reader, context, until)
-                await reader.finish()
-        finally:
-            self.streams -= 1
+        async with contextlib.AsyncExitStack() as held:  # a read refused by a later feed frees the earlier ones
+            readers: list[Reader] = []
+            for feed in self.feeds:
+                try:
+                    reader = feed.open(selector, follow=request.follow, client=context.peer())
+                except Busy as exc:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                reader.end = stream.end_with
+                readers.append(await held.enter_async_context(reader))
+            self.streams += 1
+            try:
+                await self._serve(request, readers, context, until)
+            finally:
+                self.streams -= 1
 
-    async def _follow(self, reader: Reader, context: aio.ServicerContext[Any, Any], until: float | None) -> None:
+    async def _serve(self, request: observer_pb2.GetFlowsRequest, readers: list[Reader],
+                     context: aio.ServicerContext[Any, Any], until: float | None) -> None:
+        for past in await self._past(request, readers):
+            with _writing(readers):
+                await context.write(self.messages.encoded(past))
+        if request.follow:
+            await self._follow(readers, context, until)
+        for reader in readers:
+            await reader.finish()
+
+    async def _follow(self, readers: list[Reader], context: aio.ServicerContext[Any, Any],
+                      until: float | None) -> None:
         encoded = self.messages.encoded
-        async for item in reader.follow_batches():
-            if isinstance(item, Gap):
-                with reader.writing():
-                    await context.write(lost_message(item.lost, self.node_name))
-                continue
-            for record in item.records:  # one message per flow: Hubble's protocol
-                if until is not None and record.time > until:
-                    return
-                with reader.writing():
-                    await context.write(encoded(record))
+        # closed on the way out, however it ends (a cancelled call too): its reads' tasks end with it
+        async with contextlib.aclosing(_interleaved([reader.follow_batches() for reader in readers])) as items:
+            async for item in items:
+                if isinstance(item, Gap):
+                    with _writing(readers):
+                        await context.write(lost_message(item.lost, self.node_name))
+                    continue
+                for record in item.records:  # one message per flow: Hubble's protocol
+                    if until is not None and record.time > until:
+                        return
+                    with _writing(readers):
+                        await context.write(encoded(record))
+                for reader in readers:  # the stream was sent something: no reader of it is idle
+                    reader.last_sent = time.monotonic()
 
-    async def _past(self, request: observer_pb2.GetFlowsRequest, reader: Reader) -> list[FlowRecord]:
+    async def _past(self, request: observer_pb2.GetFlowsRequest, readers: Sequence[Reader]) -> list[FlowRecord]:
+        """The past records of every reader, merged by time: the last ``number`` of them all (the first with
+        ``first``)."""
         # number 0 means "all" within a time window; a follower's window is only ever opened by since
         window = request.HasField("since") or (request.HasField("until") and not request.follow)
         if request.number == 0 and not window:
             return []
-        return await reader.history(request.number or UNBOUNDED, first=request.first)
+        count = request.number or UNBOUNDED
+        pasts = [await reader.history(count, first=request.first) for reader in readers]
+        if len(pasts) == 1:
+            return pasts[0]
+        merged = list(heapq.merge(*pasts, key=_TIME))
+        return merged[:count] if request.first else merged[max(0, len(merged) - count):]
 
     async def server_status(self, request: observer_pb2.ServerStatusRequest, context: aio.ServicerContext[Any, Any]
                             ) -> observer_pb2.ServerStatusResponse:
-        ring = self.feed.ring
         return observer_pb2.ServerStatusResponse(
-            num_flows=len(ring), max_flows=ring.capacity, seen_flows=self.feed.published,
+            num_flows=self._held(), max_flows=self._capacity(), seen_flows=self._seen(),
             uptime_ns=int((time.monotonic() - self.started) * 1e9),
             num_connected_nodes=UInt32Value(value=1), num_unavailable_nodes=UInt32Value(value=0),
             version=self.version)
 
     async def get_nodes(self, request: observer_pb2.GetNodesRequest, context: aio.ServicerContext[Any, Any]
                         ) -> observer_pb2.GetNodesResponse:
-        ring = self.feed.ring
         node = observer_pb2.Node(
             name=self.node_name, version=self.version, address=self.address.text, state=relay_pb2.NODE_CONNECTED,
             tls=observer_pb2.TLS(enabled=self.tls is not None), uptime_ns=int((time.monotonic() - self.started) * 1e9),
-            num_flows=len(ring), max_flows=ring.capacity, seen_flows=self.feed.published)
+            num_flows=self._held(), max_flows=self._capacity(), seen_flows=self._seen())
         return observer_pb2.GetNodesResponse(nodes=[node])
 
     async def get_namespaces(self, request: observer_pb2.GetNamespacesRequest,
                              context: aio.ServicerContext[Any, Any]) -> observer_pb2.GetNamespacesResponse:
         """The namespaces of the pods at either end of the ring's flows (a world end has none), sorted."""
         found: set[str] = set()
-        for _, record in self.feed.ring.after(0):
+        for _, record in (held for feed in self.feeds for held in feed.ring.after(0)):
             for end in (record.source.endpoint, record.destination.endpoint):
                 if end is not None and end.namespace:
                     found.add(end.namespace)
         return observer_pb2.GetNamespacesResponse(
             namespaces=[observer_pb2.Namespace(cluster=CLUSTER, namespace=name) for name in sorted(found)])
+
+    def _held(self) -> int:
+        return sum(len(feed.ring) for feed in self.feeds)
+
+    def _capacity(self) -> int:
+        return sum(feed.ring.capacity for feed in self.feeds)
+
+    def _seen(self) -> int:
+        return sum(feed.published for feed in self.feeds)
+
+
+@contextlib.contextmanager
+def _writing(readers: Sequence[Reader]) -> Iterator[None]:
+    """A write of the stream is a write of every reader: one that does not complete cuts them all off."""
+    with contextlib.ExitStack() as stack:
+        for reader in readers:
+            stack.enter_context(reader.writing())
+        yield
+
+
+async def _interleaved(sources: list[AsyncGenerator[Batch | Gap, None]]) -> AsyncGenerator[Batch | Gap, None]:
+    """What the sources yield, each item as soon as its source has it; ends when one source ends (its read
+    was cut off: the stream ends). The sources are closed on the way out."""
+    if len(sources) == 1:
+        async with contextlib.aclosing(sources[0]) as only:
+            async for item in only:
+                yield item
+        return
+    pending = {asyncio.ensure_future(anext(source)): source for source in sources}
+    try:
+        while True:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                source = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+                pending[asyncio.ensure_future(anext(source))] = source
+    finally:
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await task
+        for source in sources:
+            await source.aclose()

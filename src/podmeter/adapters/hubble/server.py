@@ -59,10 +59,12 @@ class HubbleServer:
 
     def __init__(self, feed: FlowFeed, node_name: str, address: ListenAddress, *, tls: TlsFiles | None = None,
                  labels: LabelSource = no_labels, version: str | None = None, nodes: NodeSource | None = None,
-                 announce_peers: bool | None = None, peer_queue: int = PEER_QUEUE) -> None:
+                 announce_peers: bool | None = None, peer_queue: int = PEER_QUEUE,
+                 dns_feed: FlowFeed | None = None) -> None:
         check_access(address, tls)
         self.address, self.tls = address, tls
-        self.observer = ObserverService(feed, node_name, address, tls=tls, labels=labels, version=version or _version())
+        self.observer = ObserverService(feed, node_name, address, tls=tls, labels=labels, version=version or _version(),
+                                       dns_feed=dns_feed)
         self.peer = PeerService(node_name, address, tls=tls, nodes=nodes, announce_peers=announce_peers,
                                 peer_queue=peer_queue)
         self.health = HealthService()

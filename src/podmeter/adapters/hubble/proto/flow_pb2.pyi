@@ -300,7 +300,7 @@ class Flow(_message.Message):
 
     @_builtins.property
     def is_reply(self) -> _wrappers_pb2.BoolValue:
-        """left unset: podmeter does not track connections"""
+        """DNS records: an answer; unset for flows (no connection tracking)"""
 
     def __init__(
         self,
