@@ -110,17 +110,17 @@ class FlowDrainer:
                 self.stats.unnamed += len(entries)
             wall_offset = time.time() - time.monotonic()  # the kernel stamps CLOCK_MONOTONIC nanoseconds
             ends = EndpointCache(names)  # each address named once, for the records and the series
-            services = self.services.naming() if self.services is not None and named else None
+            naming = self.services.naming() if self.services is not None and named else None
+            services = naming.resolve(entries) if naming is not None else None  # once, for all three below
             kept = newest(entries, self.feed.ring.capacity)
             records = name_flows(kept, ends, self.node, wall_offset, services)
             if self.annotate is not None:
                 records = self.annotate(records)
             self.feed.publish(records, passed=len(entries) - len(kept))
-            counted = services.real_ends(entries) if services is not None else entries
             now = time.monotonic()
-            self.series.add_totals(DrainTotals(counted), ends, now)
+            self.series.add_totals(DrainTotals(services.counted if services is not None else entries), ends, now)
             if services is not None and self.service_traffic is not None:
-                self.service_traffic.add(entries, ends, services, now)
+                self.service_traffic.add(services, ends, now)
         self.stats.entries += len(entries)
         self.stats.last_entries = len(entries)
         self.stats.last_seconds = time.perf_counter() - started
