@@ -14,7 +14,8 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,14 +39,24 @@ class Served:
         with self.lock:
             self.by_port[port] = pod
 
+    def per_backend(self, ports: Iterable[int] | None = None) -> dict[str, int]:
+        """Connections each backend served (of ``ports``: default, all)."""
+        with self.lock:
+            served = self.by_port if ports is None else {p: self.by_port[p] for p in ports if p in self.by_port}
+            return dict(Counter(served.values()))
+
 
 @contextlib.contextmanager
-def echo_servers(backends: list[Endpoint], port: int, size: int, served: Served) -> Iterator[None]:
+def echo_servers(backends: list[Endpoint], port: int, size: int, served: Served, ipv6: bool = False,
+                 ) -> Iterator[None]:
+    """A TCP echo server in each backend pod (``size`` bytes back per connection; IPv4, and with ``ipv6``
+    IPv6 too), each connection recorded in ``served`` under its client port."""
     stop = threading.Event()
     threads = []
     for backend in backends:
         with in_namespace(backend.netns_path):
-            listener = socket.create_server(("0.0.0.0", port))
+            listener = (socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True) if ipv6
+                        else socket.create_server(("0.0.0.0", port)))
         listener.settimeout(0.2)
         thread = threading.Thread(target=_serve, args=(listener, backend.pod, size, served, stop), daemon=True)
         thread.start()
@@ -81,7 +92,7 @@ def _serve(listener: socket.socket, pod: str, size: int, served: Served, stop: t
 def call(client: Endpoint, address: str, port: int, size: int) -> int:
     """One connection: ``size`` bytes there and back; the client's port."""
     with in_namespace(client.netns_path):
-        sock = socket.socket()
+        sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
     with sock:
         sock.settimeout(5)
         sock.connect((address, port))
@@ -149,11 +160,7 @@ def check(step: ServiceCalls, records: list[Record] | None, calls: Calls, served
             problems.append(f"port {port}: no request record")
         elif named[port] != truth:
             problems.append(f"port {port}: named {named[port]}, served by {truth}")
-    per_backend: dict[str, int] = {}
-    for port in ports:
-        if port in served.by_port:
-            per_backend[served.by_port[port]] = per_backend.get(served.by_port[port], 0) + 1
-    return {"ok": not problems, "problems": problems[:20], "per_backend": per_backend}
+    return {"ok": not problems, "problems": problems[:20], "per_backend": served.per_backend(ports)}
 
 
 def taking_part(step: ServiceCalls, endpoints: list[Endpoint]) -> tuple[list[Endpoint], list[Endpoint]]:

@@ -482,6 +482,7 @@ class Agent:
                                          "failures": dict(r.stats.failures), "requests": r.stats.requests,
                                          "decode_errors": r.stats.decode_errors}
                            for r in self._reflectors},
+            "services": self.services.debug() if self.services is not None else None,
         }
 
     def pods_without_link(self) -> list[str] | None:

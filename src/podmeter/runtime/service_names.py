@@ -56,6 +56,14 @@ class ServiceNames:
             self._index = ServiceIndex(self.services, self.backends)
         return self._index
 
+    def debug(self) -> dict[str, int]:
+        """What ``/debug/state`` says of Services: the stores and the index (a test of baseline after churn
+        reads them) and the conntrack reads."""
+        frontends, node_ports, backends = self.index().sizes()
+        return {"services": len(self.services), "endpointslices": len(self.backends), "frontends": frontends,
+                "node_ports": node_ports, "backends": backends, "translations_read": self.translations_read,
+                "last_translations": self.last_translations}
+
     def wants_translations(self) -> bool:
         """Whether naming this drain's flows reads the node's conntrack: some Service has a frontend, and
         there is a reader."""
