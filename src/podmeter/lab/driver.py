@@ -64,6 +64,7 @@ class Hooks:
     def induce_drops(self, step: sc.InduceDrops, pods: list[tuple[str, str]], rng: random.Random) -> None: ...
     def induce_loss(self, step: sc.InduceLoss, pods: list[tuple[str, str]], rng: random.Random) -> None: ...
     def service_calls(self, step: sc.ServiceCalls, pods: list[tuple[str, str]]) -> None: ...
+    def service_apps(self, step: sc.ServiceApps, pods: list[tuple[str, str]]) -> None: ...
 
 
 class Driver:
@@ -134,6 +135,8 @@ class Driver:
             self.hooks.induce_loss(step, self._live(step.namespace), self.rng)
         elif isinstance(step, sc.ServiceCalls):
             self.hooks.service_calls(step, self._live(step.namespace))
+        elif isinstance(step, sc.ServiceApps):
+            self.hooks.service_apps(step, self._live(step.namespace))
         else:
             handlers[type(step)](step)
 

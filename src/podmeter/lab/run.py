@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +35,7 @@ from typing import Any
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf.links import dump_links
 from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP
-from podmeter.lab import runinfo, servicecheck
+from podmeter.lab import appcheck, runinfo, servicecheck
 from podmeter.lab import scenario as sc
 from podmeter.lab.apiserver.client import AdminClient
 from podmeter.lab.checks import Checker, Observation, Samples, Truth, metric_sum, parse_metrics, read_truth
@@ -578,6 +579,27 @@ class LabRun(Hooks):
         self.checker.traffic_pods.update(e.pod for e in (*backends, *clients))  # I5: traffic the lab sent
         self._timed(functools.partial(servicecheck.run_step, step, self.client, self.flow_client, endpoints,
                                       drained))
+
+    def service_apps(self, step: sc.ServiceApps, pods: list[tuple[str, str]]) -> None:
+        """Real programs through a Service (``lab.appcheck``), their configs in the run's directory."""
+        assert self.client is not None
+        if self.datapath != "ebpf" or not self.options.service_proxy:
+            why = "memory mode has no packets" if self.datapath != "ebpf" else "--no-service-proxy"
+            self.result.traffic.append({"kind": f"apps-{step.program}", "protocol": "tcp", "skipped": why})
+            return
+        interval = self.scenario.agent.flow_interval
+
+        def drained(before: float | None) -> bool:
+            return self.flow_client.wait_for_drains(before, 2, time.monotonic() + 3 * interval + 3)
+
+        endpoints = self._endpoints(pods)
+        backends, clients = servicecheck.taking_part(step, endpoints)
+        self.checker.traffic_pods.update(e.pod for e in (*backends, *clients))  # I5: traffic the lab sent
+        directory = Path(tempfile.mkdtemp(prefix=f"apps-{step.program}-", dir=self.out))
+        self._timed(functools.partial(appcheck.run_step, step, self.client, self.flow_client, endpoints, drained,
+                                      directory=directory))
+        if any(t.get("skipped") for t in self.result.traffic[-1:]):
+            log.info("apps step skipped: %s", self.result.traffic[-1]["skipped"])
 
     def _timed(self, check: Callable[[], dict[str, Any]]) -> None:
         """A check's record, with when it ran (``at_s``: seconds since the steps started, the samples' and

@@ -22,7 +22,7 @@ from typing import Any
 from podmeter.lab.flowcheck import WINDOW_SLACK, FlowClient, Record
 from podmeter.lab.kube import KubeClient, KubeError
 from podmeter.lab.netns import in_namespace
-from podmeter.lab.scenario import ServiceCalls
+from podmeter.lab.scenario import ServiceApps, ServiceCalls
 from podmeter.lab.traffic import Endpoint
 
 READY_S = 20.0  # the Service's slice and the proxy's rule, at most
@@ -106,13 +106,13 @@ def call(client: Endpoint, address: str, port: int, size: int) -> int:
         return int(sock.getsockname()[1])
 
 
-def create_service(client: KubeClient, step: ServiceCalls) -> tuple[str, str]:
-    """The Service (name, ClusterIP) the lab's API server allocates."""
-    name = f"{step.backends}-svc"
+def create_service(client: KubeClient, namespace: str, backends: str, port: int, target_port: int) -> tuple[str, str]:
+    """The Service (name, ClusterIP) the lab's API server allocates, selecting the ``backends`` pods."""
+    name = f"{backends}-svc"
     body = {"metadata": {"name": name},
-            "spec": {"selector": {"app": step.backends},
-                     "ports": [{"name": "tcp", "port": step.port, "targetPort": step.target_port}]}}
-    made = client.create(f"/api/v1/namespaces/{step.namespace}/services", body)
+            "spec": {"selector": {"app": backends},
+                     "ports": [{"name": "tcp", "port": port, "targetPort": target_port}]}}
+    made = client.create(f"/api/v1/namespaces/{namespace}/services", body)
     return name, str(made["spec"]["clusterIP"])
 
 
@@ -163,7 +163,7 @@ def check(step: ServiceCalls, records: list[Record] | None, calls: Calls, served
     return {"ok": not problems, "problems": problems[:20], "per_backend": served.per_backend(ports)}
 
 
-def taking_part(step: ServiceCalls, endpoints: list[Endpoint]) -> tuple[list[Endpoint], list[Endpoint]]:
+def taking_part(step: ServiceCalls | ServiceApps, endpoints: list[Endpoint]) -> tuple[list[Endpoint], list[Endpoint]]:
     """(the backends, the clients) among the running pods."""
     backends = [e for e in endpoints if e.pod.split("/", 1)[1].startswith(f"{step.backends}-")]
     clients = [e for e in endpoints if e.pod.split("/", 1)[1].startswith(f"{step.clients}-")]
@@ -178,7 +178,7 @@ def run_step(step: ServiceCalls, kube: KubeClient, flows: FlowClient, endpoints:
     if not backends or not clients:
         return {**record, "ok": False, "problems": [f"no running {step.backends} or {step.clients} pods"]}
     client = clients[0]
-    name, cluster_ip = create_service(kube, step)
+    name, cluster_ip = create_service(kube, step.namespace, step.backends, step.port, step.target_port)
     record.update(service=f"{step.namespace}/{name}", cluster_ip=cluster_ip, client=client.pod,
                   backends=sorted(b.pod for b in backends))
     served = Served()
