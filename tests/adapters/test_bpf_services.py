@@ -51,14 +51,8 @@ def test_flows_through_a_service_name_the_service_and_the_backend_that_served_ea
         topology: Topology, server: LabServer, pin_dir: Path, tmp_path: Path, kind: str) -> None:
     """ClusterIP: to the allocated address and the Service's port. NodePort: to the node's own address (the
     client's gateway) and the allocated node port, rewritten by the same proxy to a local backend."""
-    client, *backends = (topology.add_pod() for _ in range(4))
-    routed(topology, [client, *backends])
-    cluster = Cluster(server)
+    client, *backends = _pods(topology, server, 3)
     with topology.in_host():
-        cluster.namespace("shop", observe=True)
-        cluster.pod("shop", "client", client.ip)
-        for index, backend in enumerate(backends):
-            cluster.pod("shop", f"web-{index}", backend.ip)
         service = create_service(server, kind)
         made = create_slice(server, [b.ip for b in backends])
     proxy(topology, [service], [made])
@@ -172,14 +166,7 @@ def test_a_service_deleted_during_traffic_leaves_new_records_and_the_agents_memo
     """Connections go on while the Service, its slice and its rules are deleted: the records of new
     connections (to the backends, and tries at the old ClusterIP) name no Service, and the agent's Services
     stores and index are back to their sizes before the Service existed."""
-    client, *backends = (topology.add_pod() for _ in range(3))
-    routed(topology, [client, *backends])
-    cluster = Cluster(server)
-    with topology.in_host():
-        cluster.namespace("shop", observe=True)
-        cluster.pod("shop", "client", client.ip)
-        for index, backend in enumerate(backends):
-            cluster.pod("shop", f"web-{index}", backend.ip)
+    client, *backends = _pods(topology, server, 2)
     with running_agent(topology, server, pin_dir, tmp_path) as port:
         baseline = services_state(topology, port)
         with topology.in_host():
@@ -265,6 +252,19 @@ def test_an_ipv6_cluster_ip_names_the_service_and_the_ipv6_backend_that_served_e
                and r["verdict"] == "forwarded"]  # a dropped record (a late SYN-ACK) is the drop drain's
     assert replies and all(r["source"]["service"] == SERVICE and r["source"]["pod"].startswith("web-")
                            for r in replies)
+
+
+def _pods(topology: Topology, server: LabServer, backends: int) -> list[Pod]:
+    """The client and ``backends`` pods web-0... (observed, routed through the node), on the API server."""
+    client, *made = (topology.add_pod() for _ in range(1 + backends))
+    routed(topology, [client, *made])
+    cluster = Cluster(server)
+    with topology.in_host():
+        cluster.namespace("shop", observe=True)
+        cluster.pod("shop", "client", client.ip)
+        for index, backend in enumerate(made):
+            cluster.pod("shop", f"web-{index}", backend.ip)
+    return [client, *made]
 
 
 def _tries(client: Pod, address: str, count: int) -> list[int]:

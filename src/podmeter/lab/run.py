@@ -564,29 +564,30 @@ class LabRun(Hooks):
             self._timed(functools.partial(self._one_exchange, step, src, dst))
 
     def service_calls(self, step: sc.ServiceCalls, pods: list[tuple[str, str]]) -> None:
-        assert self.client is not None
-        if self.datapath != "ebpf" or not self.options.service_proxy:
-            why = "memory mode has no packets" if self.datapath != "ebpf" else "--no-service-proxy"
-            self.result.traffic.append({"kind": "service", "protocol": "tcp", "skipped": why})
-            return
-        interval = self.scenario.agent.flow_interval
-
-        def drained(before: float | None) -> bool:
-            return self.flow_client.wait_for_drains(before, 2, time.monotonic() + 3 * interval + 3)
-
-        endpoints = self._endpoints(pods)
-        backends, clients = servicecheck.taking_part(step, endpoints)
-        self.checker.traffic_pods.update(e.pod for e in (*backends, *clients))  # I5: traffic the lab sent
-        self._timed(functools.partial(servicecheck.run_step, step, self.client, self.flow_client, endpoints,
-                                      drained))
+        taking_part = self._through_a_service("service", step, pods)
+        if taking_part is not None and self.client is not None:
+            endpoints, drained = taking_part
+            self._timed(functools.partial(servicecheck.run_step, step, self.client, self.flow_client, endpoints,
+                                          drained))
 
     def service_apps(self, step: sc.ServiceApps, pods: list[tuple[str, str]]) -> None:
         """Real programs through a Service (``lab.appcheck``), their configs in the run's directory."""
+        taking_part = self._through_a_service(f"apps-{step.program}", step, pods)
+        if taking_part is not None and self.client is not None:
+            endpoints, drained = taking_part
+            directory = Path(tempfile.mkdtemp(prefix=f"apps-{step.program}-", dir=self.out))
+            self._timed(functools.partial(appcheck.run_step, step, self.client, self.flow_client, endpoints,
+                                          drained, directory=directory))
+
+    def _through_a_service(self, kind: str, step: sc.ServiceCalls | sc.ServiceApps, pods: list[tuple[str, str]],
+                           ) -> tuple[list[Endpoint], Callable[[float | None], bool]] | None:
+        """A Service step's pods (their traffic the lab's: I5) and its wait for two drains; None, with the
+        step recorded as skipped, where it cannot run."""
         assert self.client is not None
         if self.datapath != "ebpf" or not self.options.service_proxy:
             why = "memory mode has no packets" if self.datapath != "ebpf" else "--no-service-proxy"
-            self.result.traffic.append({"kind": f"apps-{step.program}", "protocol": "tcp", "skipped": why})
-            return
+            self.result.traffic.append({"kind": kind, "protocol": "tcp", "skipped": why})
+            return None
         interval = self.scenario.agent.flow_interval
 
         def drained(before: float | None) -> bool:
@@ -595,11 +596,7 @@ class LabRun(Hooks):
         endpoints = self._endpoints(pods)
         backends, clients = servicecheck.taking_part(step, endpoints)
         self.checker.traffic_pods.update(e.pod for e in (*backends, *clients))  # I5: traffic the lab sent
-        directory = Path(tempfile.mkdtemp(prefix=f"apps-{step.program}-", dir=self.out))
-        self._timed(functools.partial(appcheck.run_step, step, self.client, self.flow_client, endpoints, drained,
-                                      directory=directory))
-        if any(t.get("skipped") for t in self.result.traffic[-1:]):
-            log.info("apps step skipped: %s", self.result.traffic[-1]["skipped"])
+        return endpoints, drained
 
     def _timed(self, check: Callable[[], dict[str, Any]]) -> None:
         """A check's record, with when it ran (``at_s``: seconds since the steps started, the samples' and

@@ -170,9 +170,14 @@ def taking_part(step: ServiceCalls | ServiceApps, endpoints: list[Endpoint]) -> 
     return backends, clients
 
 
+FarSide = Callable[["Calls", Served, float], dict[str, Any]]
+
+
 def run_step(step: ServiceCalls, kube: KubeClient, flows: FlowClient, endpoints: list[Endpoint],
-             wait_drained: Callable[[float | None], bool]) -> dict[str, Any]:
-    """The whole step; the record the run's report and verdict take."""
+             wait_drained: Callable[[float | None], bool], *, far_side: FarSide | None = None) -> dict[str, Any]:
+    """The whole step; the record the run's report and verdict take. ``flows``: the client's node's agent;
+    ``far_side(calls, served, since)``: the checks of the backends' nodes (several nodes), whose
+    ``problems`` join the step's."""
     record: dict[str, Any] = {"kind": "service", "protocol": "tcp", "namespace": step.namespace}
     backends, clients = taking_part(step, endpoints)
     if not backends or not clients:
@@ -192,10 +197,15 @@ def run_step(step: ServiceCalls, kube: KubeClient, flows: FlowClient, endpoints:
             drained = wait_drained(drains)
             time.sleep(0.3)  # the servers' accounts of the last connections
         found = flows.records(since - WINDOW_SLACK, protocol="tcp", port=step.port)
-        verdict = check(step, found, Calls(name, cluster_ip, client, ports), served)
+        calls = Calls(name, cluster_ip, client, ports)
+        verdict = check(step, found, calls, served)
         if not drained:
             verdict["problems"].insert(0, "the agent did not drain its flows twice in time")
             verdict["ok"] = False
+        if far_side is not None:
+            extra = far_side(calls, served, since)
+            verdict["problems"] += extra.pop("problems")
+            verdict.update(extra, ok=verdict["ok"] and not verdict["problems"])
     finally:
         with contextlib.suppress(KubeError):
             kube.delete(f"/api/v1/namespaces/{step.namespace}/services/{name}")
