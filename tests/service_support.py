@@ -144,8 +144,9 @@ def calls(client: Pod, address: str, port: int, count: int) -> list[int]:
 
 
 def requests_of(found: list[dict[str, Any]], client_ip: str, address: str) -> dict[int, dict[str, Any]]:
-    """The client's request records (from-pod) to ``address``, by client port."""
-    return {r["source"]["port"]: r for r in found if r["observation"] == "from-pod"
+    """The client's request records (from-pod, forwarded: a drop record is the drop drain's) to ``address``,
+    by client port."""
+    return {r["source"]["port"]: r for r in found if r["observation"] == "from-pod" and r["verdict"] == "forwarded"
             and r["source"]["ip"] == client_ip and r["destination"]["ip"] == address}
 
 
