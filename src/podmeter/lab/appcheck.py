@@ -358,6 +358,8 @@ class AppRun:
         return probed
 
     def _records(self, since: float, drains: float | None, port: int, probed: int) -> tuple[Seen, list[str]]:
+        """The records of the step's connections, once the agent finished two drains after ``drains`` (read
+        when the clients were done: the second began after their last packet)."""
         problems = [] if self.wait_drained(drains) else ["the agent did not drain its flows twice in time"]
         found = self.flows.records(since - WINDOW_SLACK, protocol="tcp", port=port)
         if found is None:
@@ -369,11 +371,11 @@ class AppRun:
         directories = self._start("nginx", lambda d: ["nginx", "-p", str(d), "-c", str(nginx_config(d, target)),
                                                       "-e", str(d / "error.log")], target)
         probed = self._probe(port)
-        since, drains = time.time(), self.flows.drains()
+        since = time.time()
         requests = self.step.requests
         run_client(in_pod(self.client, curl_argv(self.cluster_ip, port, requests, close=False)))  # kept alive
         run_client(in_pod(self.client, curl_argv(self.cluster_ip, port, requests, close=True)))  # one each
-        found, problems = self._records(since, drains, port, probed)
+        found, problems = self._records(since, self.flows.drains(), port, probed)
         logs = {pod: {p: sizes for p, sizes in nginx_log(d).items() if p != probed} for pod, d in directories.items()}
         problems += check_nginx(found, logs)
         connections = sum(len(log) for log in logs.values())
@@ -387,13 +389,13 @@ class AppRun:
         self._start("redis", lambda d: ["redis-server", str(redis_config(d, target))], target)
         probed = self._probe(port)
         before = {b.pod: redis_stats(b, target) for b in self.backends}
-        since, drains = time.time(), self.flows.drains()
+        since = time.time()
         run_client(in_pod(self.client, benchmark_argv(self.cluster_ip, port, self.step.requests * 50, keepalive=True)))
         run_client(in_pod(self.client, benchmark_argv(self.cluster_ip, port, self.step.requests, keepalive=False)))
         after = {b.pod: redis_stats(b, target) for b in self.backends}
         counted = {pod: (after[pod][0] - before[pod][0] - len(INFO), after[pod][1] - before[pod][1] - before[pod][2])
                    for pod in before}
-        found, problems = self._records(since, drains, port, probed)
+        found, problems = self._records(since, self.flows.drains(), port, probed)
         problems += check_redis(found, counted)
         return {"ok": not problems, "problems": problems[:20],
                 "per_backend": {pod: list(c) for pod, c in counted.items()}}

@@ -614,22 +614,21 @@ class ClusterRun(LabRun):
         home = self._node(node_of[client.pod])
         self.checker.traffic_pods.update(e.pod for e in (*backends, *clients))
         interval = self.scenario.agent.flow_interval
-        drains = {n.name: n.flows.drains() for n in self.nodes}
 
         def drained(before: float | None) -> bool:
             return home.flows.wait_for_drains(before, 2, time.monotonic() + 3 * interval + 3)
 
         def far_side(calls: servicecheck.Calls, served: servicecheck.Served, since: float) -> dict[str, Any]:
-            return self._far_backends(step, calls, served, since, placed=(node_of, drains))
+            return self._far_backends(step, calls, served, since, node_of=node_of)
 
         self._timed(functools.partial(servicecheck.run_step, step, self._client(), home.flows, [client, *backends],
                                       drained, far_side=far_side))
         self.result.traffic[-1]["client_node"] = home.name
 
     def _far_backends(self, step: sc.ServiceCalls, calls: servicecheck.Calls, served: servicecheck.Served,
-                      since: float, *, placed: tuple[dict[str, str], dict[str, float | None]]) -> dict[str, Any]:
-        """``placed``: each pod's node, and each node's drains before the step."""
-        node_of, drains = placed
+                      since: float, *, node_of: dict[str, str]) -> dict[str, Any]:
+        """``node_of``: each pod's node. Each far node's agent is read after two drains from now (after the
+        calls: the second began after their last packet)."""
         home = node_of[calls.client.pod]
         far: dict[str, dict[int, str]] = {}  # node -> client port -> the backend of that node that served it
         for port in calls.ports:
@@ -639,7 +638,8 @@ class ClusterRun(LabRun):
         problems = [] if far else ["no connection reached a backend on another node"]
         for name, ports in far.items():
             node = self._node(name)
-            node.flows.wait_for_drains(drains[name], 2, time.monotonic() + 3 * self.scenario.agent.flow_interval + 3)
+            if not node.flows.wait_for_drains(None, 2, time.monotonic() + 3 * self.scenario.agent.flow_interval + 3):
+                problems.append(f"the agent of {name} did not drain its flows twice in time")
             found = node.flows.records(since - WINDOW_SLACK, protocol="tcp", port=step.target_port) or []
             entering = {int(r["source"]["port"]): r for r in found if r.get("observation") == TO_POD
                         and r["source"]["ip"] == calls.client.ip and r["destination"]["port"] == step.target_port}

@@ -111,7 +111,6 @@ class FlowDrainer:
             self.stats.errors += 1
             log.warning("flow drain failed (will retry next interval): %s: %s", type(exc).__name__, exc)
             return None
-        self.stats.drains += 1
         if self.owed:
             named, self.owed = False, False
         if named:
@@ -159,6 +158,7 @@ class FlowDrainer:
             self.series.add_totals(DrainTotals(services.counted if services is not None else entries), ends, now)
             if services is not None and self.service_traffic is not None:
                 self.service_traffic.add(services, ends, now)
+        self.stats.drains += 1  # counted once its records are published: readers wait on it (the lab)
         self.stats.entries += len(entries)
         self.stats.last_entries = len(entries)
         self.stats.last_seconds = time.perf_counter() - taken.started
