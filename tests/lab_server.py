@@ -65,8 +65,10 @@ class LabServer:
         token: str = "lab-token",
         startup_timeout: float = 15.0,
         console: bool = False,
+        service_cidr: str | None = None,
     ) -> None:
         self.console = console
+        self.service_cidr = service_cidr  # the thread's server only (e.g. dual-stack: "10.96.0.0/16,fd00:96::/112")
         self.tls = tls
         self.process = process
         self.args = list(args)
@@ -136,6 +138,7 @@ class LabServer:
             graceful_pod_deletion=parsed.graceful_pod_deletion,
             too_large_wait=parsed.too_large_rv_wait,
             watch_queue_limit=parsed.watch_queue_limit,
+            **({"service_cidr": self.service_cidr} if self.service_cidr else {}),
         )
         tls_dir = (self.dir / "tls") if self.tls else None
         started = threading.Event()

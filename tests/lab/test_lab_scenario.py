@@ -47,7 +47,7 @@ def test_the_shipped_scenarios_the_issue_asks_for_exist() -> None:
 
 @pytest.mark.parametrize(("text", "message"), [
     ("name: t\nduration: 5\nsteps: [{at: 0, do: explode}]",
-     "$.steps[0].do: Invalid value 'explode'; a step's `do` is one of: annotate, churn"),
+     "$.steps[0].do: Invalid value 'explode'; a step's `do` is one of: annotate, apps, churn"),
     ("name: t\nduration: 5\nnamespaces: [{name: a}]\nsteps: [{at: 0, do: pods, namespace: a, count: two}]",
      "$.steps[0].count: Expected `int`, got `str`"),
     ("name: t\nduration: 5\nnamespaces: [{name: a}]\nsteps: [{at: 0, do: pods, namespace: a, count: 0}]",

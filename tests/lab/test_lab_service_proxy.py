@@ -4,21 +4,19 @@ the node's table gone when the proxy stops."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from bpf_support import Pod, Topology, needs_root, run
+from bpf_support import Topology, needs_root, run
 from lab_server import LabServer
-from podmeter.adapters.datapath.ebpf.netns import netns
 from podmeter.lab.endpointslices import EndpointSliceController
 from podmeter.lab.kube import KubeClient
 from podmeter.lab.service_proxy import TABLE, Rule, ServiceProxy, apply, removal, rules, ruleset
+from service_support import calls, serving
 from waiting import wait_for
 
 
@@ -73,35 +71,6 @@ def node() -> Iterator[Topology]:
         topology.destroy()
 
 
-def serve(pod: Pod, port: int, accepted: Counter[str], stop: threading.Event) -> threading.Thread:
-    with netns(pod.netns_path):
-        listener = socket.create_server(("0.0.0.0", port))
-    listener.settimeout(0.2)
-
-    def loop() -> None:
-        with listener:
-            while not stop.is_set():
-                try:
-                    connection, _ = listener.accept()
-                except TimeoutError:
-                    continue
-                accepted[pod.ip] += 1
-                connection.close()
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    return thread
-
-
-def connect(pod: Pod, address: str, port: int) -> None:
-    with netns(pod.netns_path):
-        sock = socket.socket()
-    with sock:
-        sock.settimeout(5)
-        sock.connect((address, port))
-        sock.recv(1)
-
-
 @needs_root
 def test_connections_to_a_cluster_ip_and_a_node_port_spread_over_the_ready_backends(node: Topology) -> None:
     client, *backends = (node.add_pod() for _ in range(4))
@@ -110,20 +79,12 @@ def test_connections_to_a_cluster_ip_and_a_node_port_spread_over_the_ready_backe
     ready = backends[:3]
     slices = [endpoint_slice("web", [*((b.ip, True) for b in ready)], [{"name": "http", "port": 8080}])]
     services = [service("web", "10.96.231.10", [{"name": "http", "port": 80, "nodePort": 30080}], "NodePort")]
-    accepted: Counter[str] = Counter()
-    stop = threading.Event()
-    threads = [serve(b, 8080, accepted, stop) for b in backends]
-    try:
+    with serving({b.ip: b for b in backends}) as served:
         with node.in_host():
             apply(ruleset(rules(services, slices)))
-        for _ in range(60):
-            connect(client, "10.96.231.10", 80)
-        for _ in range(6):
-            connect(client, client.host_ip, 30080)  # a node address: the NodePort
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(2)
+        calls(client, "10.96.231.10", 80, 60)
+        calls(client, client.host_ip, 30080, 6)  # a node address: the NodePort
+    accepted = Counter(served.by_port.values())
     assert sum(accepted.values()) == 66
     assert set(accepted) == {b.ip for b in ready}, "every ready backend served, and only those"
     with node.in_host():
@@ -163,24 +124,19 @@ def test_the_proxy_follows_services_and_their_slices_on_the_lab_api_server(topol
             controller.start()
             proxy = ServiceProxy(KubeClient.from_kubeconfig(str(server.kubeconfig)), watch_timeout=5)
             proxy.start()
-        accepted: Counter[str] = Counter()
-        stop = threading.Event()
-        threads = [serve(b, 8080, accepted, stop) for b in backends]
         try:
             def table() -> str:  # "" until the proxy made it
                 argv = ["ip", "netns", "exec", node.host, "nft", "list", "table", "ip", TABLE]
                 return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
 
             wait_for(lambda: all(b.ip in table() for b in backends), 15, "the backends' rule")
-            for _ in range(40):
-                connect(client, cluster_ip, 80)
+            with serving({b.ip: b for b in backends}) as served:
+                calls(client, cluster_ip, 80, 40)
+            accepted = Counter(served.by_port.values())
             assert sum(accepted.values()) == 40 and set(accepted) == {b.ip for b in backends}
             assert server.request("DELETE", "/api/v1/namespaces/shop/services/web")[0] == 200
             wait_for(lambda: cluster_ip not in table(), 15, "the rule gone")
         finally:
-            stop.set()
-            for thread in threads:
-                thread.join(2)
             proxy.stop()
             controller.stop()
     assert TABLE not in run("ip", "netns", "exec", node.host, "nft", "list", "tables")

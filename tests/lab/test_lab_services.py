@@ -2,7 +2,8 @@
 API server allocates the ClusterIP, its EndpointSlice controller lists the ready backends, the node's
 Service proxy rewrites each connection to one of them, and every measured connection's record names the
 Service and the backend that served it (the backends' own account); a replica added between the two steps
-serves too. Without the proxy (a real kube-proxy's job) the step says it is skipped.
+serves too; nginx with curl and redis-server with redis-benchmark through Services, every byte they
+counted in the agent's records. Without the proxy (a real kube-proxy's job) the step says it is skipped.
 
 Root only (namespaces, veths, nftables, bpffs), like tests/lab/test_lab_run.py.
 """
@@ -30,11 +31,17 @@ def test_connections_through_a_service_are_named_by_the_backend_that_served_each
     assert len(calls[0]["backends"]) == 3 and len(calls[1]["backends"]) == 4
     assert set(calls[1]["per_backend"]) - set(calls[0]["backends"]), "the new replica served too"
     assert calls[0]["cluster_ip"].startswith("10.96.")
+    apps = {t["kind"]: t for t in result.traffic if t.get("kind", "").startswith("apps-")}
+    assert set(apps) == {"apps-nginx", "apps-redis"} and all(t.get("ok") for t in apps.values()), apps
+    assert apps["apps-nginx"]["connections"] == 21, "one kept-alive connection, then one per request"
+    assert all(read > 0 and written > 0 for read, written in apps["apps-redis"]["per_backend"].values())
 
 
 def test_without_the_service_proxy_the_step_is_skipped_and_says_why(tmp_path: Path) -> None:
     text = (Path(__file__).parents[2] / "src/podmeter/lab/scenarios/services.yaml").read_text()
-    scenario = parse_scenario(text.replace("duration: 30", "duration: 18"))
+    scenario = parse_scenario(text.replace("duration: 30", "duration: 26"))
     result = LabRun(scenario, LabOptions(tmp_path, progress=False, service_proxy=False)).run()
     assert result.passed, result.failures
     assert [t.get("skipped") for t in result.traffic if t.get("kind") == "service"] == ["--no-service-proxy"] * 2
+    assert [t.get("skipped") for t in result.traffic if t.get("kind", "").startswith("apps-")] == [
+        "--no-service-proxy"] * 2

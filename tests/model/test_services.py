@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from podmeter.model.flows import FlowCounts, FlowEntry, FlowKey, Observation
 from podmeter.model.records import DecodeError
 from podmeter.model.services import (
-    ServiceBackends,
     ServiceIndex,
     ServiceName,
     ServiceNaming,
@@ -22,11 +22,14 @@ from podmeter.model.services import (
     Translations,
     decode_service,
     decode_service_backends,
+    service_backends,
 )
 
 pytestmark = pytest.mark.fast
 TCP, UDP = 6, 17
 WEB = ServiceName("shop", "web")
+FROM, TO = Observation.FROM_POD, Observation.TO_POD
+COUNTS = FlowCounts(1, 100, 1, 2, 0x10)
 
 
 def service(name: str = "web", spec: dict[str, Any] | None = None,
@@ -54,7 +57,8 @@ def test_a_cluster_ip_service_decodes_to_its_frontends_and_ports() -> None:
     decoded = decode_service(json.dumps(service()).encode())
     assert decoded.key == "shop/web" and decoded.type == "ClusterIP"
     assert decoded.frontends == ("10.96.0.10",)
-    assert decoded.ports == (ServicePort("http", TCP, 80, 0),)
+    assert decoded.ports.ports == (ServicePort("http", TCP, 80, 0),) and decoded.ports.keys == {(80, TCP)}
+    assert decode_service(json.dumps(service("other")).encode()).ports is decoded.ports, "one shared port table"
 
 
 def test_every_frontend_of_a_load_balancer_is_kept_once_and_canonical() -> None:
@@ -65,7 +69,7 @@ def test_every_frontend_of_a_load_balancer_is_kept_once_and_canonical() -> None:
     decoded = decode_service(service(spec=spec, status={"loadBalancer": {"ingress": [{"ip": "203.0.113.9"},
                                                                                         {"hostname": "lb.example"}]}}))
     assert decoded.frontends == ("10.96.0.11", "fd00:96::b", "192.0.2.7", "203.0.113.9")
-    assert decoded.ports == (ServicePort("", UDP, 53, 30053), ServicePort("", 132, 9, 0))
+    assert decoded.ports.ports == (ServicePort("", UDP, 53, 30053), ServicePort("", 132, 9, 0))
 
 
 def test_a_headless_service_has_no_frontend() -> None:
@@ -89,7 +93,10 @@ def test_an_endpoint_slice_decodes_to_its_service_addresses_and_ports() -> None:
     decoded = decode_service_backends(endpoint_slice(["10.0.1.5", "10.0.2.6"],
                                                      [{"name": "http", "port": 8080, "protocol": "TCP"},
                                                       {"port": None}]))
-    assert (decoded.service, decoded.addresses, decoded.ports) == ("web", ("10.0.1.5", "10.0.2.6"), ((TCP, 8080),))
+    assert (decoded.service, decoded.addresses, decoded.ports.keys) == ("web", ("10.0.1.5", "10.0.2.6"), {(8080, TCP)})
+    assert decoded.v4 == bytes([10, 0, 1, 5, 10, 0, 2, 6]), "IPv4 addresses packed"
+    both = decode_service_backends(endpoint_slice(["fd00::5", "10.0.1.5"], [{"port": 80}], address_type="IPv6"))
+    assert both.addresses == ("10.0.1.5", "fd00::5")
     fqdn = decode_service_backends(endpoint_slice(["db.example.com"], [{"port": 5432}], address_type="FQDN"))
     assert fqdn.addresses == ()
 
@@ -123,23 +130,23 @@ def index() -> ServiceIndex:
     node_port = decode_service(service("admin", {"type": "NodePort", "clusterIP": "10.96.0.20",
                                                  "ports": [{"port": 443, "nodePort": 30443}]}))
     backends = decode_service_backends(endpoint_slice(["10.0.1.5"], [{"port": 8080}]))
-    return ServiceIndex([web, node_port], [backends, ServiceBackends("shop", "orphan", "u", "", ("10.0.9.9",),
-                                                                     ((TCP, 1),), "1")])
+    return ServiceIndex([web, node_port], [backends, service_backends("shop", "orphan", "u", "", addresses=["10.0.9.9"],
+                                                                      ports=[(TCP, 1)])])
 
 
 def test_a_frontend_names_its_service_and_a_node_port_only_at_a_node_address() -> None:
     found = index()
-    assert found.frontend("10.96.0.10", 80, TCP) == WEB
+    assert named(found.frontend("10.96.0.10", 80, TCP)) == WEB.named
     assert found.frontend("10.96.0.10", 80, UDP) is None and found.frontend("10.96.0.10", 81, TCP) is None
-    assert found.frontend("192.168.1.4", 30443, TCP, frozenset({"192.168.1.4"})) == ServiceName("shop", "admin")
+    assert named(found.frontend("192.168.1.4", 30443, TCP, frozenset({"192.168.1.4"}))) == ("shop", "admin")
     assert found.frontend("192.168.1.5", 30443, TCP, frozenset({"192.168.1.4"})) is None
     assert found.backend("10.0.1.5", 8080, TCP) == WEB and found.backend("10.0.9.9", 1, TCP) is None
 
 
 def test_an_address_two_services_list_is_named_by_port_and_one_without_ports_by_none() -> None:
     web = decode_service_backends(endpoint_slice(["10.0.1.5"], [{"port": 8080}]))
-    metrics = ServiceBackends("shop", "metrics-x", "m", "metrics", ("10.0.1.5",), ((TCP, 9090),), "1")
-    portless = ServiceBackends("shop", "empty-x", "e", "empty", ("10.0.1.6",), (), "1")
+    metrics = service_backends("shop", "metrics-x", "m", "metrics", addresses=["10.0.1.5"], ports=[(TCP, 9090)])
+    portless = service_backends("shop", "empty-x", "e", "empty", addresses=["10.0.1.6"], ports=[])
     index = ServiceIndex([], [web, metrics, portless])
     assert index.backend("10.0.1.5", 8080, TCP) == WEB
     assert index.backend("10.0.1.5", 9090, TCP) == ServiceName("shop", "metrics")
@@ -160,30 +167,52 @@ REPLY = (TCP, BACKEND, 8080, CLIENT, 40000)
 def test_each_tuple_of_a_translated_connection_names_the_service_and_the_backend(
         record: tuple[int, str, int, str, int], source: object, destination: object) -> None:
     naming = ServiceNaming(index(), Translations([(ORIGINAL, REPLY)]))
-    assert naming.ends(record) == (source, destination)
+    assert named(naming.ends(record)) == named((source, destination))
 
 
 def test_a_frontend_whose_connection_conntrack_does_not_know_keeps_the_service_with_no_backend() -> None:
     naming = ServiceNaming(index(), Translations([(ORIGINAL, REPLY)]))
-    assert naming.ends((TCP, CLIENT, 40001, VIP, 80)) == ((None, CLIENT), (WEB, None))
-    assert naming.ends((TCP, CLIENT, 40001, "10.0.3.3", 80)) == ((None, CLIENT), (None, "10.0.3.3"))
+    assert named(naming.ends((TCP, CLIENT, 40001, VIP, 80))) == ((None, CLIENT), (WEB.named, None))
+    assert named(naming.ends((TCP, CLIENT, 40001, "10.0.3.3", 80))) == ((None, CLIENT), (None, "10.0.3.3"))
 
 
 def test_a_node_port_connection_names_the_service_by_its_node_port() -> None:
     node = "192.168.1.4"
     original, reply = (TCP, "198.51.100.2", 5000, node, 30443), (TCP, BACKEND, 8443, "198.51.100.2", 5000)
     naming = ServiceNaming(index(), Translations([(original, reply)]), node_addresses=[node])
-    assert naming.ends(reply) == ((ServiceName("shop", "admin"), BACKEND), (None, "198.51.100.2"))
+    assert named(naming.ends(reply)) == ((("shop", "admin"), BACKEND), (None, "198.51.100.2"))
 
 
 @given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 65535), st.integers(1, 3)), max_size=20,
                 unique_by=lambda c: (c[0], c[1])))
-def test_translations_index_each_connection_under_its_four_tuples(connections: list[tuple[int, int, int]]) -> None:
+def test_each_connection_is_resolved_under_its_four_records_and_counted_at_its_real_ends(
+        connections: list[tuple[int, int, int]]) -> None:
+    """resolve() over every record a drain can hold of the connections (and one pod-to-pod record) gives
+    what ends() says of each tuple, and the series' entries carry the backend where the record carries
+    the frontend: one pass, three readers."""
     entries = [((TCP, f"10.0.2.{c}", port, VIP, 80), (TCP, f"10.0.1.{b}", 8080, f"10.0.2.{c}", port))
                for c, port, b in connections]
-    translations = Translations(entries)
-    assert len(translations) == len(entries)
-    for original, reply in entries:
-        assert translations.of(original) is not None and translations.of(reply) is not None
-        found = translations.of(original)
-        assert found is not None and found.backend == (reply[1], reply[2]) and found.frontend == (VIP, 80)
+    naming = ServiceNaming(index(), Translations(entries))
+    assert len(naming.translations) == len(entries)
+    records: list[FlowEntry] = [(FlowKey("10.0.2.9", "10.0.1.9", 1, 2, TCP, FROM), COUNTS)]
+    for (_, client, port, _, _), (_, backend, _, _, _) in entries:
+        records += [(FlowKey(client, VIP, port, 80, TCP, FROM), COUNTS), (FlowKey(client, backend, port, 8080, TCP, TO),
+                    COUNTS), (FlowKey(backend, client, 8080, port, TCP, FROM), COUNTS),
+                    (FlowKey(VIP, client, 80, port, TCP, TO), COUNTS)]
+    resolved = naming.resolve(records)
+    assert resolved.found[0] is None and resolved.touched == 4 * len(entries)
+    for (key, _), found, (real, _) in zip(records[1:], resolved.found[1:], resolved.counted[1:], strict=True):
+        assert found is not None and named(naming.ends((key[4], key[0], key[2], key[1], key[3]))) == named(
+            ((found.source_service, found.source), (found.destination_service, found.destination)))
+        assert VIP not in (real[0], real[1]) and real[4:] == key[4:]
+        assert (found.destination_service or found.source_service).named == WEB.named  # type: ignore[union-attr]
+    assert resolved.counted[0] is records[0]
+
+
+def named(value: Any) -> Any:
+    """Services as (namespace, name), whatever their record (a Service, or a bare name)."""
+    if isinstance(value, ServiceName):
+        return value.named
+    if isinstance(value, tuple):
+        return tuple(named(item) for item in value)
+    return value

@@ -40,7 +40,7 @@ from typing import Any
 import msgspec
 
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
-from podmeter.lab import runinfo
+from podmeter.lab import runinfo, servicecheck
 from podmeter.lab import scenario as sc
 from podmeter.lab.apiserver.client import AdminClient
 from podmeter.lab.checks import MCONF_PATH, Checker, Observation, Samples, Truth, metric_sum, parse_metrics
@@ -595,6 +595,67 @@ class ClusterRun(LabRun):
         for src, dst in _pairs(self._placed(pods), [n.name for n in self.nodes], step.pairs, step.across_nodes, rng):
             self._timed(functools.partial(self._exchange, step, src, dst))
 
+    def service_calls(self, step: sc.ServiceCalls, pods: list[tuple[str, str]]) -> None:
+        """With several nodes: the client's requests checked by its node's agent (each named by the Service
+        and the backend that served it, on any node), and each connection a backend of another node served
+        checked by that node's agent too: its record of the request entering the backend names the client
+        and the backend pod (that node did not translate the connection: no Service, docs/services.md)."""
+        if len(self.nodes) == 1 or self.datapath != "ebpf" or not self.options.service_proxy:
+            super().service_calls(step, pods)
+            return
+        placed = self._placed(pods)
+        endpoints = [p.endpoint for p in placed]
+        backends, clients = servicecheck.taking_part(step, endpoints)
+        if not clients:
+            super().service_calls(step, pods)  # says which pods are missing
+            return
+        node_of = {p.pod: p.node for p in placed}
+        client = clients[0]
+        home = self._node(node_of[client.pod])
+        self.checker.traffic_pods.update(e.pod for e in (*backends, *clients))
+        interval = self.scenario.agent.flow_interval
+
+        def drained(before: float | None) -> bool:
+            return home.flows.wait_for_drains(before, 2, time.monotonic() + 3 * interval + 3)
+
+        def far_side(calls: servicecheck.Calls, served: servicecheck.Served, since: float) -> dict[str, Any]:
+            return self._far_backends(step, calls, served, since, node_of=node_of)
+
+        self._timed(functools.partial(servicecheck.run_step, step, self._client(), home.flows, [client, *backends],
+                                      drained, far_side=far_side))
+        self.result.traffic[-1]["client_node"] = home.name
+
+    def _far_backends(self, step: sc.ServiceCalls, calls: servicecheck.Calls, served: servicecheck.Served,
+                      since: float, *, node_of: dict[str, str]) -> dict[str, Any]:
+        """``node_of``: each pod's node. Each far node's agent is read after two drains from now (after the
+        calls: the second began after their last packet)."""
+        home = node_of[calls.client.pod]
+        far: dict[str, dict[int, str]] = {}  # node -> client port -> the backend of that node that served it
+        for port in calls.ports:
+            pod = served.by_port.get(port)
+            if pod is not None and node_of.get(pod, home) != home:
+                far.setdefault(node_of[pod], {})[port] = pod
+        problems = [] if far else ["no connection reached a backend on another node"]
+        for name, ports in far.items():
+            node = self._node(name)
+            if not node.flows.wait_for_drains(None, 2, time.monotonic() + 3 * self.scenario.agent.flow_interval + 3):
+                problems.append(f"the agent of {name} did not drain its flows twice in time")
+            found = node.flows.records(since - WINDOW_SLACK, protocol="tcp", port=step.target_port) or []
+            entering = {int(r["source"]["port"]): r for r in found if r.get("observation") == TO_POD
+                        and r["source"]["ip"] == calls.client.ip and r["destination"]["port"] == step.target_port}
+            for port, pod in sorted(ports.items()):
+                record = entering.get(port)
+                if record is None:
+                    problems.append(f"{name}: no record of port {port} entering {pod}")
+                    continue
+                source, destination = record["source"], record["destination"]
+                named = (f"{source.get('namespace')}/{source.get('pod')}",
+                         f"{destination.get('namespace')}/{destination.get('pod')}")
+                if named != (calls.client.pod, pod):
+                    problems.append(f"{name}: port {port} named {named[0]} -> {named[1]}, "
+                                    f"{calls.client.pod} -> {pod} expected")
+        return {"problems": problems, "far_backends": {n: len(p) for n, p in far.items()}}
+
     def _placed(self, pods: list[tuple[str, str]]) -> list[Placed]:
         found = []
         for ns, name in pods:
@@ -754,6 +815,13 @@ class ClusterRun(LabRun):
                 super().induce_loss(step, pods, rng)
             return
         self.result.traffic.append({"protocol": "tcp", "kind": "loss",
+                                    "skipped": "a single-node step: not in multi-node scenarios"})
+
+    def service_apps(self, step: sc.ServiceApps, pods: list[tuple[str, str]]) -> None:
+        if len(self.nodes) == 1:
+            super().service_apps(step, pods)
+            return
+        self.result.traffic.append({"protocol": "tcp", "kind": f"apps-{step.program}",
                                     "skipped": "a single-node step: not in multi-node scenarios"})
 
     # --- the end -------------------------------------------------------------------------------------

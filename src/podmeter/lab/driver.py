@@ -65,6 +65,7 @@ class Hooks:
     def induce_loss(self, step: sc.InduceLoss, pods: list[tuple[str, str]], rng: random.Random) -> None: ...
     def service_calls(self, step: sc.ServiceCalls, pods: list[tuple[str, str]]) -> None: ...
     def dns_lookups(self, step: sc.DnsLookups, pods: list[tuple[str, str]]) -> None: ...
+    def service_apps(self, step: sc.ServiceApps, pods: list[tuple[str, str]]) -> None: ...
 
 
 class Driver:
@@ -138,6 +139,8 @@ class Driver:
         elif isinstance(step, sc.DnsLookups):
             pods = list(dict.fromkeys(self._live(step.namespace) + self._live(step.server_namespace)))
             self.hooks.dns_lookups(step, pods)
+        elif isinstance(step, sc.ServiceApps):
+            self.hooks.service_apps(step, self._live(step.namespace))
         else:
             handlers[type(step)](step)
 

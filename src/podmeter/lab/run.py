@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +35,7 @@ from typing import Any
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf.links import dump_links
 from podmeter.adapters.kube.connection import ALLOW_PLAIN_HTTP
-from podmeter.lab import dnscheck, runinfo, servicecheck
+from podmeter.lab import appcheck, dnscheck, runinfo, servicecheck
 from podmeter.lab import scenario as sc
 from podmeter.lab.apiserver.client import AdminClient
 from podmeter.lab.checks import Checker, Observation, Samples, Truth, metric_sum, parse_metrics, read_truth
@@ -563,14 +564,32 @@ class LabRun(Hooks):
             self._timed(functools.partial(self._one_exchange, step, src, dst))
 
     def service_calls(self, step: sc.ServiceCalls, pods: list[tuple[str, str]]) -> None:
+        taking_part = self._through_a_service("service", step, pods)
+        if taking_part is not None and self.client is not None:
+            endpoints, drained = taking_part
+            self._timed(functools.partial(servicecheck.run_step, step, self.client, self.flow_client, endpoints,
+                                          drained))
+
+    def service_apps(self, step: sc.ServiceApps, pods: list[tuple[str, str]]) -> None:
+        """Real programs through a Service (``lab.appcheck``), their configs in the run's directory."""
+        taking_part = self._through_a_service(f"apps-{step.program}", step, pods)
+        if taking_part is not None and self.client is not None:
+            endpoints, drained = taking_part
+            directory = Path(tempfile.mkdtemp(prefix=f"apps-{step.program}-", dir=self.out))
+            self._timed(functools.partial(appcheck.run_step, step, self.client, self.flow_client, endpoints,
+                                          drained, directory=directory))
+
+    def _through_a_service(self, kind: str, step: sc.ServiceCalls | sc.ServiceApps, pods: list[tuple[str, str]],
+                           ) -> tuple[list[Endpoint], Callable[[float | None], bool]] | None:
+        """A Service step's pods (their traffic the lab's: I5) and its wait for two drains; None, with the
+        step recorded as skipped, where it cannot run."""
         assert self.client is not None
-        if self._skipped_without_packets("service", "tcp"):
-            return
+        if self._skipped_without_packets(kind, "tcp"):
+            return None
         endpoints = self._endpoints(pods)
         backends, clients = servicecheck.taking_part(step, endpoints)
         self.checker.traffic_pods.update(e.pod for e in (*backends, *clients))  # I5: traffic the lab sent
-        self._timed(functools.partial(servicecheck.run_step, step, self.client, self.flow_client, endpoints,
-                                      self._drained_twice))
+        return endpoints, self._drained_twice
 
     def dns_lookups(self, step: sc.DnsLookups, pods: list[tuple[str, str]]) -> None:
         assert self.client is not None

@@ -245,8 +245,24 @@ class DnsLookups(_Step, tag="dns"):
     rounds: Annotated[int, msgspec.Meta(ge=1, le=100)] = 2
 
 
+class ServiceApps(_Step, tag="apps"):
+    """Real programs through a Service (:mod:`podmeter.lab.appcheck`): ``program`` ``nginx`` (nginx in
+    each running pod starting with ``backends``, curl in one starting with ``clients``: ``requests`` on one
+    kept-alive connection, then as many connections of one request) or ``redis`` (redis-server in each,
+    redis-benchmark: 50 x ``requests`` SET/GET pipelined on kept-alive connections, then ``requests`` SETs
+    with a reconnect each). The bytes each server counted must be the payload of the agent's records of
+    its connections, named by the Service and that backend. Skipped, saying so, without the programs, in
+    memory mode and with ``--no-service-proxy``."""
+
+    namespace: Name
+    backends: Name
+    clients: Name
+    program: Literal["nginx", "redis"]
+    requests: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
+
+
 Step = (CreatePods | DeletePods | Churn | Annotate | UnobserveThenDelete | Configure | Fault | CompactionGap
-        | KillAgent | KillOperator | Traffic | ReuseDuringFlow | InduceDrops | InduceLoss | ServiceCalls
+        | KillAgent | KillOperator | Traffic | ReuseDuringFlow | InduceDrops | InduceLoss | ServiceCalls | ServiceApps
         | DnsLookups)
 
 

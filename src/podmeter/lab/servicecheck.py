@@ -14,14 +14,15 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from podmeter.lab.flowcheck import WINDOW_SLACK, FlowClient, Record
 from podmeter.lab.kube import KubeClient, KubeError
 from podmeter.lab.netns import in_namespace
-from podmeter.lab.scenario import ServiceCalls
+from podmeter.lab.scenario import ServiceApps, ServiceCalls
 from podmeter.lab.traffic import Endpoint
 
 READY_S = 20.0  # the Service's slice and the proxy's rule, at most
@@ -38,14 +39,24 @@ class Served:
         with self.lock:
             self.by_port[port] = pod
 
+    def per_backend(self, ports: Iterable[int] | None = None) -> dict[str, int]:
+        """Connections each backend served (of ``ports``: default, all)."""
+        with self.lock:
+            served = self.by_port if ports is None else {p: self.by_port[p] for p in ports if p in self.by_port}
+            return dict(Counter(served.values()))
+
 
 @contextlib.contextmanager
-def echo_servers(backends: list[Endpoint], port: int, size: int, served: Served) -> Iterator[None]:
+def echo_servers(backends: list[Endpoint], port: int, size: int, served: Served, ipv6: bool = False,
+                 ) -> Iterator[None]:
+    """A TCP echo server in each backend pod (``size`` bytes back per connection; IPv4, and with ``ipv6``
+    IPv6 too), each connection recorded in ``served`` under its client port."""
     stop = threading.Event()
     threads = []
     for backend in backends:
         with in_namespace(backend.netns_path):
-            listener = socket.create_server(("0.0.0.0", port))
+            listener = (socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True) if ipv6
+                        else socket.create_server(("0.0.0.0", port)))
         listener.settimeout(0.2)
         thread = threading.Thread(target=_serve, args=(listener, backend.pod, size, served, stop), daemon=True)
         thread.start()
@@ -81,7 +92,7 @@ def _serve(listener: socket.socket, pod: str, size: int, served: Served, stop: t
 def call(client: Endpoint, address: str, port: int, size: int) -> int:
     """One connection: ``size`` bytes there and back; the client's port."""
     with in_namespace(client.netns_path):
-        sock = socket.socket()
+        sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
     with sock:
         sock.settimeout(5)
         sock.connect((address, port))
@@ -95,13 +106,13 @@ def call(client: Endpoint, address: str, port: int, size: int) -> int:
         return int(sock.getsockname()[1])
 
 
-def create_service(client: KubeClient, step: ServiceCalls) -> tuple[str, str]:
-    """The Service (name, ClusterIP) the lab's API server allocates."""
-    name = f"{step.backends}-svc"
+def create_service(client: KubeClient, namespace: str, backends: str, port: int, target_port: int) -> tuple[str, str]:
+    """The Service (name, ClusterIP) the lab's API server allocates, selecting the ``backends`` pods."""
+    name = f"{backends}-svc"
     body = {"metadata": {"name": name},
-            "spec": {"selector": {"app": step.backends},
-                     "ports": [{"name": "tcp", "port": step.port, "targetPort": step.target_port}]}}
-    made = client.create(f"/api/v1/namespaces/{step.namespace}/services", body)
+            "spec": {"selector": {"app": backends},
+                     "ports": [{"name": "tcp", "port": port, "targetPort": target_port}]}}
+    made = client.create(f"/api/v1/namespaces/{namespace}/services", body)
     return name, str(made["spec"]["clusterIP"])
 
 
@@ -149,29 +160,30 @@ def check(step: ServiceCalls, records: list[Record] | None, calls: Calls, served
             problems.append(f"port {port}: no request record")
         elif named[port] != truth:
             problems.append(f"port {port}: named {named[port]}, served by {truth}")
-    per_backend: dict[str, int] = {}
-    for port in ports:
-        if port in served.by_port:
-            per_backend[served.by_port[port]] = per_backend.get(served.by_port[port], 0) + 1
-    return {"ok": not problems, "problems": problems[:20], "per_backend": per_backend}
+    return {"ok": not problems, "problems": problems[:20], "per_backend": served.per_backend(ports)}
 
 
-def taking_part(step: ServiceCalls, endpoints: list[Endpoint]) -> tuple[list[Endpoint], list[Endpoint]]:
+def taking_part(step: ServiceCalls | ServiceApps, endpoints: list[Endpoint]) -> tuple[list[Endpoint], list[Endpoint]]:
     """(the backends, the clients) among the running pods."""
     backends = [e for e in endpoints if e.pod.split("/", 1)[1].startswith(f"{step.backends}-")]
     clients = [e for e in endpoints if e.pod.split("/", 1)[1].startswith(f"{step.clients}-")]
     return backends, clients
 
 
+FarSide = Callable[["Calls", Served, float], dict[str, Any]]
+
+
 def run_step(step: ServiceCalls, kube: KubeClient, flows: FlowClient, endpoints: list[Endpoint],
-             wait_drained: Callable[[float | None], bool]) -> dict[str, Any]:
-    """The whole step; the record the run's report and verdict take."""
+             wait_drained: Callable[[float | None], bool], *, far_side: FarSide | None = None) -> dict[str, Any]:
+    """The whole step; the record the run's report and verdict take. ``flows``: the client's node's agent;
+    ``far_side(calls, served, since)``: the checks of the backends' nodes (several nodes), whose
+    ``problems`` join the step's."""
     record: dict[str, Any] = {"kind": "service", "protocol": "tcp", "namespace": step.namespace}
     backends, clients = taking_part(step, endpoints)
     if not backends or not clients:
         return {**record, "ok": False, "problems": [f"no running {step.backends} or {step.clients} pods"]}
     client = clients[0]
-    name, cluster_ip = create_service(kube, step)
+    name, cluster_ip = create_service(kube, step.namespace, step.backends, step.port, step.target_port)
     record.update(service=f"{step.namespace}/{name}", cluster_ip=cluster_ip, client=client.pod,
                   backends=sorted(b.pod for b in backends))
     served = Served()
@@ -180,15 +192,20 @@ def run_step(step: ServiceCalls, kube: KubeClient, flows: FlowClient, endpoints:
             if first_call(client, cluster_ip, step.port, step.size) is None:
                 silent = f"{cluster_ip}:{step.port} did not answer in {READY_S:g} s"
                 return {**record, "ok": False, "problems": [silent]}
-            since, drains = time.time(), flows.drains()
+            since = time.time()
             ports = [call(client, cluster_ip, step.port, step.size) for _ in range(step.connections)]
-            drained = wait_drained(drains)
+            drained = wait_drained(flows.drains())  # two drains from now: the second began after the last call
             time.sleep(0.3)  # the servers' accounts of the last connections
         found = flows.records(since - WINDOW_SLACK, protocol="tcp", port=step.port)
-        verdict = check(step, found, Calls(name, cluster_ip, client, ports), served)
+        calls = Calls(name, cluster_ip, client, ports)
+        verdict = check(step, found, calls, served)
         if not drained:
             verdict["problems"].insert(0, "the agent did not drain its flows twice in time")
             verdict["ok"] = False
+        if far_side is not None:
+            extra = far_side(calls, served, since)
+            verdict["problems"] += extra.pop("problems")
+            verdict.update(extra, ok=verdict["ok"] and not verdict["problems"])
     finally:
         with contextlib.suppress(KubeError):
             kube.delete(f"/api/v1/namespaces/{step.namespace}/services/{name}")

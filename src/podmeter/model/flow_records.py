@@ -24,8 +24,16 @@ import msgspec
 
 from podmeter.model import dns
 from podmeter.model.endpoints import Endpoint, Names
-from podmeter.model.flows import ICMP, ICMPV6, TCP, FlowEntry, Observation, protocol_name, tcp_flag_names
-from podmeter.model.services import ServiceName, ServiceNaming
+from podmeter.model.flows import (
+    ICMP,
+    ICMPV6,
+    TCP,
+    FlowEntry,
+    Observation,
+    protocol_name,
+    tcp_flag_names,
+)
+from podmeter.model.services import Resolved, ServiceEnds, ServiceName
 
 VERDICT_FORWARDED = "forwarded"
 VERDICT_DROPPED = "dropped"  # the kernel dropped the packets (model.drops)
@@ -230,7 +238,7 @@ _BY_TIME = attrgetter("time")
 
 
 def name_flows(entries: Iterable[FlowEntry], names: Names, node: str, wall_offset: float,
-               services: ServiceNaming | None = None) -> list[FlowRecord]:
+               services: ServiceEnds | None = None) -> list[FlowRecord]:
     """Name both ends of each drained entry. ``wall_offset`` turns the kernel's monotonic nanoseconds into
     wall-clock seconds (wall time minus monotonic time, taken at the drain). Endpoints are looked up once
     per address per drain (``names`` may be the drain's :class:`EndpointCache`, then shared). The records
@@ -240,8 +248,9 @@ def name_flows(entries: Iterable[FlowEntry], names: Names, node: str, wall_offse
     entries right after their drain are named in about 85 ms (``bench.flows``; 100 with attribute access,
     keywords and a lookup function)."""
     ends = names if isinstance(names, EndpointCache) else EndpointCache(names)
-    if services is not None:
-        return _name_with_services(entries, ends, node, wall_offset, services)
+    if services is not None and services.touched:
+        entries = entries if isinstance(entries, Sequence) else list(entries)
+        return _name_with_services(entries, ends, node, wall_offset, services.of(entries))
     record, end = FlowRecord, FlowEnd
     out = [
         record(last_ns / 1e9 + wall_offset, first_ns / 1e9 + wall_offset, node,
@@ -254,21 +263,27 @@ def name_flows(entries: Iterable[FlowEntry], names: Names, node: str, wall_offse
     return out
 
 
-def _name_with_services(entries: Iterable[FlowEntry], ends: EndpointCache, node: str, wall_offset: float,
-                        services: ServiceNaming) -> list[FlowRecord]:
-    """:func:`name_flows` when some Service has a frontend: each end is also asked which Service it is,
-    and a frontend is named by the backend that served the connection (``ServiceNaming.ends``)."""
+def _name_with_services(entries: Sequence[FlowEntry], ends: EndpointCache, node: str, wall_offset: float,
+                        services: list[Resolved | None]) -> list[FlowRecord]:
+    """:func:`name_flows` when some entry of the drain has an end a Service's: those entries (``services``,
+    beside each entry, resolved once for the drain by ``ServiceNaming.resolve``) name it, and a frontend
+    by the backend that served the connection; the others are named as without Services."""
+    record, end = FlowRecord, FlowEnd
     out = []
-    for (source, destination, source_port, destination_port, protocol, observation), \
-            (packets, size, first_ns, last_ns, tcp_flags) in entries:
-        (source_service, source_ip), (destination_service, destination_ip) = services.ends(
-            (protocol, source, source_port, destination, destination_port))
-        out.append(FlowRecord(
-            last_ns / 1e9 + wall_offset, first_ns / 1e9 + wall_offset, node,
-            FlowEnd(source, source_port, ends[source_ip] if source_ip is not None else None, source_service),
-            FlowEnd(destination, destination_port, ends[destination_ip] if destination_ip is not None else None,
-                    destination_service),
-            protocol, observation, packets, size, tcp_flags))
+    for ((source, destination, source_port, destination_port, protocol, observation),
+         (packets, size, first_ns, last_ns, tcp_flags)), found in zip(entries, services, strict=True):
+        if found is None:
+            source_end, destination_end = end(source, source_port, ends[source]), \
+                end(destination, destination_port, ends[destination])
+        else:
+            source_ip, destination_ip = found.source, found.destination
+            source_end = end(source, source_port, ends[source_ip] if source_ip is not None else None,
+                             found.source_service)
+            destination_end = end(destination, destination_port,
+                                  ends[destination_ip] if destination_ip is not None else None,
+                                  found.destination_service)
+        out.append(record(last_ns / 1e9 + wall_offset, first_ns / 1e9 + wall_offset, node, source_end,
+                          destination_end, protocol, observation, packets, size, tcp_flags))
     out.sort(key=_BY_TIME)
     return out
 

@@ -11,13 +11,13 @@ Next stage: ``adapters.metrics.service_traffic`` renders it at scrape time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_series import OTHER, CappedTraffic, PairTraffic
-from podmeter.model.flows import TCP, FlowEntry, Observation, protocol_name
-from podmeter.model.services import ServiceNaming
+from podmeter.model.flows import TCP, Observation, protocol_name
+from podmeter.model.services import ServiceEnds
 
 SYN = 0x02
 REQUEST, REPLY = "request", "reply"
@@ -49,11 +49,15 @@ class ServiceTraffic:
         self.traffic: CappedTraffic[ServiceKey] = CappedTraffic(limit, idle)
         self.connections: CappedTraffic[ServiceClient] = CappedTraffic(limit, idle)  # ``packets``: connections
 
-    def add(self, entries: Iterable[FlowEntry], names: Mapping[str, Endpoint | None], services: ServiceNaming,
-            now: float) -> None:
+    def add(self, services: ServiceEnds, names: Mapping[str, Endpoint | None], now: float) -> None:
+        """The drain's entries with an end a Service's (resolved once for the drain)."""
         from_pod = Observation.FROM_POD
-        for (src, dst, sport, dport, protocol, observation), (packets, size, _, _, flags) in entries:
-            (source_service, _), (destination_service, _) = services.ends((protocol, src, sport, dst, dport))
+        for ((src, dst, _, _, protocol, observation), counts), resolved in zip(services.entries, services.found,
+                                                                                strict=True):
+            if resolved is None:
+                continue
+            source_service, destination_service = resolved.source_service, resolved.destination_service
+            packets, size, _, _, flags = counts
             if observation is from_pod and destination_service is not None:
                 client, service, direction = names[src], destination_service, REQUEST
             elif observation is not from_pod and source_service is not None:

@@ -71,7 +71,7 @@ from podmeter.model.view import NodeView, ViewDelta
 from podmeter.runtime.datapaths import PodLinks
 from podmeter.runtime.dns_drain import DnsDrainer
 from podmeter.runtime.drop_drain import DropDrainer
-from podmeter.runtime.flow_drain import FlowDrainer
+from podmeter.runtime.flow_drain import FlowDrainer, TakenDrain
 from podmeter.runtime.service_names import SERVICES_HINT, ServiceNames
 from podmeter.runtime.settings import AgentSettings
 from podmeter.runtime.supervision import Supervisor
@@ -152,6 +152,8 @@ class Agent:
         self._retry_scheduled = False
         self._resync_due = False  # a resync tick came: the next write is a resync
         self._drain_due = False  # a drain tick came: the next drain place drains
+        self._drain_deferred = False  # in the writer task: a drain's conntrack read is awaited after the batch
+        self._taken: TakenDrain | None = None
         self._links_since: float | None = None  # when the first push began to wait for the pods' links
         # The cluster's nodes (settings.watch_nodes), applied on the event loop as their deltas come: they
         # move nothing in the view or the datapath, so they skip the writer's queue.
@@ -246,6 +248,8 @@ class Agent:
             self._settle(self.writer.flush())
         if self._transport is not None:
             await self._transport.close()
+        if self.services is not None:
+            self.services.close()
 
     # --- the writer task -------------------------------------------------------------------------
 
@@ -254,7 +258,14 @@ class Agent:
             batch = [await self.queue.get()]
             while len(batch) < MAX_BATCH and not self.queue.empty():
                 batch.append(self.queue.get_nowait())
-            self.apply_batch(batch)
+            self._drain_deferred = True  # a flow drain through Services: its conntrack read off the loop
+            try:
+                self.apply_batch(batch)
+            finally:
+                self._drain_deferred = False
+            taken, self._taken = self._taken, None
+            if taken is not None and self.flows is not None:  # finished before the next batch: same order
+                await self.flows.finish_async(taken)
 
     def apply_batch(self, items: list[Item]) -> None:
         """One pass of the writer task: each item to its place (a delta to the view, a tick to its job),
@@ -422,8 +433,14 @@ class Agent:
             self.drops.drain(pods, others=others)
         if self.dns is not None:
             self.dns.drain(pods, others=others)
-        if self.flows is not None and not self.flows.drain(pods, others=others) and handover is not None:
-            self.flows.owed = True
+        if self.flows is not None:
+            taken = self.flows.take(pods, others=others)
+            if taken is None:
+                self.flows.owed = self.flows.owed or handover is not None
+            elif self._drain_deferred and taken.wants_translations:
+                self._taken = taken  # the writer task finishes it (runtime.flow_drain.finish_async)
+            else:
+                self.flows.finish_here(taken)
 
     # --- views for the HTTP endpoints ------------------------------------------------------------
 
@@ -502,6 +519,7 @@ class Agent:
                                          "failures": dict(r.stats.failures), "requests": r.stats.requests,
                                          "decode_errors": r.stats.decode_errors}
                            for r in self._reflectors},
+            "services": self.services.debug() if self.services is not None else None,
         }
 
     def pods_without_link(self) -> list[str] | None:

@@ -13,35 +13,23 @@ Next stage: the feed (``adapters.flow_serving``) for ``podmeter observe``, and t
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from podmeter.adapters.conntrack import Translation
 from podmeter.adapters.flow_serving import FlowFeed
 from podmeter.model.endpoints import AddressBook, ChainedNames, Names
 from podmeter.model.flow_records import EndpointCache, FlowRecord, name_flows, newest
 from podmeter.model.flow_series import DrainTotals, WorkloadFlows
-from podmeter.model.flows import FlowSource
+from podmeter.model.flows import FlowEntry, FlowSource
 from podmeter.model.records import Pod
 from podmeter.model.service_series import ServiceTraffic
 from podmeter.runtime.service_names import ServiceNames
 
 log = logging.getLogger("podmeter.flows")
-
-
-@contextlib.contextmanager
-def _collector_held() -> Iterator[None]:
-    """The cyclic garbage collector off for a block (left as it was found: nested holds are no-ops)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @dataclass
@@ -81,47 +69,110 @@ class FlowDrainer:
         """One drain, named with ``pods`` (the store as it is now) and ``others`` (default: those given at
         construction; at a change of hands, the names as they were before it), or every end ``world``
         (``named`` False: entries whose holders podmeter cannot know, e.g. a predecessor's); False if it
-        failed.
+        failed. All of it here, the node's conntrack read in the calling thread: :meth:`take` then
+        :meth:`finish_async` is the same with that read in a worker thread (the agent's writer task)."""
+        taken = self.take(pods, named=named, others=others)
+        if taken is None:
+            return False
+        self.finish_here(taken)
+        return True
 
-        The cyclic collector is held for the whole drain: its entries (three tuples each, 300,000 objects
-        for 100,000 flows, none in a cycle) are all freed by their counts when it ends, so a collection
-        that ran meanwhile would only walk them, and promote them to where the next full collection walks
-        them again. What stays (the ring's records) is not tracked by the collector."""
-        with _collector_held():
-            return self._drain(pods, named, self.others if others is None else others)
+    def finish_here(self, taken: TakenDrain) -> None:
+        """:meth:`finish`, the node's conntrack read in the calling thread."""
+        self.finish(taken, self.services.read() if taken.wants_translations and self.services else None)
 
-    def _drain(self, pods: Iterable[Pod], named: bool, others: Sequence[Names]) -> bool:
+    def take(self, pods: Iterable[Pod], *, named: bool = True, others: Sequence[Names] | None = None,
+             ) -> TakenDrain | None:
+        """The drain's first half, at its place in the writer's order: the kernel's entries taken, and the
+        names of the moment (None if the kernel failed). :meth:`finish` names and publishes them.
+
+        The cyclic collector is held from here to the end of :meth:`finish`: the drain's entries (three
+        tuples each, 300,000 objects for 100,000 flows, none in a cycle) are all freed by their counts
+        when it ends, so a collection that ran meanwhile would only walk them, and promote them to where
+        the next full collection walks them again. What stays (the ring's records) is not tracked by the
+        collector."""
+        collecting = gc.isenabled()
+        gc.disable()
+        taken = None
+        try:
+            taken = self._take(pods, named, self.others if others is None else others)
+        finally:
+            if collecting and taken is None:
+                gc.enable()
+        if taken is not None:
+            taken.collecting = collecting
+        return taken
+
+    def _take(self, pods: Iterable[Pod], named: bool, others: Sequence[Names]) -> TakenDrain | None:
         started = time.perf_counter()
         try:
             entries = self.source.drain_flows()
         except Exception as exc:  # a kernel error: count it, keep the agent running, try next interval
             self.stats.errors += 1
             log.warning("flow drain failed (will retry next interval): %s: %s", type(exc).__name__, exc)
-            return False
-        self.stats.drains += 1
+            return None
         if self.owed:
             named, self.owed = False, False
+        if named:
+            published = others[0] if others else None
+            names: Names = ChainedNames(AddressBook(pods, published), *others)
+        else:
+            names = ChainedNames(AddressBook(()))
+            self.stats.unnamed += len(entries)
+        wall_offset = time.time() - time.monotonic()  # the kernel stamps CLOCK_MONOTONIC nanoseconds
+        wants = bool(entries) and named and self.services is not None and self.services.wants_translations()
+        return TakenDrain(entries, EndpointCache(names), wall_offset, named, started, wants)
+
+    async def finish_async(self, taken: TakenDrain) -> None:
+        """:meth:`finish`, the node's conntrack read in the Services' worker thread meanwhile (a dump of
+        10,000 translations takes about 190 ms: ``bench.conntrack``), so the event loop goes on serving.
+        Cancelled while it waits: finished without translations (the entries are not lost)."""
+        translations = None
+        try:
+            if taken.wants_translations and self.services is not None:
+                translations = await self.services.read_async()
+        finally:
+            self.finish(taken, translations)
+
+    def finish(self, taken: TakenDrain, translations: list[Translation] | None) -> None:
+        """The drain's second half: name the taken entries (through Services with the node's
+        ``translations``, read after the entries were taken: every connection drained is in them while
+        conntrack keeps it) and hand the records to the feed and the series."""
+        try:
+            self._finish(taken, translations)
+        finally:
+            if taken.collecting:
+                gc.enable()
+
+    def _finish(self, taken: TakenDrain, translations: list[Translation] | None) -> None:
+        entries, ends = taken.entries, taken.ends
         if entries:
-            if named:
-                published = others[0] if others else None
-                names: Names = ChainedNames(AddressBook(pods, published), *others)
-            else:
-                names = ChainedNames(AddressBook(()))
-                self.stats.unnamed += len(entries)
-            wall_offset = time.time() - time.monotonic()  # the kernel stamps CLOCK_MONOTONIC nanoseconds
-            ends = EndpointCache(names)  # each address named once, for the records and the series
-            services = self.services.naming() if self.services is not None and named else None
+            naming = self.services.naming(translations) if self.services is not None and taken.named else None
+            services = naming.resolve(entries) if naming is not None else None  # once, for all three below
             kept = newest(entries, self.feed.ring.capacity)
-            records = name_flows(kept, ends, self.node, wall_offset, services)
+            records = name_flows(kept, ends, self.node, taken.wall_offset, services)
             if self.annotate is not None:
                 records = self.annotate(records)
             self.feed.publish(records, passed=len(entries) - len(kept))
-            counted = services.real_ends(entries) if services is not None else entries
             now = time.monotonic()
-            self.series.add_totals(DrainTotals(counted), ends, now)
+            self.series.add_totals(DrainTotals(services.counted if services is not None else entries), ends, now)
             if services is not None and self.service_traffic is not None:
-                self.service_traffic.add(entries, ends, services, now)
+                self.service_traffic.add(services, ends, now)
+        self.stats.drains += 1  # counted once its records are published: readers wait on it (the lab)
         self.stats.entries += len(entries)
         self.stats.last_entries = len(entries)
-        self.stats.last_seconds = time.perf_counter() - started
-        return True
+        self.stats.last_seconds = time.perf_counter() - taken.started
+
+
+@dataclass
+class TakenDrain:
+    """A drain between its halves (``FlowDrainer.take`` and ``finish``): the kernel's entries, the names
+    of the moment they were taken, and whether naming them wants the node's translations."""
+
+    entries: list[FlowEntry]
+    ends: EndpointCache  # each address named once, for the records and the series
+    wall_offset: float
+    named: bool
+    started: float
+    wants_translations: bool
+    collecting: bool = False  # the cyclic collector was on before take(): finish() turns it on again
