@@ -9,8 +9,9 @@ from collections.abc import Callable
 import msgspec
 
 from factories import make_pod
+from podmeter.model import dns
 from podmeter.model.endpoints import AddressBook
-from podmeter.model.flow_records import FlowRecord, name_flows
+from podmeter.model.flow_records import EndpointCache, FlowRecord, name_dns, name_flows
 from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, FlowCounts, FlowKey, Observation
 from podmeter.model.records import Pod
 
@@ -48,3 +49,14 @@ def records(n: int, start: int = 0) -> list[FlowRecord]:
         at = int(i * 1e9)
         entries.append((key, FlowCounts(1 + i % 3, 100 + i, at, at, flags)))
     return name_flows(entries, BOOK, "node-a", BASE)
+
+
+RESOLVER = "10.96.0.10"  # the cluster's DNS server: no pod of BOOK holds it
+
+
+def dns_records(asked: list[tuple[str, str, int, int | None, int]]) -> list[FlowRecord]:
+    """The DNS drain's records of ``asked``: (pod IP, name, qtype, rcode or None for a query, count)."""
+    entries = [(dns.DnsKey(pod, RESOLVER, dns.Direction.QUERY if rcode is None else dns.Direction.RESPONSE,
+                           name, qtype, rcode or 0, UDP), dns.DnsCounts(count))
+               for pod, name, qtype, rcode, count in asked]
+    return name_dns(entries, EndpointCache(BOOK), "node-a", BASE)
