@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from bpf_support import Pod
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.adapters.datapath.ebpf.datapath import map_sizes
@@ -131,6 +132,12 @@ def ask(server: str, msg: bytes, *, port: int = 53, timeout: float = 2.0, source
             return sock.recv(4096)
         except TimeoutError:
             return None
+
+
+def ask_from(pod: Pod, server: str, msg: bytes, *, tcp: bool = False, timeout: float = 2.0) -> bytes | None:
+    """One query from ``pod``'s netns (over TCP with ``tcp``); the answer, or None on a UDP timeout."""
+    with netns(pod.netns_path):
+        return ask_tcp(server, msg, timeout=timeout) if tcp else ask(server, msg, timeout=timeout)
 
 
 def ask_tcp(server: str, msg: bytes, *, port: int = 53, timeout: float = 2.0) -> bytes:
