@@ -110,8 +110,9 @@ def test_a_real_agents_dns_in_hubbles_and_retinas_series(topology: Topology, ser
         with topology.in_host():
             cluster.delete_pod("shop", "web")  # its series go after their grace, and the names with them
         wait_for(lambda: not having(hubble(), "hubble_dns_queries_total"), 20, "Hubble's DNS series gone", agent.log)
-        wait_for(lambda: not having(dns_samples(scrape(topology, agent.port)),
-                                    "networkobservability_dns_request_count"), 20, "Retina's DNS series gone", agent.log)
+        retina_gone = "networkobservability_dns_request_count"
+        wait_for(lambda: not having(dns_samples(scrape(topology, agent.port)), retina_gone), 20,
+                 "Retina's DNS series gone", agent.log)
         assert having(dns_samples(scrape(topology, agent.port)), "podmeter_retina_dns_names")[frozenset()] == 0
     finally:
         agent.stop()
