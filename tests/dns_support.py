@@ -17,7 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from bpf_support import Pod
+from agent_harness import Cluster
+from bpf_support import Pod, Topology
+from lab_server import LabServer
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.adapters.datapath.ebpf.datapath import map_sizes
@@ -202,3 +204,14 @@ class Dnsmasq:
                 self.process.wait()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def pod_with_resolver(topology: Topology, server: LabServer) -> tuple[Pod, Cluster, Dnsmasq]:
+    """A pod ``shop/web`` of an observed namespace (in the lab server), and a dnsmasq (not started) on the
+    node's side of its link, its resolver."""
+    web = topology.add_pod()
+    cluster = Cluster(server)
+    with topology.in_host():
+        cluster.namespace("shop", observe=True)
+        cluster.pod("shop", "web", web.ip)
+    return web, cluster, Dnsmasq(topology.host_path, web.host_ip)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent_harness import Cluster, wait_for
+from agent_harness import wait_for
 from bpf_support import Node, Topology, get_in_host, needs_root, run
 from dns_support import (
     AAAA,
@@ -35,6 +35,7 @@ from dns_support import (
     dns_program,
     message,
     name_of,
+    pod_with_resolver,
     rcode_of,
     response,
 )
@@ -271,12 +272,7 @@ def _map_ids(pins: Path) -> set[int]:
 
 def test_the_agent_serves_dns_per_pod_and_leaves_nothing_after_uninstall(
         topology: Topology, server: LabServer, pin_dir: Path, tmp_path: Path) -> None:
-    web = topology.add_pod()
-    cluster = Cluster(server)
-    with topology.in_host():
-        cluster.namespace("shop", observe=True)
-        cluster.pod("shop", "web", web.ip)
-    resolver = Dnsmasq(topology.host_path, web.host_ip)
+    web, cluster, resolver = pod_with_resolver(topology, server)
     port = topology.free_port()
     agent = _agent(topology, server, pin_dir, port, tmp_path / "agent.log")
     pod = (("namespace", "shop"), ("pod", "web"))

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from agent_harness import Cluster, wait_for
+from agent_harness import wait_for
 from bpf_support import Topology, needs_root
-from dns_support import AAAA, A, Dnsmasq, ask_from, message
+from dns_support import AAAA, A, ask_from, message, pod_with_resolver
 from drop_support import AgentProcess
 from lab_server import LabServer
 
@@ -52,12 +52,7 @@ def having(samples: Samples, name: str, **labels: str) -> dict[frozenset[tuple[s
 
 def test_a_real_agents_dns_in_hubbles_and_retinas_series(topology: Topology, server: LabServer, pin_dir: Path,
                                                          tmp_path: Path) -> None:
-    web = topology.add_pod()
-    cluster = Cluster(server)
-    with topology.in_host():
-        cluster.namespace("shop", observe=True)
-        cluster.pod("shop", "web", web.ip)
-    resolver = Dnsmasq(topology.host_path, web.host_ip)
+    web, cluster, resolver = pod_with_resolver(topology, server)
     hubble_port = topology.free_port()
     agent = AgentProcess(topology, server, pin_dir, tmp_path / "agent.log", args=[
         "--retina-compat=remote", "--hubble-metrics-server", f"127.0.0.1:{hubble_port}",

@@ -333,7 +333,7 @@ class HubbleMetrics:
                     series.ended_at = None
                 elif series.ended_at is None:
                     series.ended_at = now
-            if now - series.last >= self.idle or (series.ended_at is not None and now - series.ended_at >= self.grace):
+            if finished(series.last, series.ended_at, now, self.idle, self.grace):
                 done.append(key)
         for key in done:
             del self.series[key]
@@ -477,6 +477,11 @@ class HubbleMetrics:
                 self._peak.grew_to(len(self.series))
         series.value += amount
         series.last = now
+
+
+def finished(last: float, ended_at: float | None, now: float, idle: float, grace: float) -> bool:
+    """Whether a series last counted at ``last`` and ended at ``ended_at`` (None: not ended) goes now."""
+    return now - last >= idle or (ended_at is not None and now - ended_at >= grace)
 
 
 def _pod_key(end: FlowEnd) -> PodKey:

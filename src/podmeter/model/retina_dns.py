@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from podmeter.model.dns import qtype_name
 from podmeter.model.flow_records import FlowEnd, FlowRecord
 from podmeter.model.flow_series import OTHER
+from podmeter.model.hubble_metrics import finished
 from podmeter.model.retina_flows import END_LABELS, end_values
 
 REQUESTS, RESPONSES = "networkobservability_dns_request_count", "networkobservability_dns_response_count"
@@ -164,19 +165,17 @@ class RetinaDns:
         """End the series none of whose pods is known, drop those whose grace is over and the idle ones;
         returns how many went (their names with them, when no other series holds them)."""
         known = known_pods() if self.series else ()
-        done = []
-        for key, series in self.series.items():
+        for series in self.series.values():
             series.pods.intersection_update(known)
             if series.pods:
                 series.ended_at = None
             elif series.ended_at is None:
                 series.ended_at = now
-            if now - series.last >= self.idle or (series.ended_at is not None and now - series.ended_at >= self.grace):
-                done.append(key)
+        done = [key for key, s in self.series.items() if finished(s.last, s.ended_at, now, self.idle, self.grace)]
         for key in done:
-            del self.series[key]
-            self._overflows.discard(key)
             self._lets_go(key)
+            self._overflows.discard(key)
+            del self.series[key]
         return len(done)
 
     def values(self) -> Iterator[tuple[SeriesKey, int]]:
