@@ -29,6 +29,7 @@ The process around it (the datapath it opens, the HTTP endpoints, the Hubble API
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -296,11 +297,12 @@ class Agent:
             self.workload_flows.expire(now)
             self.service_traffic.expire(now)
             self.drop_ledger.expire(now)
+            known = functools.cache(self.known_pods)  # built at most once a tick, by whichever asks first
             if self.hubble_metrics is not None:
-                self.hubble_metrics.expire(now, self.known_pods)
+                self.hubble_metrics.expire(now, known)
             self.dns_ledger.expire(now)
             if self.retina_dns is not None:
-                self.retina_dns.expire(now, self.known_pods)
+                self.retina_dns.expire(now, known)
         elif item is Tick.DRAIN:
             self._drain_due = True
         elif not isinstance(item, Tick):
