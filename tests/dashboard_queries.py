@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from podmeter.model.hubble_metrics import RCODES
+from podmeter.model.retina_dns import RETURN_CODES
+
 ROOT = Path(__file__).resolve().parent.parent
 RETINA_DASHBOARDS = ROOT / "tests" / "data" / "dashboards" / "retina"
 OWN_DASHBOARDS = ROOT / "deploy" / "dashboards"
@@ -63,6 +66,9 @@ class Series:
 
 RETINA, REMOTE, HUBBLE = "--retina-compat", "--retina-compat=remote", "--hubble-metrics"
 _DIRECTIONS = frozenset({"ingress", "egress"})
+_EMPTY = frozenset({""})
+_RETURN_CODES = frozenset(RETURN_CODES.values())
+_RCODES = frozenset(RCODES.values())
 EXPORTED: dict[str, Series] = {
     "networkobservability_adv_forward_count": Series(REMOTE),
     "networkobservability_adv_drop_count": Series(REMOTE),
@@ -78,6 +84,14 @@ EXPORTED: dict[str, Series] = {
                                                     "type": frozenset({"Trace", "Drop"}),
                                                     "subtype": frozenset({"to-endpoint", "from-endpoint", ""})}),
     "hubble_tcp_flags_total": Series(HUBBLE, {"flag": frozenset({"SYN", "SYN-ACK", "FIN", "RST"})}),
+    # DNS, from the DNS drain (podmeter reads no answer records: no answer addresses, no count of them)
+    "networkobservability_dns_request_count": Series(RETINA, {"return_code": _RETURN_CODES, "response": _EMPTY,
+                                                              "num_response": frozenset({"0"})}),
+    "networkobservability_dns_response_count": Series(RETINA, {"return_code": _RETURN_CODES, "response": _EMPTY,
+                                                               "num_response": _EMPTY}, "no answer records"),
+    # With `dns` in --hubble-metrics (its `query` option and pod contexts: dashboard_support.HUBBLE_METRICS).
+    "hubble_dns_queries_total": Series(HUBBLE, {"rcode": _EMPTY, "ips_returned": frozenset({"0"})}),
+    "hubble_dns_responses_total": Series(HUBBLE, {"rcode": _RCODES, "ips_returned": _EMPTY}, "no answer records"),
 }
 NOT_EXPORTED = {  # name: why podmeter does not export it
     "networkobservability_interface_stats":
@@ -93,12 +107,7 @@ NOT_EXPORTED = {  # name: why podmeter does not export it
     "networkobservability_node_apiserver_handshake_latency_ms_bucket":
         "the node's own TCP handshakes with the API server: they never pass the pods' veths podmeter hooks",
 }
-NOT_YET = {  # name: the work that brings it (docs/metrics.md says "not yet")
-    "networkobservability_dns_request_count": "DNS (per-pod DNS counts)",
-    "networkobservability_dns_response_count": "DNS (per-pod DNS counts)",
-    "hubble_dns_queries_total": "DNS (the families of `dns` in --hubble-metrics exist; nothing feeds them yet)",
-    "hubble_dns_responses_total": "DNS (the families of `dns` in --hubble-metrics exist; nothing feeds them yet)",
-}
+NOT_YET: dict[str, str] = {}  # name: the work that brings it (docs/metrics.md says "not yet")
 # Series only the dashboards' template variables read (kube-state-metrics'): never a panel's query.
 VARIABLE_ONLY = {"kube_pod_info", "kube_node_info"}
 
@@ -178,10 +187,12 @@ def missing(selector: Selector, args: Sequence[str]) -> str | None:
         return f"{name}: only with {series.requires}"
     for label, operator, value in selector.matchers:
         allowed = series.values.get(label)
-        if allowed is None or operator in ("!=", "!~"):
+        if allowed is None:
             continue
-        if not any((re.fullmatch(value, v) if operator == "=~" else v == value) for v in allowed):
-            return f'{name}{{{label}{operator}"{value}"}}: podmeter has only {label} {", ".join(sorted(allowed))}'
+        matches = [bool(re.fullmatch(value, v)) if operator in ("=~", "!~") else v == value for v in allowed]
+        if not (any(matches) if operator in ("=", "=~") else not all(matches)):
+            shown = ", ".join(f'"{v}"' for v in sorted(allowed))
+            return f'{name}{{{label}{operator}"{value}"}}: podmeter has only {label} {shown}'
     return None
 
 

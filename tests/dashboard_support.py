@@ -1,6 +1,7 @@
 """The dashboards against the real thing (no tests here): a real ``podmeter agent --datapath ebpf`` and a
 ``podmeter operator`` in a topology's host netns, four netns pods in two namespaces with TCP and UDP
-traffic, refused connections and drops between them and with addresses no pod holds, Debian's Prometheus
+traffic, refused connections and drops between them and with addresses no pod holds, DNS lookups to
+Debian's dnsmasq in a fifth pod (the cluster's DNS server, in a namespace not observed), Debian's Prometheus
 scraping the agent, its Hubble metrics listener (in ``remote`` mode) and the operator every second, and
 every panel's queries (:mod:`dashboard_queries`) evaluated through Prometheus's HTTP API
 (``/api/v1/query``). Used by ``tests/adapters/test_bpf_dashboards.py`` and ``python -m bench.dashboards``.
@@ -31,6 +32,7 @@ import yaml
 import dashboard_queries as dq
 from agent_harness import Cluster
 from bpf_support import Pod, Topology
+from dns_support import AAAA, A, Dnsmasq, ask_from, message
 from drop_support import AgentProcess, nft, routed_pod, send, udp_socket, upload, warm
 from lab_server import LabServer
 from operator_support import OperatorProcess
@@ -43,6 +45,12 @@ DEFAULT, REMOTE = "default", "remote"
 NAMESPACES = ("shop", "pay")
 DROPPED_PORT = 9998  # a port web's own input chain drops
 REFUSED_PORT = 9997  # a TCP port of web where nothing listens
+# The cluster's DNS server: a pod of kube-system (the lab server has that namespace), which is not observed.
+DNS_NAMESPACE, DNS_POD = "kube-system", "kube-dns"
+# The lookups each asking pod makes in a round: names the server answers (NOERROR), names that do not exist
+# (NXDOMAIN) and names it refuses (REFUSED: it has no upstream), as Dnsmasq answers them.
+LOOKUPS = (("cart.shop.svc.cluster.local", A), ("db.pay.svc.cluster.local", AAAA), ("gone.nxdomain.test", A),
+           ("elsewhere.example", A))
 
 
 # What a user of Retina's Hubble dashboards (hubble-pod-flows-workload, -namespace, hubble-dns) configures:
@@ -140,11 +148,13 @@ class Prometheus:
 class Traffic:
     """TCP uploads and UDP datagrams between the pods, to and from the host (an address no pod holds) and
     into web's dropped port (from pods, and from the host: a drop seen entering a pod), connections refused
-by web (a SYN answered by a RST), again and again until :meth:`stop`."""
+    by web (a SYN answered by a RST), DNS lookups of client and api (:data:`LOOKUPS`) and one to an address
+    where no DNS server listens (its answer missing), again and again until :meth:`stop`."""
 
     pods: Mapping[str, Pod]
     host_ip: str
     topology: Topology
+    resolver: str
     stopping: threading.Event = field(default_factory=threading.Event)
     failures: list[BaseException] = field(default_factory=list)
 
@@ -169,6 +179,9 @@ by web (a SYN answered by a RST), again and again until :meth:`stop`."""
                 with self.topology.in_host(), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
                     send(sock, (web.ip, DROPPED_PORT), 2)  # from an address no pod holds
                 refused(client, web)
+                for asker in (client, api):
+                    lookups(asker, self.resolver)
+                ask_from(client, self.host_ip, message(0, "lost.shop.svc.cluster.local"), timeout=0.05)
                 self.stopping.wait(0.3)
         except BaseException as exc:  # reported by stop()
             self.failures.append(exc)
@@ -189,6 +202,13 @@ def refused(client: Pod, server: Pod) -> None:
         sock.connect((server.ip, REFUSED_PORT))
 
 
+def lookups(pod: Pod, resolver: str) -> None:
+    """One round of :data:`LOOKUPS` from ``pod``; each must be answered (dnsmasq answers every one)."""
+    for ident, (name, qtype) in enumerate(LOOKUPS):
+        if ask_from(pod, resolver, message(ident, name, qtype)) is None:
+            raise AssertionError(f"{resolver} did not answer {name}")
+
+
 @dataclass(frozen=True)
 class PanelResult:
     panel: dq.Panel
@@ -200,16 +220,19 @@ class PanelResult:
 def running(topology: Topology, server: LabServer, pins: Path, workdir: Path,
             mode: str) -> Iterator[tuple[Prometheus, list[str]]]:
     """The agent (in ``mode``; its arguments are yielded too) and the operator scraped by Prometheus, with
-    :class:`Traffic` flowing and the drops and the pods' own series already scraped once."""
+    :class:`Traffic` flowing and the drops, the DNS answers and the pods' own series already scraped once."""
     pods = {f"{ns}/{name}": routed_pod(topology, None) for ns, name in
             (("shop", "web"), ("shop", "client"), ("pay", "api"), ("pay", "db"))}
+    dns_pod = routed_pod(topology, None)
     cluster = Cluster(server)
     with topology.in_host():
         for namespace in NAMESPACES:
             cluster.namespace(namespace, observe=True)
         for key, pod in pods.items():
             cluster.pod(*key.split("/"), pod.ip)
+        cluster.pod(DNS_NAMESPACE, DNS_POD, dns_pod.ip)
         operator = OperatorProcess(server, workdir, "operator", [])
+    resolver = Dnsmasq(dns_pod.netns_path, dns_pod.ip)
     ports = {"hubble": topology.free_port()} if mode == REMOTE else {}
     args = agent_arguments(mode, ports.get("hubble", 0))
     agent = AgentProcess(topology, server, pins, workdir / "agent.log", args=args)
@@ -217,6 +240,8 @@ def running(topology: Topology, server: LabServer, pins: Path, workdir: Path,
     try:
         stack.callback(operator.stop)
         stack.callback(agent.stop)
+        resolver.start()
+        stack.callback(resolver.stop)
         wait_for(lambda: agent.get("/readyz")[0] == 200, 30, "agent ready", agent.log)
         wait_for(lambda: {p.ip for p in pods.values()} <= set(json.loads(agent.get("/debug/state")[1])["filter"]
                                                                  ["actual"]), 10, "filter", agent.log)
@@ -226,11 +251,13 @@ def running(topology: Topology, server: LabServer, pins: Path, workdir: Path,
         prometheus = Prometheus(topology, scrape_targets({"agent": agent.port, "operator": operator.port, **ports}))
         stack.callback(prometheus.stop)
         wait_for(prometheus.targets_up, 30, "targets up", prometheus.log_tail)
-        traffic = Traffic(pods, pods["shop/web"].host_ip, topology)
+        traffic = Traffic(pods, pods["shop/web"].host_ip, topology, resolver.address)
         traffic.start()
         stack.callback(traffic.stop)
         wait_for(lambda: bool(prometheus.query("rate(podmeter_pod_drops_total[15s]) > 0")), 60, "drops scraped",
                  agent.log)
+        wait_for(lambda: bool(prometheus.query("rate(podmeter_pod_dns_responses_total[15s]) > 0")), 30,
+                 "DNS scraped", agent.log)
         time.sleep(3)  # a few scrapes of the flows and drops that followed
         yield prometheus, args
     finally:

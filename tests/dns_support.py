@@ -17,6 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent_harness import Cluster
+from bpf_support import Pod, Topology
+from lab_server import LabServer
 from podmeter.adapters.datapath.ebpf import EbpfDatapath
 from podmeter.adapters.datapath.ebpf import frames as f
 from podmeter.adapters.datapath.ebpf.datapath import map_sizes
@@ -133,6 +136,12 @@ def ask(server: str, msg: bytes, *, port: int = 53, timeout: float = 2.0, source
             return None
 
 
+def ask_from(pod: Pod, server: str, msg: bytes, *, tcp: bool = False, timeout: float = 2.0) -> bytes | None:
+    """One query from ``pod``'s netns (over TCP with ``tcp``); the answer, or None on a UDP timeout."""
+    with netns(pod.netns_path):
+        return ask_tcp(server, msg, timeout=timeout) if tcp else ask(server, msg, timeout=timeout)
+
+
 def ask_tcp(server: str, msg: bytes, *, port: int = 53, timeout: float = 2.0) -> bytes:
     """One query over TCP (length-prefixed, in one segment: TCP_NODELAY and one send)."""
     with socket.create_connection((server, port), timeout=timeout) as sock:
@@ -150,13 +159,6 @@ def _read(sock: socket.socket, size: int) -> bytes:
             raise ConnectionError("DNS server closed the connection")
         data += chunk
     return data
-
-
-def ask_from(netns_path: str, server: str, msg: bytes, *, tcp: bool = False) -> bytes | None:
-    """One query from inside a pod's netns (``Pod.netns_path``), over UDP or TCP; the answer (UDP: None on
-    timeout)."""
-    with netns(netns_path):
-        return ask_tcp(server, msg) if tcp else ask(server, msg)
 
 
 def rcode_of(answer: bytes) -> int:
@@ -202,3 +204,14 @@ class Dnsmasq:
                 self.process.wait()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def pod_with_resolver(topology: Topology, server: LabServer) -> tuple[Pod, Cluster, Dnsmasq]:
+    """A pod ``shop/web`` of an observed namespace (in the lab server), and a dnsmasq (not started) on the
+    node's side of its link, its resolver."""
+    web = topology.add_pod()
+    cluster = Cluster(server)
+    with topology.in_host():
+        cluster.namespace("shop", observe=True)
+        cluster.pod("shop", "web", web.ip)
+    return web, cluster, Dnsmasq(topology.host_path, web.host_ip)

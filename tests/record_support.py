@@ -96,3 +96,14 @@ def dns_entry(pod: str, name: str = CART, qtype: int = 1, rcode: int | None = No
 
 def dns_records(entries: list[dns.DnsEntry], at: float = BASE) -> list[FlowRecord]:
     return name_dns(entries, EndpointCache(AddressBook(DNS_PODS.values())), "node-a", at)
+
+
+RESOLVER = "10.96.0.10"  # the cluster's DNS server: no pod of BOOK holds it
+
+
+def asked_records(asked: list[tuple[str, str, int, int | None, int]]) -> list[FlowRecord]:
+    """The DNS drain's records of ``asked``: (pod IP, name, qtype, rcode or None for a query, count)."""
+    entries = [(dns.DnsKey(pod, RESOLVER, dns.Direction.QUERY if rcode is None else dns.Direction.RESPONSE,
+                           name, qtype, rcode or 0, UDP), dns.DnsCounts(count))
+               for pod, name, qtype, rcode, count in asked]
+    return name_dns(entries, EndpointCache(BOOK), "node-a", BASE)

@@ -1,7 +1,7 @@
 """The dashboards people run, panel by panel, against a real agent (root): Retina's six as Retina ships them
 (``tests/data/dashboards/retina/``) and podmeter's own (``deploy/dashboards/``), every query evaluated by a
-real Prometheus scraping a real ``podmeter agent --datapath ebpf`` and ``podmeter operator`` with TCP, UDP
-and drops between netns pods (``dashboard_support``).
+real Prometheus scraping a real ``podmeter agent --datapath ebpf`` and ``podmeter operator`` with TCP, UDP,
+drops and DNS between netns pods (``dashboard_support``).
 
 Every panel of podmeter's own dashboards has data, and exactly the Retina panels whose series podmeter
 exports (``dashboard_queries.EXPORTED``, under the agent's arguments) have data: a panel that fills
@@ -41,5 +41,7 @@ def test_every_panel_podmeter_can_fill_has_data(topology: Topology, server: LabS
         assert figures["retina/standard-pod-level"]["with_data"] >= 10
         assert figures["retina/hubble-pod-flows-workload"]["with_data"] >= 49
         assert figures["retina/hubble-pod-flows-namespace"]["with_data"] >= 53
+        assert figures["retina/standard-dns"]["with_data"] >= 7  # all but the table of answer addresses
+        assert figures["retina/hubble-dns"]["with_data"] >= 9
     else:
         assert sum(f["with_data"] for name, f in figures.items() if not dq.is_own(name)) == 0

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent_harness import Cluster, wait_for
-from bpf_support import Node, Pod, Topology, get_in_host, needs_root, run
+from agent_harness import wait_for
+from bpf_support import Node, Topology, get_in_host, needs_root, run
 from dns_support import (
     AAAA,
     SRV,
@@ -35,6 +35,7 @@ from dns_support import (
     dns_program,
     message,
     name_of,
+    pod_with_resolver,
     rcode_of,
     response,
 )
@@ -44,7 +45,6 @@ from podmeter.adapters.datapath.ebpf.datapath import DNS_PENDING_SIZE
 from podmeter.adapters.datapath.ebpf.netns import netns
 from podmeter.model import dns
 from podmeter.model.dns import Direction, Verdict
-from test_bpf_agent import free_port
 
 pytestmark = needs_root
 
@@ -183,10 +183,6 @@ def dnsmasq(node: Node, topology: Topology) -> Iterator[Dnsmasq]:
         server.stop()
 
 
-def _ask_from(pod: Pod, server: str, msg: bytes, *, tcp: bool = False) -> bytes | None:
-    return ask_from(pod.netns_path, server, msg, tcp=tcp)
-
-
 def test_real_queries_are_counted_per_pod_by_qtype_and_rcode(node: Node, dnsmasq: Dnsmasq,
                                                              topology: Topology) -> None:
     pod, server, datapath = node.observed, dnsmasq.address, node.datapath
@@ -196,11 +192,11 @@ def test_real_queries_are_counted_per_pod_by_qtype_and_rcode(node: Node, dnsmasq
     asked = [("cart.shop.svc.cluster.local", A, 0)] * 3 + [("gone.nxdomain.test", AAAA, 3)] * 2 + [
         ("elsewhere.example", A, 5), (long_name, TXT, 3)]
     for ident, (name, qtype, rcode) in enumerate(asked):
-        answer = _ask_from(pod, server, message(ident, name, qtype))
+        answer = ask_from(pod, server, message(ident, name, qtype))
         assert answer is not None and rcode_of(answer) == rcode, name
-    answer = _ask_from(pod, server, message(99, "db.shop.svc.cluster.local", A), tcp=True)
+    answer = ask_from(pod, server, message(99, "db.shop.svc.cluster.local", A), tcp=True)
     assert rcode_of(answer or b"\x00" * 4) == 0
-    _ask_from(node.unobserved, node.unobserved.host_ip, message(7, "x.svc.cluster.local"))  # not observed
+    ask_from(node.unobserved, node.unobserved.host_ip, message(7, "x.svc.cluster.local"))  # not observed
     silent = pod.host_ip.rsplit(".", 1)[0] + ".53"  # an address of the node where nothing serves DNS
     run("ip", "-n", topology.host, "addr", "add", f"{silent}/32", "dev", pod.host_veth)
     with netns(pod.netns_path):  # malformed, to it: counted, not read
@@ -276,13 +272,8 @@ def _map_ids(pins: Path) -> set[int]:
 
 def test_the_agent_serves_dns_per_pod_and_leaves_nothing_after_uninstall(
         topology: Topology, server: LabServer, pin_dir: Path, tmp_path: Path) -> None:
-    web = topology.add_pod()
-    cluster = Cluster(server)
-    with topology.in_host():
-        cluster.namespace("shop", observe=True)
-        cluster.pod("shop", "web", web.ip)
-    resolver = Dnsmasq(topology.host_path, web.host_ip)
-    port = free_port(topology)
+    web, cluster, resolver = pod_with_resolver(topology, server)
+    port = topology.free_port()
     agent = _agent(topology, server, pin_dir, port, tmp_path / "agent.log")
     pod = (("namespace", "shop"), ("pod", "web"))
 
@@ -296,7 +287,7 @@ def test_the_agent_serves_dns_per_pod_and_leaves_nothing_after_uninstall(
         time.sleep(0.5)  # the pod's link attached (its series exist once its IP is in the filter)
         for ident, (name, qtype) in enumerate([("cart.shop.svc.cluster.local", A)] * 2 + [
                 ("gone.nxdomain.test", AAAA), ("elsewhere.example", A)]):
-            assert _ask_from(web, resolver.address, message(ident, name, qtype)) is not None
+            assert ask_from(web, resolver.address, message(ident, name, qtype)) is not None
         expected = {
             ("podmeter_pod_dns_queries_total", (*pod, ("qtype", "A"))): 3.0,
             ("podmeter_pod_dns_queries_total", (*pod, ("qtype", "AAAA"))): 1.0,

@@ -199,7 +199,7 @@ async def test_the_pods_dns_lookups_are_l7_dns_flows(
                 follow=True, whitelist=[source_filter(protocol=["dns"])]))
             await asyncio.sleep(0.5)  # the follower subscribes
             for ident, (name, qtype) in enumerate([(cart, A), (cart, A), (gone, AAAA), (elsewhere, A)]):
-                assert ask_from(web.netns_path, resolver.address, message(ident, name, qtype)) is not None
+                assert ask_from(web, resolver.address, message(ident, name, qtype)) is not None
             streamed: list[observer_pb2.GetFlowsResponse] = []
             while seen(streamed) != expected:  # a drain may split the two lookups of cart: then it is there twice
                 assert len(streamed) < 20, seen(streamed)

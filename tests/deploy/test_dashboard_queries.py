@@ -78,7 +78,14 @@ def test_a_panel_is_expected_when_one_alternative_has_every_series_with_its_valu
     assert dq.expected(panel(either), remote) is None
     both = "sum(networkobservability_drop_count) and sum(networkobservability_interface_stats)"
     assert "interface_stats" in str(dq.expected(panel(both), remote))
-    assert "not yet" in str(dq.expected(panel("sum(rate(hubble_dns_queries_total[1m]))"), remote))
+    assert "only with --hubble-metrics" in str(dq.expected(panel("sum(rate(hubble_dns_queries_total[1m]))"), remote))
+    # a negative matcher no value podmeter has passes: a panel asking for answers podmeter never reads
+    table = 'sum(networkobservability_dns_response_count{num_response!="0", response!=""})'
+    assert 'response!=""' in str(dq.expected(panel(table), remote))
+    errors = 'sum(networkobservability_dns_response_count{return_code!="NoError"})'
+    assert dq.expected(panel(errors), remote) is None
+    assert "return_code" in str(dq.expected(panel('networkobservability_dns_response_count{return_code!~".*"}'),
+                                            remote))
     hubble = [*remote, "--hubble-metrics-server", "127.0.0.1:9965", "--hubble-metrics", "flow tcp"]
     flows = 'sum(rate(hubble_flows_processed_total{source=~"^shop/.*", verdict="DROPPED"}[1m]))'
     assert "only with --hubble-metrics" in str(dq.expected(panel(flows), remote))

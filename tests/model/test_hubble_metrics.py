@@ -23,11 +23,12 @@ from podmeter.model.hubble_metrics import (
     TCP_FLAGS,
     TO_WORLD,
     HubbleMetrics,
+    dns_events,
     icmp_type,
     replies,
 )
 from podmeter.model.hubble_metrics_config import parse
-from record_support import ACK, FIN, FROM, SYN, TO, WEB, records
+from record_support import ACK, FIN, FROM, SYN, TO, WEB, asked_records, records
 
 EVERYTHING = ("flow:sourceContext=pod|reserved-identity;destinationContext=pod|reserved-identity "
               "drop:sourceContext=namespace tcp:labelsContext=source_workload,destination_workload,traffic_direction "
@@ -197,9 +198,14 @@ class Dns:
     query: str
     qtypes: tuple[str, ...]
     rcode: int = 0
-    ips: tuple[str, ...] = ()
-    rrtypes: tuple[str, ...] = ()
+    ips: tuple[str, ...] | None = ()
+    rrtypes: tuple[str, ...] | None = ()
     dropped: bool = False
+    count: int = 1
+
+    @property
+    def direction(self) -> str:
+        return "ingress" if self.response else "egress"
 
 
 def test_dns_families_exist_with_their_labels_and_count_what_they_are_given() -> None:
@@ -227,3 +233,40 @@ def test_points_of_observation_each_count_as_in_hubble() -> None:
         counted[values[2]] += value
     assert counted["from-endpoint"] == sum(r.packets for r in batch if r.observation is FROM)
     assert counted["to-endpoint"] == sum(r.packets for r in batch if r.observation is TO)
+
+
+RETINA_DNS = "dns:query;sourceEgressContext=pod;destinationIngressContext=pod"  # Retina's Hubble chart's
+
+
+def test_the_dns_drains_records_count_as_cilium_counts_its_proxys_messages() -> None:
+    m = metrics(RETINA_DNS)
+    web, db = "10.0.0.1", "10.0.0.2"
+    m.add_dns(dns_events(asked_records([(web, "cart.shop.", 1, None, 3), (web, "cart.shop.", 1, 0, 3),
+                                      (web, "gone.test.", 28, None, 2), (web, "gone.test.", 28, 3, 2),
+                                      (db, "x.example.", 1, None, 1), (db, "x.example.", 1, 5, 1)])), 1.0)
+    families = by_family(m)
+    pod_web, pod_db = "shop/web-5d9f7-x2x7p", "shop/db-0"
+    # a query is egress: its source is the pod (sourceEgressContext); no destination context for egress
+    assert families[DNS_QUERIES] == {(pod_web, "", "", "A", "0", "cart.shop."): 3,
+                                     (pod_web, "", "", "AAAA", "0", "gone.test."): 2,
+                                     (pod_db, "", "", "A", "0", "x.example."): 1}
+    # a response is ingress: its destination is the pod; its answer was not read, so ips_returned is empty
+    assert families[DNS_RESPONSES] == {("", pod_web, "No Error", "A", "", "cart.shop."): 3,
+                                       ("", pod_web, "Non-Existent Domain", "AAAA", "", "gone.test."): 2,
+                                       ("", pod_db, "Query Refused", "A", "", "x.example."): 1}
+    assert families[DNS_TYPES] == {}  # no answer records read, no response types
+
+
+def test_dns_series_leave_with_the_pod_they_name_and_ignore_aaaa_drops_aaaa_only_questions() -> None:
+    m = metrics(RETINA_DNS + ";ignoreAAAA", grace=30.0)
+    m.add_dns(dns_events(asked_records([("10.0.0.1", "a.", 1, None, 1), ("10.0.0.1", "a.", 28, 0, 1)])), 0.0)
+    assert [values for (_, values), _ in m.values()] == [("shop/web-5d9f7-x2x7p", "", "", "A", "0", "a.")]
+    m.expire(1.0, set)
+    assert m.expire(31.0, set) == 1 and m.series == {}
+
+
+def test_dns_events_are_the_dns_records_only_with_the_direction_of_their_message() -> None:
+    events = dns_events([*records(3), *asked_records([("10.0.0.1", "a.", 1, None, 4), ("10.0.0.1", "a.", 1, 2, 4)])])
+    assert [(e.direction, e.response, e.count, e.qtypes, e.rcode, e.ips) for e in events] == [
+        ("egress", False, 4, ("A",), 0, None), ("ingress", True, 4, ("A",), 2, None)]
+    assert events[0].source.ip == events[1].destination.ip == "10.0.0.1"

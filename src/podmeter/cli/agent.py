@@ -80,6 +80,9 @@ def register(subparsers: Any) -> None:
                    help="also export Retina's networkobservability_adv_forward_* and _drop_* series: per pod "
                         "(local, the flag alone) or per flow (remote, as Retina's pod-level dashboards query them), "
                         "and in both its node-level networkobservability_forward_*, _drop_* and TCP reset series")
+    p.add_argument("--retina-dns-names-limit", type=_positive, default=AgentSettings.retina_dns_names_limit,
+                   help="with --retina-compat, DNS query names with Retina DNS series of their own on the node "
+                        "(their query label); beyond, the name _other_")
     p.add_argument("--hubble-listen", metavar="ADDR", default=HubbleSettings.listen,
                    help="serve Hubble's Observer gRPC API (hubble observe, Relay, UI) on unix:///PATH or HOST:PORT "
                         "(default: off; 4246 suggested: docs/hubble.md); a non-loopback address needs the TLS options")
@@ -111,7 +114,8 @@ def settings_from(args: argparse.Namespace) -> AgentProcessSettings:
         agent=AgentSettings(node_name=args.node_name, resync_interval=args.resync_interval,
                             series_grace=args.series_grace, flow_interval=args.flow_interval,
                             flow_buffer=args.flow_buffer, flow_series_limit=args.flow_series_limit,
-                            retina_compat=args.retina_compat, drops_include_lifecycle=args.drops_include_lifecycle,
+                            retina_compat=args.retina_compat, retina_dns_names_limit=args.retina_dns_names_limit,
+                            drops_include_lifecycle=args.drops_include_lifecycle,
                             hubble_metrics=args.hubble_metrics,
                             hubble_metrics_series_limit=args.hubble_metrics_series_limit),
         kubeconfig=args.kubeconfig, context=args.context,

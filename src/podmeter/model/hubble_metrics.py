@@ -26,8 +26,11 @@ seconds later (:meth:`HubbleMetrics.expire`, as a pod's own series); any series 
 is dropped too (it starts again from zero if its traffic comes back: a counter reset, which ``rate``
 handles).
 
-DNS: the ``hubble_dns_*`` families exist with their labels; their counts come from :class:`DnsEvent`\\ s
-given to :meth:`HubbleMetrics.add_dns` (nothing in the agent feeds it yet).
+DNS: the ``hubble_dns_*`` families count the DNS drain's aggregates (:func:`dns_events` of the records the
+drain publishes: :meth:`HubbleMetrics.add_dns`), each its message count; a query is egress of its pod
+(its ``source`` the pod), a response ingress (its ``destination`` the pod), so the per-direction contexts
+apply as to flows. podmeter reads no answer records: ``ips_returned`` is empty for responses and
+``hubble_dns_response_types_total`` has no samples (docs/metrics.md).
 
 Pure and synchronous: the agent's writer task adds; ``adapters.metrics.hubble_metrics`` renders at scrape.
 """
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from podmeter.model.compaction import PeakTracker
+from podmeter.model.dns import qtype_name
 from podmeter.model.drop_codes import cilium_code
 from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
@@ -87,12 +91,19 @@ def families(spec: MetricSpec) -> tuple[Family, ...]:
 
 
 class DnsEvent(Protocol):
-    """What the DNS families need of one DNS message podmeter saw (a query, or a response to one)."""
+    """What the DNS families need of DNS messages podmeter saw: ``count`` messages alike (a query, or a
+    response to one), leaving the pod (``egress``: a query) or entering it (``ingress``: a response).
+    ``ips`` and ``rrtypes`` are the answer's addresses and record types; None where the answer records
+    were not read (podmeter's datapath reads the header and the question only)."""
 
     @property
     def source(self) -> FlowEnd: ...
     @property
     def destination(self) -> FlowEnd: ...
+    @property
+    def direction(self) -> str: ...
+    @property
+    def count(self) -> int: ...
     @property
     def response(self) -> bool: ...
     @property
@@ -104,9 +115,41 @@ class DnsEvent(Protocol):
     @property
     def rcode(self) -> int: ...
     @property
-    def ips(self) -> tuple[str, ...]: ...
+    def ips(self) -> tuple[str, ...] | None: ...
     @property
-    def rrtypes(self) -> tuple[str, ...]: ...
+    def rrtypes(self) -> tuple[str, ...] | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DnsAggregate:
+    """A :class:`DnsEvent` from one of the DNS drain's records (``model.flow_records.name_dns``): the
+    messages of one aggregate, their answers not read."""
+
+    source: FlowEnd
+    destination: FlowEnd
+    direction: str
+    count: int
+    response: bool
+    query: str
+    qtypes: tuple[str, ...]
+    rcode: int
+    dropped: bool = False
+    ips: tuple[str, ...] | None = None
+    rrtypes: tuple[str, ...] | None = None
+
+
+def dns_events(records: Iterable[FlowRecord]) -> list[DnsAggregate]:
+    """The DNS events of a drain's records (those without ``dns`` are not DNS: left out). A query is
+    egress of its pod, a response ingress."""
+    out = []
+    for r in records:
+        info = r.dns
+        if info is None:
+            continue
+        response = info.rcode is not None
+        out.append(DnsAggregate(r.source, r.destination, "ingress" if response else "egress", info.count,
+                                response, info.query, (qtype_name(info.qtype),), info.rcode or 0))
+    return out
 
 
 @dataclass(slots=True)
@@ -256,26 +299,28 @@ class HubbleMetrics:
                     add(spec, record, is_reply, now)
 
     def add_dns(self, events: Iterable[DnsEvent], now: float) -> None:
-        """DNS messages: a query (or a query dropped) counts in the queries, a response in the responses and
-        once per record type it carries in the response types."""
+        """DNS messages, as Cilium counts its DNS proxy's: a query (or a query dropped) in the queries, a
+        response in the responses and once per record type of its answer in the response types (none
+        where the answer was not read). ``ips_returned`` is the answer's address count: ``0`` for a
+        query, as Cilium writes it, and empty for a response whose answer was not read."""
         spec = self.config.get("dns")
         if spec is None:
             return
         for event in events:
             if spec.has("ignoreAAAA") and event.qtypes == ("AAAA",):
                 continue
-            ctx, pods = self._context(spec, event.source, event.destination, None)
+            ctx, pods = self._context(spec, event.source, event.destination, event.direction)
             query = (event.query,) if spec.has("query") else ()
             qtypes = ",".join(event.qtypes)
-            ips = str(len(event.ips))
             if event.dropped or not event.response:
                 rcode = "Policy denied" if event.dropped else ""
-                self._count(DNS_QUERIES, (*ctx, rcode, qtypes, ips, *query), 1, now, pods)
+                self._count(DNS_QUERIES, (*ctx, rcode, qtypes, "0", *query), event.count, now, pods)
                 continue
+            ips = "" if event.ips is None else str(len(event.ips))
             self._count(DNS_RESPONSES, (*ctx, RCODES.get(event.rcode, str(event.rcode)), qtypes, ips, *query),
-                        1, now, pods)
-            for rrtype in event.rrtypes:
-                self._count(DNS_TYPES, (*ctx, rrtype, qtypes, *query), 1, now, pods)
+                        event.count, now, pods)
+            for rrtype in event.rrtypes or ():
+                self._count(DNS_TYPES, (*ctx, rrtype, qtypes, *query), event.count, now, pods)
 
     def expire(self, now: float, known_pods: Callable[[], Collection[PodKey]]) -> int:
         """End the series of pods no longer known, drop those whose grace is over and the idle ones;
@@ -288,7 +333,7 @@ class HubbleMetrics:
                     series.ended_at = None
                 elif series.ended_at is None:
                     series.ended_at = now
-            if now - series.last >= self.idle or (series.ended_at is not None and now - series.ended_at >= self.grace):
+            if finished(series.last, series.ended_at, now, self.idle, self.grace):
                 done.append(key)
         for key in done:
             del self.series[key]
@@ -304,7 +349,7 @@ class HubbleMetrics:
     # --- one record in one metric ---------------------------------------------------------------------
 
     def _flow(self, spec: MetricSpec, r: FlowRecord, is_reply: bool, now: float) -> None:
-        ctx, pods = self._context(spec, r.source, r.destination, r)
+        ctx, pods = self._context(spec, r.source, r.destination, DIRECTIONS[r.observation])
         dropped = r.verdict == VERDICT_DROPPED
         labels = (protocol(r), "Drop" if dropped else "Trace", "" if dropped else SUB_TYPES[r.observation],
                   "DROPPED" if dropped else "FORWARDED")
@@ -312,13 +357,13 @@ class HubbleMetrics:
 
     def _drop(self, spec: MetricSpec, r: FlowRecord, is_reply: bool, now: float) -> None:
         if r.verdict == VERDICT_DROPPED:
-            ctx, pods = self._context(spec, r.source, r.destination, r)
+            ctx, pods = self._context(spec, r.source, r.destination, DIRECTIONS[r.observation])
             self._count(DROPS, (*ctx, drop_reason(r), protocol(r)), r.packets, now, pods)
 
     def _tcp(self, spec: MetricSpec, r: FlowRecord, is_reply: bool, now: float) -> None:
         if r.verdict == VERDICT_DROPPED or r.protocol != TCP or not r.tcp_flags & (FIN | SYN | RST):
             return
-        ctx, pods = self._context(spec, r.source, r.destination, r)
+        ctx, pods = self._context(spec, r.source, r.destination, DIRECTIONS[r.observation])
         family = ip_family(r.source.ip)
         flags = r.tcp_flags
         for flag in (("FIN",) if flags & FIN else ()) + (("SYN-ACK" if is_reply else "SYN",) if flags & SYN else ()) \
@@ -328,13 +373,13 @@ class HubbleMetrics:
     def _port_distribution(self, spec: MetricSpec, r: FlowRecord, is_reply: bool, now: float) -> None:
         if r.verdict == VERDICT_DROPPED or is_reply or r.protocol not in PROTOCOLS:
             return
-        ctx, pods = self._context(spec, r.source, r.destination, r)
+        ctx, pods = self._context(spec, r.source, r.destination, DIRECTIONS[r.observation])
         port = "0" if r.protocol in (ICMP, ICMPV6) else str(r.destination.port)
         self._count(PORTS, (protocol(r), port, *ctx), r.packets, now, pods)
 
     def _icmp(self, spec: MetricSpec, r: FlowRecord, is_reply: bool, now: float) -> None:
         if r.protocol in (ICMP, ICMPV6):
-            ctx, pods = self._context(spec, r.source, r.destination, r)
+            ctx, pods = self._context(spec, r.source, r.destination, DIRECTIONS[r.observation])
             family = "IPv4" if r.protocol == ICMP else "IPv6"
             kind = icmp_type(r.protocol, r.source.port, r.destination.port)
             self._count(ICMPS, (family, kind, *ctx), r.packets, now, pods)
@@ -349,7 +394,7 @@ class HubbleMetrics:
             return
         if spec.has("syn-only") and (r.protocol != TCP or not r.tcp_flags & SYN or is_reply):
             return
-        ctx, pods = self._context(spec, r.source, r.destination, r)
+        ctx, pods = self._context(spec, r.source, r.destination, DIRECTIONS[r.observation])
         port = () if not spec.has("port") else (
             (str(r.destination.port),) if r.protocol in (TCP, UDP) else ("",))
         count = 1 if spec.has("syn-only") else r.packets
@@ -358,12 +403,10 @@ class HubbleMetrics:
     # --- labels and counting ----------------------------------------------------------------------------
 
     def _context(self, spec: MetricSpec, source: FlowEnd, destination: FlowEnd,
-                 record: FlowRecord | None) -> tuple[tuple[str, ...], tuple[PodKey, ...]]:
-        """The context label values of one flow (labelsContext's, then source, destination) and the pods
-        they name. A record's direction picks the per-direction contexts; a DNS event has none (yet), so
-        ``sourceContext``/``destinationContext`` give its values."""
-        values = [self._label(label, source, destination, record) for label in spec.labels]
-        direction = DIRECTIONS[record.observation] if record is not None else None
+                 direction: str) -> tuple[tuple[str, ...], tuple[PodKey, ...]]:
+        """The context label values of one flow or DNS message (labelsContext's, then source, destination)
+        and the pods they name. ``direction`` (``egress``, ``ingress``) picks the per-direction contexts."""
+        values = [self._label(label, source, destination, direction) for label in spec.labels]
         source_context, destination_context = spec.source_context(direction), spec.destination_context(direction)
         if spec.has_source:
             values.append(self._end_context(source_context, source))
@@ -402,9 +445,9 @@ class HubbleMetrics:
             return e.workload
         return app_of(self.labels(e))  # app
 
-    def _label(self, label: str, source: FlowEnd, destination: FlowEnd, record: FlowRecord | None) -> str:
+    def _label(self, label: str, source: FlowEnd, destination: FlowEnd, direction: str) -> str:
         if label == "traffic_direction":
-            return DIRECTIONS[record.observation] if record is not None else "unknown"
+            return direction
         side, _, what = label.partition("_")
         end = source if side == "source" else destination
         e = end.endpoint
@@ -434,6 +477,11 @@ class HubbleMetrics:
                 self._peak.grew_to(len(self.series))
         series.value += amount
         series.last = now
+
+
+def finished(last: float, ended_at: float | None, now: float, idle: float, grace: float) -> bool:
+    """Whether a series last counted at ``last`` and ended at ``ended_at`` (None: not ended) goes now."""
+    return now - last >= idle or (ended_at is not None and now - ended_at >= grace)
 
 
 def _pod_key(end: FlowEnd) -> PodKey:

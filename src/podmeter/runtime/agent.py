@@ -29,6 +29,7 @@ The process around it (the datapath it opens, the HTTP endpoints, the Hubble API
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -59,10 +60,11 @@ from podmeter.model.endpoint_slices import endpoint_labels
 from podmeter.model.endpoints import Endpoint, Names
 from podmeter.model.flow_series import WorkloadFlows
 from podmeter.model.flows import FlowSource
-from podmeter.model.hubble_metrics import HubbleMetrics
+from podmeter.model.hubble_metrics import HubbleMetrics, dns_events
 from podmeter.model.hubble_metrics_config import parse as parse_hubble_metrics
 from podmeter.model.interest import holds_address
 from podmeter.model.records import Node, Pod
+from podmeter.model.retina_dns import RetinaDns
 from podmeter.model.retina_flows import WorkloadFlowsAndRetina
 from podmeter.model.service_series import ServiceTraffic
 from podmeter.model.store import Store
@@ -142,6 +144,10 @@ class Agent:
         self.dns_ledger = DnsLedger(settings.series_grace)  # per-pod DNS (runtime.dns_drain)
         self.dns_feed = FlowFeed(settings.flow_buffer)  # the DNS records (podmeter observe --protocol dns)
         self.dns = DnsDrainer(dns, self.dns_ledger, self.dns_feed, node, [self.view.cluster]) if dns else None
+        self.retina_dns = self._retina_dns(settings) if dns else None
+        if self.hubble_metrics is not None:  # Hubble's DNS families, from the DNS records the drain publishes
+            hubble_metrics = self.hubble_metrics
+            self.dns_feed.taps.append(lambda records, _: hubble_metrics.add_dns(dns_events(records), time.monotonic()))
         self.queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=10_000)
         self.synced: set[Collection[Any]] = set()
         self.ready = asyncio.Event()
@@ -170,6 +176,15 @@ class Agent:
                                 settings.flow_series_idle, settings.series_grace, self._endpoint_labels)
         self.flow_feed.taps.append(lambda records, passed: metrics.add(records, time.monotonic(), passed))
         return metrics
+
+    def _retina_dns(self, settings: AgentSettings) -> RetinaDns | None:
+        """Retina's DNS series (--retina-compat), fed every DNS record the drain publishes; None: off."""
+        if settings.retina_compat is None:
+            return None
+        table = RetinaDns(settings.retina_dns_names_limit, settings.flow_series_limit, settings.flow_series_idle,
+                          settings.series_grace, remote=settings.retina_compat == REMOTE)
+        self.dns_feed.taps.append(lambda records, _: table.add(records, time.monotonic()))
+        return table
 
     def _endpoint_labels(self, endpoint: Endpoint) -> tuple[str, ...]:
         return endpoint_labels(endpoint, self.view.pods, self.view.cluster)
@@ -293,9 +308,12 @@ class Agent:
             self.workload_flows.expire(now)
             self.service_traffic.expire(now)
             self.drop_ledger.expire(now)
+            known = functools.cache(self.known_pods)  # built at most once a tick, by whichever asks first
             if self.hubble_metrics is not None:
-                self.hubble_metrics.expire(now, self.known_pods)
+                self.hubble_metrics.expire(now, known)
             self.dns_ledger.expire(now)
+            if self.retina_dns is not None:
+                self.retina_dns.expire(now, known)
         elif item is Tick.DRAIN:
             self._drain_due = True
         elif not isinstance(item, Tick):

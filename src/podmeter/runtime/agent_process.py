@@ -35,6 +35,7 @@ from podmeter.adapters.metrics.pod_dns import PodDnsExposition
 from podmeter.adapters.metrics.pod_drops import PodDropExposition
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.adapters.metrics.retina import LOCAL, render_remote
+from podmeter.adapters.metrics.retina_dns import render_retina_dns
 from podmeter.adapters.metrics.retina_node import render_drops, render_forward
 from podmeter.adapters.metrics.service_traffic import render_service_traffic
 from podmeter.model.endpoint_slices import endpoint_labels
@@ -154,6 +155,9 @@ class AgentProcess:
             renderers.append(lambda: render_remote(retina.retina, retina.retina_drops))
         if self.settings.agent.retina_compat is not None:  # Retina's node-level series, in either context
             renderers += [lambda: render_forward(traffic.node_totals), lambda: render_drops(agent.drop_ledger)]
+        retina_dns = agent.retina_dns
+        if retina_dns is not None:
+            renderers.append(lambda: render_retina_dns(retina_dns))
         hubble_metrics = agent.hubble_metrics
         if hubble_metrics is not None:
             renderers.append(lambda: render_hubble_figures(hubble_metrics))

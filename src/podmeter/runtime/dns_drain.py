@@ -7,7 +7,8 @@ those past their expiry, are swept from the kernel (a pod deleted between its qu
 nothing behind).
 
 Next stage: the ledger's series (``adapters.metrics.pod_dns``) and the DNS feed (``podmeter observe
---protocol dns``).
+--protocol dns``), whose taps (``runtime.agent``) add each drain's records to Hubble's DNS families
+(``model.hubble_metrics.dns_events``) and Retina's DNS series (``model.retina_dns``).
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ class AgentSettings:
     # Retina's series too (--retina-compat): None (off), "local" (per pod) or "remote" (per pair of flow ends,
     # built from the flow records: model.retina_flows)
     retina_compat: str | None = None
+    retina_dns_names_limit: int = 1000  # query names with Retina DNS series of their own (then: `_other_`)
     # Drops of a lifecycle reason (a socket's queues freed as it closes: model.drops.LIFECYCLE_REASONS) shown
     # as drops, in the drop series and records (--drops-include-lifecycle); off: counted apart
     drops_include_lifecycle: bool = False
