@@ -65,6 +65,9 @@ MAP_NAMES = [FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_LOST_M
              *DNS_MAP_NAMES]
 READER_MAPS = [FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_LOST_MAP,
                *DNS_MAPS]  # what open_pinned opens
+# The maps whose descriptors the datapath keeps (the others, only the programs use: the DNS scratch).
+KEPT_MAPS = frozenset({FILTER_MAP, COUNTERS_MAP, FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_FILL_MAP, FLOWS_SHARE_MAP,
+                       FLOWS_LOST_MAP, *DNS_MAPS})
 # Replaced, not migrated, when the pin does not match.
 TRANSIENT_MAPS = frozenset({FLOWS_MAP, FLOWS_A, FLOWS_B, FLOWS_FILL_MAP, FLOWS_SHARE_MAP, *DNS_MAP_NAMES})
 # Migrated entry by entry when the pin is of an older type with the same entries: the filter was an LPM
@@ -348,8 +351,11 @@ class EbpfDatapath:
                              share=maps.get(FLOWS_SHARE_MAP))
             flows.adopt()
             flows.configure(Fairness.for_capacity(flows.capacity))
-        return cls(maps[FILTER_MAP], maps[COUNTERS_MAP], programs, pins, flows=flows,
-                   flows_lost_map=maps.get(FLOWS_LOST_MAP), dns=DnsMaps.of(maps))
+        datapath = cls(maps[FILTER_MAP], maps[COUNTERS_MAP], programs, pins, flows=flows,
+                       flows_lost_map=maps.get(FLOWS_LOST_MAP), dns=DnsMaps.of(maps))
+        for name in set(maps) - KEPT_MAPS:  # the programs hold them; no descriptor of ours stays open
+            maps[name].close()
+        return datapath
 
     @classmethod
     def open(
