@@ -170,7 +170,8 @@ def test_a_hubble_client_follows_the_default_scenarios_flows_live_and_the_run_pa
         in printed
 
     status = lines[0]["status"]
-    assert status["max_flows"] == scenario.agent.flow_buffer and status["version"].startswith("podmeter/")
+    # the flow ring and the DNS ring, each --flow-buffer records (docs/hubble.md, "DNS")
+    assert status["max_flows"] == 2 * scenario.agent.flow_buffer and status["version"].startswith("podmeter/")
     assert status["nodes"] == 1
     flows = [line for line in lines if "src" in line]
     assert flows and all(f["node"] == NODE_NAME and f["t"] < ended for f in flows)
