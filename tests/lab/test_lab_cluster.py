@@ -229,7 +229,7 @@ def test_ctrl_c_removes_everything_the_lab_made_on_the_api_server(tmp_path: Path
     with LabServer() as server:
         lab = subprocess.Popen([sys.executable, "-m", "podmeter", "lab", str(scenario), "--kubeconfig",
                                 str(server.kubeconfig), "--out", str(tmp_path / "out"), "--no-progress"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:  # until its pods run on its nodes
@@ -244,8 +244,9 @@ def test_ctrl_c_removes_everything_the_lab_made_on_the_api_server(tmp_path: Path
             lab.send_signal(signal.SIGINT)
             output = lab.communicate(timeout=60)[0].decode()
         finally:
-            if lab.poll() is None:
-                lab.kill()
+            if lab.poll() is None:  # the lab and every process it started: none may outlive a failed test
+                os.killpg(lab.pid, signal.SIGKILL)
+                lab.wait()
         assert lab.returncode == 130, output
         assert "interrupted" in output
         assert _lab_objects(server, f"pmlab{lab.pid}") == NOTHING_LEFT
