@@ -807,6 +807,8 @@ class LabRun(Hooks):
             self.driver.delete_pod(*pod.split("/", 1))
         # The agent drains before it applies a delete: once it forgot A', every packet of A' is named.
         drained = self._agent_forgot(second[1]) if second else None
+        if drained:  # and that drain's records published (a drain that reads conntrack finishes later)
+            drained = self.flow_client.wait_for_drains(drains, 1, time.monotonic() + POD_WAIT)
         for pod in fillers:
             self.driver.delete_pod(*pod.split("/", 1))
         holders = [Holder(self._end(a, port), {FROM_POD: want, TO_POD: want}, windows[0])]
