@@ -7,7 +7,7 @@ never occurred does not exist, unless the value is known in advance (:func:`with
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -48,3 +48,14 @@ def with_zeros(values: Mapping[K, int], known: Iterable[K]) -> dict[K, int]:
 def by_one(values: Mapping[str, int]) -> Mapping[tuple[str], int]:
     """Values keyed by one label value, as the label tuples :func:`counter` takes."""
     return {(key,): value for key, value in values.items()}
+
+
+V = TypeVar("V")
+
+
+def pruned(cache: dict[str, V], live: Collection[str]) -> dict[str, V]:
+    """A per-series text cache, without the series gone once it holds more than twice the live ones (and
+    1,024): rebuilt rarely, so a scrape does not pay for every churned pod."""
+    if len(cache) > 2 * len(live) + 1024:
+        return {uid: value for uid, value in cache.items() if uid in live}
+    return cache

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
+from podmeter.adapters.metrics.families import pruned
 from podmeter.adapters.metrics.pod_traffic import escape
 from podmeter.model.dns import LATENCY_BOUNDS, DnsLedger, DnsSeries, Verdict, qtype_name, rcode_name
 
@@ -94,6 +95,4 @@ class PodDnsExposition:
         return text
 
     def _prune(self) -> None:
-        live = self._ledger.series
-        if len(self._labels) > 2 * len(live) + 1024:
-            self._labels = {uid: text for uid, text in self._labels.items() if uid in live}
+        self._labels = pruned(self._labels, self._ledger.series)

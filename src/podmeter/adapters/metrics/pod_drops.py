@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from podmeter.adapters.metrics.families import pruned
 from podmeter.adapters.metrics.pod_traffic import escape
 from podmeter.adapters.metrics.retina import RETINA_DROP_HELP
 from podmeter.model.datapath import Direction
@@ -153,8 +154,5 @@ class PodDropExposition:
         return text
 
     def _prune(self) -> None:
-        live = self._ledger.series
-        if len(self._labels) > 2 * len(live) + 1024:
-            self._labels = {uid: text for uid, text in self._labels.items() if uid in live}
-        if len(self._retina_labels) > 2 * len(live) + 1024:
-            self._retina_labels = {uid: text for uid, text in self._retina_labels.items() if uid in live}
+        self._labels = pruned(self._labels, self._ledger.series)
+        self._retina_labels = pruned(self._retina_labels, self._ledger.series)
