@@ -23,3 +23,10 @@ def test_a_check_that_could_not_run_says_why() -> None:
     assert failed_check_text(check) == ("reuse-during-flow - -> shop/db-0: pod A never ran with an IP the agent "
                                         "knew within 30 s; expected 20 pkts 2,560 B")
     assert failed_check_text({"protocol": "tcp", "ok": False}) == "tcp - -> -: failed (see the report)"
+
+
+def test_a_failed_service_step_names_its_client_service_and_problems() -> None:
+    check = {"kind": "apps-nginx", "protocol": "tcp", "service": "shop/store-svc", "client": "shop/shopper-21",
+             "ok": False, "problems": ["RuntimeError: shop/store-18: nginx did not listen (see lab-report/x)"]}
+    assert failed_check_text(check) == ("apps-nginx shop/shopper-21 -> shop/store-svc: RuntimeError: shop/store-18: "
+                                        "nginx did not listen (see lab-report/x)")

@@ -129,7 +129,7 @@ def failed_check_text(check: dict[str, Any], most: int = 3) -> str:
     """One failed traffic check as a line: what was sent where, and why it failed (the counters, the first
     problems of its flow check); the report has it all."""
     kind = check.get("kind") or check.get("protocol", "?")
-    head = f"{kind} {check.get('src', '-')} -> {check.get('dst', '-')}"
+    head = f"{kind} {check.get('src') or check.get('client', '-')} -> {check.get('dst') or check.get('service', '-')}"
     why: list[str] = []
     if check.get("problem"):
         why.append(str(check["problem"]))
@@ -138,7 +138,7 @@ def failed_check_text(check: dict[str, Any], most: int = 3) -> str:
         why.append(f"expected {_pair(check['expected'])}" + (f", counted {counted}" if counted else ""))
     if "delivered" in check:
         why.append(f"delivered {check['delivered']:,}")
-    problems = list((check.get("flow") or {}).get("problems") or [])
+    problems = list(check.get("problems") or (check.get("flow") or {}).get("problems") or [])  # a step's own
     why += problems[:most] + ([f"{len(problems) - most} more problems in the report"] if len(problems) > most else [])
     return f"{head}: {'; '.join(why) if why else 'failed (see the report)'}"
 

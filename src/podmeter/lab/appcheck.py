@@ -65,6 +65,11 @@ class Programs:
     directory: Path
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # nginx takes a relative -p/-c against its own prefix and redis a relative logfile against its dir:
+        # every path the servers are given is absolute (``make lab``'s --out is the relative lab-report)
+        self.directory = self.directory.resolve()
+
     def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         with open(self.directory / f"{name}.out", "wb") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -129,6 +134,10 @@ def nginx_log(directory: Path) -> dict[int, tuple[int, int]]:
     return found
 
 
+def nginx_argv(directory: Path, port: int) -> list[str]:
+    return ["nginx", "-p", str(directory), "-c", str(nginx_config(directory, port)), "-e", str(directory / "error.log")]
+
+
 def curl_argv(address: str, port: int, requests: int, close: bool) -> list[str]:
     url = f"http://{address}:{port}/file"
     argv = ["curl", "--silent", "--show-error", "--fail", "--http1.1"]
@@ -150,6 +159,10 @@ def redis_config(directory: Path, port: int) -> Path:
     config.write_text(f'port {port}\nbind 0.0.0.0\nprotected-mode no\nsave ""\nappendonly no\n'
                       f"daemonize no\ndir {directory}\nlogfile {directory / 'redis.log'}\n")
     return config
+
+
+def redis_argv(directory: Path, port: int) -> list[str]:
+    return ["redis-server", str(redis_config(directory, port))]
 
 
 def redis_stats(backend: Endpoint, port: int) -> tuple[int, int, int]:
@@ -368,8 +381,7 @@ class AppRun:
 
     def nginx(self) -> dict[str, Any]:
         port, target = PORTS["nginx"]
-        directories = self._start("nginx", lambda d: ["nginx", "-p", str(d), "-c", str(nginx_config(d, target)),
-                                                      "-e", str(d / "error.log")], target)
+        directories = self._start("nginx", lambda d: nginx_argv(d, target), target)
         probed = self._probe(port)
         since = time.time()
         requests = self.step.requests
@@ -386,7 +398,7 @@ class AppRun:
 
     def redis(self) -> dict[str, Any]:
         port, target = PORTS["redis"]
-        self._start("redis", lambda d: ["redis-server", str(redis_config(d, target))], target)
+        self._start("redis", lambda d: redis_argv(d, target), target)
         probed = self._probe(port)
         before = {b.pod: redis_stats(b, target) for b in self.backends}
         since = time.time()

@@ -175,7 +175,7 @@ class LabRun(Hooks):
         self.result = LabResult(scenario.name, self.datapath, scenario.seed)
         if notice:
             self.result.notes.append(notice)
-        self.out = options.out_dir
+        self.out = options.out_dir.resolve()  # the servers of its steps are handed paths under it
         self.tag = f"pmlab{os.getpid()}"
         self.endpointslices: EndpointSliceController | None = None
         self.bpffs = BPFFS / self.tag
