@@ -36,7 +36,7 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 # The fast tier: the tests marked `fast` (model, property, decoder and reflector-rule tests), in seconds,
 # without root. It starts no process: with PODMETER_FAST_TESTS=1, tests/conftest.py makes every
