@@ -79,10 +79,19 @@ def register(subparsers: Any) -> None:
                    metavar="local|remote",
                    help="also export Retina's networkobservability_adv_forward_* and _drop_* series: per pod "
                         "(local, the flag alone) or per flow (remote, as Retina's pod-level dashboards query them), "
-                        "and in both its node-level networkobservability_forward_*, _drop_* and TCP reset series")
+                        "and in both its node-level series: networkobservability_forward_*, _drop_*, the TCP resets, and "
+                        "the node's sockets, TcpExt and interface counters")
     p.add_argument("--retina-dns-names-limit", type=_positive, default=AgentSettings.retina_dns_names_limit,
                    help="with --retina-compat, DNS query names with Retina DNS series of their own on the node "
                         "(their query label); beyond, the name _other_")
+    p.add_argument("--retina-remote-addresses-limit", type=_positive,
+                   default=AgentSettings.retina_remote_addresses_limit,
+                   help="with --retina-compat, remote addresses of the node's TCP sockets with a "
+                        "networkobservability_tcp_connection_remote series of their own (the most sockets first); "
+                        "beyond, the address _other_")
+    p.add_argument("--retina-interfaces-limit", type=_positive, default=AgentSettings.retina_interfaces_limit,
+                   help="with --retina-compat, the node's interfaces with networkobservability_interface_stats "
+                        "series of their own (the most bytes first); beyond, the interface _other_")
     p.add_argument("--hubble-listen", metavar="ADDR", default=HubbleSettings.listen,
                    help="serve Hubble's Observer gRPC API (hubble observe, Relay, UI) on unix:///PATH or HOST:PORT "
                         "(default: off; 4246 suggested: docs/hubble.md); a non-loopback address needs the TLS options")
@@ -115,6 +124,8 @@ def settings_from(args: argparse.Namespace) -> AgentProcessSettings:
                             series_grace=args.series_grace, flow_interval=args.flow_interval,
                             flow_buffer=args.flow_buffer, flow_series_limit=args.flow_series_limit,
                             retina_compat=args.retina_compat, retina_dns_names_limit=args.retina_dns_names_limit,
+                            retina_remote_addresses_limit=args.retina_remote_addresses_limit,
+                            retina_interfaces_limit=args.retina_interfaces_limit,
                             drops_include_lifecycle=args.drops_include_lifecycle,
                             hubble_metrics=args.hubble_metrics,
                             hubble_metrics_series_limit=args.hubble_metrics_series_limit),

@@ -36,7 +36,8 @@ from podmeter.adapters.metrics.pod_drops import PodDropExposition
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.adapters.metrics.retina import LOCAL, render_remote
 from podmeter.adapters.metrics.retina_dns import render_retina_dns
-from podmeter.adapters.metrics.retina_node import render_drops, render_forward
+from podmeter.adapters.metrics.node_stats import NodeStatsExposition
+from podmeter.adapters.metrics.retina_node import node_resets, render_drops, render_forward
 from podmeter.adapters.metrics.service_traffic import render_service_traffic
 from podmeter.model.endpoint_slices import endpoint_labels
 from podmeter.model.endpoints import Endpoint
@@ -153,8 +154,12 @@ class AgentProcess:
         retina = agent.retina
         if retina is not None:
             renderers.append(lambda: render_remote(retina.retina, retina.retina_drops))
-        if self.settings.agent.retina_compat is not None:  # Retina's node-level series, in either context
-            renderers += [lambda: render_forward(traffic.node_totals), lambda: render_drops(agent.drop_ledger)]
+        core = self.settings.agent
+        if core.retina_compat is not None:  # Retina's node-level series, in either context
+            node = NodeStatsExposition(lambda: node_resets(agent.drop_ledger), core.retina_remote_addresses_limit,
+                                       core.retina_interfaces_limit)
+            renderers += [lambda: render_forward(traffic.node_totals), lambda: render_drops(agent.drop_ledger),
+                          node.render]
         retina_dns = agent.retina_dns
         if retina_dns is not None:
             renderers.append(lambda: render_retina_dns(retina_dns))

@@ -62,6 +62,8 @@ class AgentSettings:
     # built from the flow records: model.retina_flows)
     retina_compat: str | None = None
     retina_dns_names_limit: int = 1000  # query names with Retina DNS series of their own (then: `_other_`)
+    retina_remote_addresses_limit: int = 100  # remote addresses with a tcp_connection_remote series (then: `_other_`)
+    retina_interfaces_limit: int = 128  # interfaces with interface_stats series of their own (then: `_other_`)
     # Drops of a lifecycle reason (a socket's queues freed as it closes: model.drops.LIFECYCLE_REASONS) shown
     # as drops, in the drop series and records (--drops-include-lifecycle); off: counted apart
     drops_include_lifecycle: bool = False
