@@ -351,6 +351,17 @@ def test_the_node_level_series_are_the_node_totals_in_either_context(lab: LabSer
             for (name, labels), value in found.items() if name == "networkobservability_drop_count"}
         assert dropped == {("IPTABLE_RULE_DROP", "egress"): (2, 120), ("IPTABLE_RULE_DROP", "ingress"): (2, 120),
                            ("NO_SOCKET", "ingress"): (1, 60)}
+        # The node's own stack, read from this machine's /proc/net: the agent's TCP listener is open, and
+        # resetcount shares its family with the kernel's TcpExt counters (one HELP and TYPE).
+        assert node("networkobservability_tcp_state", state="LISTEN") >= 1
+        assert node("networkobservability_tcp_connection_stats", statistic_name="tcptimeouts") >= 0
+        assert node("networkobservability_udp_connection_stats", statistic_name="active") >= 0
+        assert text.count("# TYPE networkobservability_tcp_connection_stats gauge") == 1
+        assert {types(text)[name] for name in ("networkobservability_tcp_state",
+                                               "networkobservability_tcp_connection_remote",
+                                               "networkobservability_interface_stats")} == {"gauge"}
+        errors = samples(text, "podmeter_node_stats_errors_total")
+        assert len(errors) == 12 and not any(errors.values()), errors  # every file read, every line parsed
         assert promtool(text) == (3, RETINA_FINDINGS)
 
     RunningAgent(lab, [f"--retina-compat={context}"]).run(steps)
