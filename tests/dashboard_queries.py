@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from podmeter.model.hubble_metrics import RCODES
+from podmeter.model.node_stats import INTERFACE_STATISTICS, TCP_STATES
 from podmeter.model.retina_dns import RETURN_CODES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,8 +77,17 @@ EXPORTED: dict[str, Series] = {
     "networkobservability_forward_count": Series(RETINA, {"direction": _DIRECTIONS}),
     "networkobservability_drop_bytes": Series(RETINA, {"direction": _DIRECTIONS}),
     "networkobservability_drop_count": Series(RETINA, {"direction": _DIRECTIONS}),
-    "networkobservability_tcp_connection_stats": Series(RETINA, {"statistic_name": frozenset({"resetcount"})}),
+    # resetcount (the observed pods' RSTs) and the node's TcpExt counters lower-cased: the ones the dashboards
+    # ask for of the kernel's hundred or so
+    "networkobservability_tcp_connection_stats": Series(RETINA, {"statistic_name": frozenset(
+        {"resetcount", "tcptimeouts", "tcptsreorder"})}),
     "networkobservability_tcp_flag_counters": Series(RETINA, {"flag": frozenset({"rst"})}),
+    # The node's own stack, from the kernel's files of the agent's network namespace (/proc/net)
+    "networkobservability_tcp_state": Series(RETINA, {"state": frozenset(TCP_STATES.values())}),
+    "networkobservability_tcp_connection_remote": Series(RETINA),
+    "networkobservability_udp_connection_stats": Series(RETINA, {"statistic_name": frozenset({"active"})}),
+    "networkobservability_interface_stats": Series(RETINA, {"statistic_name": frozenset(INTERFACE_STATISTICS)},
+                                                   "no driver counters"),
     # With `flow` and `tcp` in --hubble-metrics, with the pod contexts the dashboards match
     # (dashboard_support.HUBBLE_METRICS).
     "hubble_flows_processed_total": Series(HUBBLE, {"verdict": frozenset({"FORWARDED", "DROPPED"}),
@@ -94,16 +104,6 @@ EXPORTED: dict[str, Series] = {
     "hubble_dns_responses_total": Series(HUBBLE, {"rcode": _RCODES, "ips_returned": _EMPTY}, "no answer records"),
 }
 NOT_EXPORTED = {  # name: why podmeter does not export it
-    "networkobservability_interface_stats":
-        "the node's NIC and driver counters (ethtool's rx_comp_full, tx_send_full, ...): podmeter counts per pod "
-        "address on the pods' veths and reads no interface statistics",
-    "networkobservability_tcp_state":
-        "open TCP sockets by state, from the node's socket table: podmeter sees packets and their flags, not "
-        "sockets",
-    "networkobservability_tcp_connection_remote":
-        "open TCP sockets by remote address, from the node's socket table: podmeter sees no sockets",
-    "networkobservability_udp_connection_stats": "open UDP sockets, from the node's socket table: podmeter sees "
-                                                 "no sockets",
     "networkobservability_node_apiserver_handshake_latency_ms_bucket":
         "the node's own TCP handshakes with the API server: they never pass the pods' veths podmeter hooks",
 }

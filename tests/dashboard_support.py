@@ -1,6 +1,8 @@
 """The dashboards against the real thing (no tests here): a real ``podmeter agent --datapath ebpf`` and a
 ``podmeter operator`` in a topology's host netns, four netns pods in two namespaces with TCP and UDP
-traffic, refused connections and drops between them and with addresses no pod holds, DNS lookups to
+traffic, refused connections and drops between them and with addresses no pod holds, the node's own TCP
+connections to a pod (a kubelet's probe) and drops on the node's interfaces (:class:`InterfaceDrops`), DNS
+lookups to
 Debian's dnsmasq in a fifth pod (the cluster's DNS server, in a namespace not observed), Debian's Prometheus
 scraping the agent, its Hubble metrics listener (in ``remote`` mode) and the operator every second, and
 every panel's queries (:mod:`dashboard_queries`) evaluated through Prometheus's HTTP API
@@ -148,8 +150,9 @@ class Prometheus:
 class Traffic:
     """TCP uploads and UDP datagrams between the pods, to and from the host (an address no pod holds) and
     into web's dropped port (from pods, and from the host: a drop seen entering a pod), connections refused
-    by web (a SYN answered by a RST), DNS lookups of client and api (:data:`LOOKUPS`) and one to an address
-    where no DNS server listens (its answer missing), again and again until :meth:`stop`."""
+    by web (a SYN answered by a RST), a TCP probe of web from the node (:func:`probe`), drops on the node's
+    interfaces (:class:`InterfaceDrops`), DNS lookups of client and api (:data:`LOOKUPS`) and one to an
+    address where no DNS server listens (its answer missing), again and again until :meth:`stop`."""
 
     pods: Mapping[str, Pod]
     host_ip: str
@@ -160,6 +163,8 @@ class Traffic:
 
     def __post_init__(self) -> None:
         self.thread = threading.Thread(target=self._run, daemon=True)
+        self.interface_drops = InterfaceDrops(self.topology, self.pods["shop/client"])
+        self.interface_drops.create()
 
     def start(self) -> None:
         self.thread.start()
@@ -179,6 +184,8 @@ class Traffic:
                 with self.topology.in_host(), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
                     send(sock, (web.ip, DROPPED_PORT), 2)  # from an address no pod holds
                 refused(client, web)
+                probe(self.topology, web)
+                self.interface_drops.send()
                 for asker in (client, api):
                     lookups(asker, self.resolver)
                 ask_from(client, self.host_ip, message(0, "lost.shop.svc.cluster.local"), timeout=0.05)
@@ -191,6 +198,60 @@ class Traffic:
         self.thread.join(30)
         if self.failures:
             raise self.failures[0]
+
+
+def probe(topology: Topology, server: Pod) -> None:
+    """A TCP connection from the node (the host netns) to ``server``, closed by the node, as a kubelet's TCP
+    probe: the node's socket stays in TIME_WAIT with the pod's address as its remote end."""
+    with netns(server.netns_path):
+        listener = socket.socket()
+    with topology.in_host():
+        sock = socket.socket()
+    with listener, sock:
+        listener.bind((server.ip, 0))
+        listener.listen(1)
+        sock.settimeout(5)
+        sock.connect(listener.getsockname())
+        accepted, _ = listener.accept()
+        with accepted:
+            sock.close()  # the node closes first: its end waits in TIME_WAIT
+
+
+# A frame of a protocol the node does not speak (an EtherType of IEEE's local experimental range): the
+# interface that receives it counts it in rx_dropped.
+UNKNOWN_ETHERTYPE = 0x88B5
+STRAY_FRAME = bytes.fromhex("ffffffffffff" "020000000001") + UNKNOWN_ETHERTYPE.to_bytes(2, "big") + bytes(46)
+DOWN_VETH, DOWN_PEER = "pmdown0", "pmdown1"  # a link of the node whose other end is down
+DOWN_NET, DOWN_NEIGHBOUR = "10.232.0.1/30", "10.232.0.2"
+
+
+@dataclass
+class InterfaceDrops:
+    """Real drops on the node's interfaces, as the kernel counts them in /proc/net/dev: a pod's frames of
+    an unknown protocol (rx_dropped of its veth's host side) and datagrams routed onto a veth whose peer is
+    down (tx_dropped: the kernel cannot forward to a device that is not up)."""
+
+    topology: Topology
+    sender: Pod
+
+    def create(self) -> None:
+        host = self.topology.host
+        subprocess.run(["ip", "-n", host, "link", "add", DOWN_VETH, "type", "veth", "peer", "name", DOWN_PEER],
+                       check=True)
+        subprocess.run(["ip", "-n", host, "addr", "add", DOWN_NET, "dev", DOWN_VETH], check=True)
+        subprocess.run(["ip", "-n", host, "link", "set", DOWN_VETH, "up"], check=True)
+        subprocess.run(["ip", "-n", host, "neigh", "add", DOWN_NEIGHBOUR, "lladdr", "02:00:00:00:00:02", "dev",
+                        DOWN_VETH, "nud", "permanent"], check=True)  # no ARP: only the test's datagrams
+
+    def send(self) -> None:
+        with netns(self.sender.netns_path):
+            raw = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+        with raw:
+            raw.bind(("eth0", 0))
+            for _ in range(2):
+                raw.send(STRAY_FRAME)
+        with self.topology.in_host(), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            send(sock, (DOWN_NEIGHBOUR, 9), 2)
 
 
 def refused(client: Pod, server: Pod) -> None:

@@ -36,8 +36,8 @@ def test_every_panel_podmeter_can_fill_has_data(topology: Topology, server: LabS
              if r.has_data != (r.expected is None)]
     assert wrong == [], "Retina panels whose data disagrees with dashboard_queries.EXPORTED"
     figures = summary(results)
-    if mode == REMOTE:  # what podmeter fills today; it rises as names move into EXPORTED
-        assert figures["retina/clusters"]["with_data"] >= 26
+    if mode == REMOTE:  # what podmeter fills today (163 of Retina's 171); it rises as names move into EXPORTED
+        assert figures["retina/clusters"]["with_data"] >= 35
         assert figures["retina/standard-pod-level"]["with_data"] >= 10
         assert figures["retina/hubble-pod-flows-workload"]["with_data"] >= 49
         assert figures["retina/hubble-pod-flows-namespace"]["with_data"] >= 53
