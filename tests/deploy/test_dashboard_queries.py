@@ -74,10 +74,15 @@ def test_a_panel_is_expected_when_one_alternative_has_every_series_with_its_valu
     assert dq.expected(panel("networkobservability_forward_count"), ["--retina-compat=local"]) is None
     assert dq.expected(panel("networkobservability_adv_forward_count"), ["--retina-compat=local"]) is not None
     either = ('sum(networkobservability_drop_count) or # a comment\n'
-              'sum(networkobservability_interface_stats{statistic_name="rx_dropped"})')
+              'sum(networkobservability_interface_stats{statistic_name="rx_comp_full"})')
     assert dq.expected(panel(either), remote) is None
-    both = "sum(networkobservability_drop_count) and sum(networkobservability_interface_stats)"
-    assert "interface_stats" in str(dq.expected(panel(both), remote))
+    both = ("sum(networkobservability_drop_count) and "
+            "sum(networkobservability_node_apiserver_handshake_latency_ms_bucket)")
+    assert "apiserver" in str(dq.expected(panel(both), remote))
+    # the node's generic interface counters, not its driver's
+    assert dq.expected(panel('networkobservability_interface_stats{statistic_name="tx_dropped"}'), remote) is None
+    assert "statistic_name" in str(dq.expected(panel(
+        'networkobservability_interface_stats{statistic_name="rx_comp_full"}'), remote))
     assert "only with --hubble-metrics" in str(dq.expected(panel("sum(rate(hubble_dns_queries_total[1m]))"), remote))
     # a negative matcher no value podmeter has passes: a panel asking for answers podmeter never reads
     table = 'sum(networkobservability_dns_response_count{num_response!="0", response!=""})'

@@ -79,8 +79,8 @@ def register(subparsers: Any) -> None:
                    metavar="local|remote",
                    help="also export Retina's networkobservability_adv_forward_* and _drop_* series: per pod "
                         "(local, the flag alone) or per flow (remote, as Retina's pod-level dashboards query them), "
-                        "and in both its node-level series: networkobservability_forward_*, _drop_*, the TCP resets, and "
-                        "the node's sockets, TcpExt and interface counters")
+                        "and in both its node-level series: networkobservability_forward_*, _drop_*, the TCP "
+                        "resets, and the node's sockets, TcpExt and interface counters")
     p.add_argument("--retina-dns-names-limit", type=_positive, default=AgentSettings.retina_dns_names_limit,
                    help="with --retina-compat, DNS query names with Retina DNS series of their own on the node "
                         "(their query label); beyond, the name _other_")

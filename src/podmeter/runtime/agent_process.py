@@ -31,12 +31,12 @@ from podmeter.adapters.kube.connection import Connection, ConnectionConfigError,
 from podmeter.adapters.metrics.agent_state import AgentStateCollector
 from podmeter.adapters.metrics.flow_traffic import render_workload_flows
 from podmeter.adapters.metrics.hubble_metrics import render_hubble, render_hubble_figures
+from podmeter.adapters.metrics.node_stats import NodeStatsExposition
 from podmeter.adapters.metrics.pod_dns import PodDnsExposition
 from podmeter.adapters.metrics.pod_drops import PodDropExposition
 from podmeter.adapters.metrics.pod_traffic import PodTrafficExposition
 from podmeter.adapters.metrics.retina import LOCAL, render_remote
 from podmeter.adapters.metrics.retina_dns import render_retina_dns
-from podmeter.adapters.metrics.node_stats import NodeStatsExposition
 from podmeter.adapters.metrics.retina_node import node_resets, render_drops, render_forward
 from podmeter.adapters.metrics.service_traffic import render_service_traffic
 from podmeter.model.endpoint_slices import endpoint_labels

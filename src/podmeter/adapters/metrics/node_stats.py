@@ -27,8 +27,15 @@ from pathlib import Path
 
 from podmeter.adapters.metrics.pod_traffic import escape
 from podmeter.adapters.metrics.retina_node import RESETS, family
-from podmeter.model.node_stats import SocketTable, parse_net_dev, parse_netstat, parse_sockets, tcp_states, top, \
-    top_interfaces
+from podmeter.model.node_stats import (
+    SocketTable,
+    parse_net_dev,
+    parse_netstat,
+    parse_sockets,
+    tcp_states,
+    top,
+    top_interfaces,
+)
 
 FILES = ("tcp", "tcp6", "udp", "udp6", "netstat", "dev")
 IPV6_TABLES = {"tcp6", "udp6"}
@@ -108,9 +115,9 @@ class NodeStatsExposition:
             return []
         parsed = parse_net_dev(text)
         self.errors["dev", MALFORMED] += parsed.errors
-        name = "networkobservability_interface_stats"
+        name, kept = "networkobservability_interface_stats", top_interfaces(parsed.values, self.interface_limit)
         return family(name, [f'{name}{{interface_name="{escape(interface)}",statistic_name="{statistic}"}} {value}'
-                             for interface, values in sorted(top_interfaces(parsed.values, self.interface_limit).items())
+                             for interface, values in sorted(kept.items())
                              for statistic, value in sorted(values.items())])
 
     def _errors(self) -> list[str]:

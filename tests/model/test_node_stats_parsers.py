@@ -11,8 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from podmeter.model.node_stats import INTERFACE_STATISTICS, OTHER, parse_net_dev, parse_netstat, parse_sockets, \
-    remote_address, tcp_states, top, top_interfaces
+from podmeter.model.node_stats import (
+    INTERFACE_STATISTICS,
+    OTHER,
+    parse_net_dev,
+    parse_netstat,
+    parse_sockets,
+    remote_address,
+    tcp_states,
+    top,
+    top_interfaces,
+)
 
 CAPTURED = Path(__file__).resolve().parent.parent / "data" / "node_stats"
 
