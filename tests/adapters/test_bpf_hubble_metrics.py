@@ -78,14 +78,18 @@ def test_a_real_agents_hubble_metrics_count_its_traffic_and_drops_and_lint_clean
         def dropped() -> float:
             return total(scrape(topology, port), "hubble_drop_total", reason="POLICY_DENIED", protocol="UDP")
 
+        def into_web(text: str) -> float:
+            return total(text, flows, verdict="FORWARDED", protocol="TCP", destination="shop/web",
+                         subtype="to-endpoint", traffic_direction="ingress")
+
         wait_for(lambda: dropped() >= 6, 15, "the netfilter drops as POLICY_DENIED", agent.log)
+        # The drops and the upload's flows reach the metrics with the drains that take them, not together.
+        wait_for(lambda: into_web(scrape(topology, port)) > 0, 15, "the upload's flows", agent.log)
         text = scrape(topology, port)
         lint = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
         assert (lint.returncode, lint.stdout + lint.stderr) == (0, "")
         # Every packet web received was seen entering it: the upload's segments among them.
-        into_web = total(text, flows, verdict="FORWARDED", protocol="TCP", destination="shop/web",
-                         subtype="to-endpoint", traffic_direction="ingress")
-        assert into_web >= 200_000 / 65536
+        assert into_web(text) >= 200_000 / 65536
         assert total(text, flows, verdict="DROPPED", type="Drop", source="shop/client",
                      destination="shop/web") >= 6
         assert total(text, "hubble_tcp_flags_total", flag="SYN", family="IPv4") >= 1

@@ -10,6 +10,7 @@ needs no kernel) and needs nothing.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from lab_server import LabServer
+from podmeter.cli.lab import failed_check_text
 from podmeter.lab.cluster import ClusterRun
 from podmeter.lab.report import write_report
 from podmeter.lab.run import LabOptions
@@ -101,6 +103,24 @@ def _leftovers(tag: str) -> list[str]:
     return netns + pins
 
 
+def _kill_lab(lab: subprocess.Popen[bytes], kubeconfig: str) -> None:
+    """The lab and every process it started (each in a session of its own: found by the kubeconfig they
+    were given), then what they made in the kernel: none of it may outlive a failed test into the next."""
+    os.killpg(lab.pid, signal.SIGKILL)
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if kubeconfig.encode() in cmdline.read_bytes():
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+    lab.wait()
+    tag = f"pmlab{lab.pid}"
+    for name in _leftovers(tag):
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+    for pin in Path("/sys/fs/bpf").glob(f"{tag}*"):
+        shutil.rmtree(pin, ignore_errors=True)
+
+
 @needs_root
 def test_three_nodes_pass_with_cross_node_flows_named_on_both_ends(tmp_path: Path) -> None:
     started = time.monotonic()
@@ -111,7 +131,7 @@ def test_three_nodes_pass_with_cross_node_flows_named_on_both_ends(tmp_path: Pat
     assert result.failures == [], result.failures
     traffic = [t for t in result.traffic if "skipped" not in t]
     assert len(traffic) == 10 and all(t["ok"] for t in traffic), [t for t in traffic if not t["ok"]]
-    assert result.passed
+    assert result.passed, [failed_check_text(t) for t in result.traffic if not t.get("ok", True)]
     # Every ordered pair of nodes exchanged traffic, each exchange exact against both agents' records.
     cells = result.cross_node["cells"]
     for source in ("lab-0", "lab-1", "lab-2"):
@@ -242,11 +262,16 @@ def test_ctrl_c_removes_everything_the_lab_made_on_the_api_server(tmp_path: Path
                 pytest.fail("the lab's pods never ran")
             assert _lab_objects(server)["nodes"] == ["ext-a", "ext-b"]
             lab.send_signal(signal.SIGINT)
-            output = lab.communicate(timeout=60)[0].decode()
+            try:
+                output = lab.communicate(timeout=60)[0].decode()
+            except subprocess.TimeoutExpired:
+                lab.send_signal(signal.SIGUSR1)  # every thread's stack, where the lab is stuck
+                time.sleep(3)
+                _kill_lab(lab, str(server.kubeconfig))
+                pytest.fail("the lab did not end 60 s after SIGINT:\n" + lab.communicate()[0].decode()[-12000:])
         finally:
-            if lab.poll() is None:  # the lab and every process it started: none may outlive a failed test
-                os.killpg(lab.pid, signal.SIGKILL)
-                lab.wait()
+            if lab.poll() is None:
+                _kill_lab(lab, str(server.kubeconfig))
         assert lab.returncode == 130, output
         assert "interrupted" in output
         assert _lab_objects(server, f"pmlab{lab.pid}") == NOTHING_LEFT

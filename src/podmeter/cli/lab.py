@@ -7,6 +7,7 @@ with a planted fault (:mod:`podmeter.lab.faults`), to show that the lab's checks
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"notice: {note}")
     # SIGTERM unwinds like Ctrl-C, so every namespace, veth, pin and process of the run is removed.
     signal.signal(signal.SIGTERM, _interrupt)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a run that seems stuck: kill -USR1 prints where
     try:
         result = lab.run()
     except KeyboardInterrupt:
