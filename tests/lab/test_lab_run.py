@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,21 @@ def test_a_run_ends_once_its_lifecycles_are_done(tmp_path: Path) -> None:
     assert result.passed, result.failures
     assert result.counts["lifecycles"] >= 60
     assert result.steps_s is not None and result.steps_s < 30  # not the 600 s duration
+
+
+def test_an_interrupt_unwinds_the_run_at_its_next_pause_and_stops_every_process(tmp_path: Path) -> None:
+    """What Ctrl-C and SIGTERM do (podmeter lab's handler calls interrupt()): the run raises
+    KeyboardInterrupt from its own pause, after its processes started, and its teardown stops them all."""
+    lab = LabRun(load_scenario("short"), LabOptions(tmp_path, datapath="memory", progress=False))
+    timer = threading.Timer(4.0, lab.interrupt)
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lab.run()
+    finally:
+        timer.cancel()
+    assert time.monotonic() - started < 30
+    started_processes = [p for p in lab.processes.processes.values() if p.popen is not None]
+    assert {p.name for p in started_processes} >= {"apiserver", "agent"}
+    assert all(p.popen is not None and p.popen.poll() is not None for p in started_processes)

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -77,12 +78,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for note in lab.result.notes:
         print(f"notice: {note}")
-    # SIGTERM unwinds like Ctrl-C, so every namespace, veth, pin and process of the run is removed.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C and SIGTERM unwind the run at its next pause, so every namespace, veth, pin and process of the
+    # run is removed; a second one raises at once.
+    handler = _interrupt_handler(lab)
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a run that seems stuck: kill -USR1 prints where
     try:
         result = lab.run()
     except KeyboardInterrupt:
+        result = None
+    if result is None or lab.interrupted.is_set():  # interrupted in the teardown: it ran to its end
         print("podmeter lab: interrupted; the run removed what it had created", file=sys.stderr)
         return 130
     files = write_report(result, args.out)
@@ -116,8 +122,12 @@ def ebpf_lab_missing(caps: int | None = None, euid: int | None = None, mountinfo
             "--datapath memory (no kernel, no root)")
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+def _interrupt_handler(lab: Any) -> Callable[[int, FrameType | None], None]:
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        if lab.interrupted.is_set():
+            raise KeyboardInterrupt  # the second: now, wherever the run is
+        lab.interrupt()
+    return interrupt
 
 
 def _pair(value: Any) -> str:

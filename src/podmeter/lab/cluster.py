@@ -567,10 +567,10 @@ class ClusterRun(LabRun):
             clean = not self.checker.open and not any(n.checker.open for n in self.nodes)
             if last is not None and last.pods == 0 and last.desired == 0 and clean:
                 break
-            time.sleep(0.2)
+            self._pause(0.2)
         self._driver().stats.step = "teardown: settling"
-        time.sleep(self.scenario.settle)
-        time.sleep(2 * self.scenario.sample_interval)  # every failure judged
+        self._pause(self.scenario.settle)
+        self._pause(2 * self.scenario.sample_interval)  # every failure judged
         self.result.memory = self._memory()
 
     def _memory(self) -> dict[str, Any]:

@@ -206,6 +206,7 @@ class LabRun(Hooks):
         self.latency_unseen = 0  # deletes whose IP was never seen leaving the map (reused first)
         self.started = time.monotonic()
         self._stop_sampling = threading.Event()
+        self.interrupted = threading.Event()  # Ctrl-C or SIGTERM (interrupt): the run unwinds at its next pause
         self._last: Sample | None = None
         self._agent_restarting = False
         self._restarted_at: float | None = None
@@ -219,6 +220,17 @@ class LabRun(Hooks):
             self.result.notes.append(self.cni.note)
 
     # --- the whole run -----------------------------------------------------------------------------
+
+    def interrupt(self) -> None:
+        """Ctrl-C or SIGTERM (``podmeter lab``'s handler): the main thread raises KeyboardInterrupt at its next
+        pause and unwinds through the teardown, never from the middle of a call (a lock held, a process
+        half started), where an exception raised by the signal itself could leave the teardown waiting on
+        what the interrupted call held."""
+        self.interrupted.set()
+
+    def _pause(self, seconds: float) -> None:
+        if self.interrupted.wait(seconds):
+            raise KeyboardInterrupt
 
     def run(self) -> LabResult:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -278,6 +290,7 @@ class LabRun(Hooks):
         assert self.driver is not None
         sampler = threading.Thread(target=self._sample_loop, name="lab-sampler", daemon=True)
         probe = threading.Thread(target=self._latency_probe, name="lab-latency", daemon=True)
+        self._pause(0)  # interrupted while the processes started: no timeline
         self.started, self.started_wall = time.monotonic(), time.time()
         self._announce()
         sampler.start()
@@ -319,7 +332,7 @@ class LabRun(Hooks):
         while (left := deadline - time.monotonic()) > 0:
             if lifecycles is not None and self.driver.stats.lifecycles >= lifecycles:
                 return
-            time.sleep(min(0.2, left))
+            self._pause(min(0.2, left))
 
     def _settle_at_end(self) -> None:
         """Wait for an empty node and clean checks (bounded), then ``settle`` more: memory baselines."""
@@ -330,11 +343,11 @@ class LabRun(Hooks):
             last = self._last
             if last is not None and last.pods == 0 and not self.checker.open and last.desired == 0:
                 break
-            time.sleep(0.2)
+            self._pause(0.2)
         self.driver.stats.step = "teardown: settling"
-        time.sleep(self.scenario.settle)
+        self._pause(self.scenario.settle)
         # Two samples after the settle time, so every failure has been judged.
-        time.sleep(2 * self.scenario.sample_interval)
+        self._pause(2 * self.scenario.sample_interval)
         self.result.memory = self._memory()
 
     # --- processes ---------------------------------------------------------------------------------
