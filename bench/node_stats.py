@@ -2,7 +2,8 @@
 (podmeter.model.node_stats.parse_sockets) and, as a reference in the same run, splitting the same text
 into fields and nothing else (the least any parser of it does).
 
-Run: ``.venv/bin/python -m bench.node_stats [--lines N]``. The lines are the kernel's format, with 1,000
+Run: ``.venv/bin/python -m bench.node_stats [--lines N] [--rounds R]``: medians of R interleaved
+rounds. The lines are the kernel's format, with 1,000
 distinct remote addresses (each converted once) and the states of a busy node. Prints one line per figure;
 the last line is one JSON object: ``{"lines", "parse_ms", "split_ms", "ratio"}``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 
@@ -27,24 +29,28 @@ def table(lines: int) -> str:
     return HEADER + "\n".join(rows) + "\n"
 
 
-def best_ms(run: Callable[[], object], repeat: int = 5) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1000
+def median_ms(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Each figure's median over ``rounds``, the runs interleaved (the machine is noisy)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) * 1000 for name, values in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lines", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     text = table(args.lines)
     parsed = parse_sockets(text)
     assert parsed.sockets == args.lines and parsed.errors == 0
-    parse_ms = best_ms(lambda: parse_sockets(text))
-    split_ms = best_ms(lambda: [line.split() for line in text.splitlines()])
+    figures = median_ms({"parse": lambda: parse_sockets(text),
+                         "split": lambda: [line.split() for line in text.splitlines()]}, args.rounds)
+    parse_ms, split_ms = figures["parse"], figures["split"]
     print(f"parse_sockets, {args.lines} lines: {parse_ms:.1f} ms ({len(text) / 1e6:.1f} MB of text)")
     print(f"reference, splitting the lines only: {split_ms:.1f} ms")
     print(json.dumps({"lines": args.lines, "parse_ms": round(parse_ms, 1), "split_ms": round(split_ms, 1),
