@@ -7,31 +7,18 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import time
 from pathlib import Path
 
 import pytest
 
-from podmeter.lab.appcheck import FILE_SIZE, INFO, Programs, nginx_argv, nginx_log, redis_argv
+from podmeter.lab.appcheck import FILE_SIZE, INFO, Programs, nginx_argv, nginx_log, redis_argv, wait_listening
+from podmeter.lab.traffic import Endpoint
+from waiting import free_port, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the lab's nginx runs as root")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def connected(port: int, timeout: float = 10.0) -> socket.socket:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return socket.create_connection(("127.0.0.1", port), timeout=5)
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+HOST = Endpoint("host", "127.0.0.1", "/proc/self/ns/net")  # the servers run in the test's own network namespace
 
 
 def received(sock: socket.socket, until: bytes) -> bytes:
@@ -57,14 +44,13 @@ def programs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Programs:
 def test_nginx_serves_from_a_relative_directory(programs: Programs) -> None:
     port, directory = free_port(), programs.directory / "nginx-0"
     proc = programs.start("nginx-0", nginx_argv(directory, port))
-    with connected(port) as sock:
+    assert wait_listening(HOST, port, proc), (directory.parent / "nginx-0.out").read_text()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(b"GET /file HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         answer = received(sock, b"\r\n\r\n" + b"n" * FILE_SIZE)
     assert proc.poll() is None
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"n" * FILE_SIZE)
-    deadline = time.monotonic() + 5
-    while not nginx_log(directory) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: bool(nginx_log(directory)), 5, "nginx's access log")
     [(_, (read, written))] = nginx_log(directory).items()
     assert written == len(answer) and read > 0
 
@@ -73,7 +59,8 @@ def test_nginx_serves_from_a_relative_directory(programs: Programs) -> None:
 def test_redis_serves_from_a_relative_directory(programs: Programs) -> None:
     port, directory = free_port(), programs.directory / "redis-0"
     proc = programs.start("redis-0", redis_argv(directory, port))
-    with connected(port) as sock:
+    assert wait_listening(HOST, port, proc), (directory.parent / "redis-0.out").read_text()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(INFO)
         answer = received(sock, b"total_net_input_bytes")
     assert proc.poll() is None
