@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from lab_server import LabServer
-from podmeter.cli.lab import failed_check_text
+from podmeter.cli.lab import failed_checks
 from podmeter.lab.cluster import ClusterRun
 from podmeter.lab.report import write_report
 from podmeter.lab.run import LabOptions
@@ -131,7 +131,7 @@ def test_three_nodes_pass_with_cross_node_flows_named_on_both_ends(tmp_path: Pat
     assert result.failures == [], result.failures
     traffic = [t for t in result.traffic if "skipped" not in t]
     assert len(traffic) == 10 and all(t["ok"] for t in traffic), [t for t in traffic if not t["ok"]]
-    assert result.passed, [failed_check_text(t) for t in result.traffic if not t.get("ok", True)]
+    assert result.passed, failed_checks(result)
     # Every ordered pair of nodes exchanged traffic, each exchange exact against both agents' records.
     cells = result.cross_node["cells"]
     for source in ("lab-0", "lab-1", "lab-2"):

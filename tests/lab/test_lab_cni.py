@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from podmeter.cli.lab import failed_check_text
+from podmeter.cli.lab import failed_checks
 from podmeter.lab import cni
 from podmeter.lab.cluster import lab_run
 from podmeter.lab.netns import NETNS_DIR, Sandbox, host_device_of
@@ -47,7 +47,7 @@ def test_links_named_like_aws_vpc_cni_are_found_by_what_they_are(tmp_path: Path,
     result = lab.run()
     assert result.error is None
     assert result.failures == [], result.failures
-    assert result.passed, [failed_check_text(t) for t in result.traffic if not t.get("ok", True)]
+    assert result.passed, failed_checks(result)
     assert not any(flag.startswith("--interface") for flag in lab.processes["agent"].argv)
     traffic = [t for t in result.traffic if "skipped" not in t]
     assert len(traffic) == len(result.traffic) == 6 and all(t["ok"] for t in traffic), result.traffic
@@ -173,7 +173,7 @@ def test_two_nodes_each_with_its_bridge_and_subnet_exchange_exactly(tmp_path: Pa
     result = lab.run()
     assert result.error is None
     assert result.failures == [], result.failures
-    assert result.passed, [failed_check_text(t) for t in result.traffic if not t.get("ok", True)]
+    assert result.passed, failed_checks(result)
     traffic = [t for t in result.traffic if "skipped" not in t]
     assert len(traffic) == 3 and all(t["ok"] for t in traffic), result.traffic
     for i, node in enumerate(("lab-0", "lab-1")):

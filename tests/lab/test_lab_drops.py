@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from podmeter.cli.lab import failed_check_text
+from podmeter.cli.lab import failed_checks
 from podmeter.lab.dropcheck import check_drop_records, check_drops, check_loss
 from podmeter.lab.report import write_report
 from podmeter.lab.run import LabOptions, LabRun
@@ -119,7 +119,7 @@ def test_a_run_that_induces_each_kind_counts_each_exactly_with_its_reason(tmp_pa
     loss = checks["loss"]
     assert loss["retransmits"][loss["src"]] > 0 and set(loss["retransmits"]) == {loss["src"]}
     assert loss["on_records"] > 0
-    assert result.passed, [failed_check_text(t) for t in result.traffic if not t.get("ok", True)]
+    assert result.passed, failed_checks(result)
     write_report(result, tmp_path)
     rows = report_rows((tmp_path / "report.html").read_text())
     for how, reason, packets in (("netfilter-input", "NETFILTER_DROP", 25), ("netfilter-output", "NETFILTER_DROP", 10),

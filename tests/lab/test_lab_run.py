@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from podmeter.cli.lab import failed_check_text
+from podmeter.cli.lab import failed_checks
 from podmeter.lab.report import write_report
 from podmeter.lab.run import LabOptions, LabRun
 from podmeter.lab.scenario import load_scenario, parse_scenario
@@ -49,7 +49,7 @@ def test_the_short_scenario_passes_and_writes_its_report(tmp_path: Path) -> None
     files = write_report(result, tmp_path)
     assert result.error is None
     assert result.failures == [], result.failures
-    assert result.passed, [failed_check_text(t) for t in result.traffic if not t.get("ok", True)]
+    assert result.passed, failed_checks(result)
     names = {f.name for f in files}
     assert {"report.json", "report.html", "filter.png", "memory.png", "identities.png", "events.png",
             "flows.png"} <= names

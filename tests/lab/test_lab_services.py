@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from podmeter.cli.lab import failed_check_text
+from podmeter.cli.lab import failed_checks
 from podmeter.lab.run import LabOptions, LabRun
 from podmeter.lab.scenario import load_scenario, parse_scenario
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the lab's eBPF mode n
 def test_connections_through_a_service_are_named_by_the_backend_that_served_each(tmp_path: Path) -> None:
     result = LabRun(load_scenario("services"), LabOptions(tmp_path, progress=False)).run()
     assert result.error is None and result.failures == [], result.failures
-    assert result.passed, [failed_check_text(t) for t in result.traffic if not t.get("ok", True)]
+    assert result.passed, failed_checks(result)
     calls = [t for t in result.traffic if t.get("kind") == "service"]
     assert [t["connections"] for t in calls] == [40, 20] and all(t["ok"] for t in calls), calls
     assert all(sum(t["per_backend"].values()) == t["connections"] for t in calls)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from podmeter.cli.lab import failed_check_text
+from types import SimpleNamespace
+
+from podmeter.cli.lab import failed_check_text, failed_checks
 
 
 def test_a_failed_exchange_reads_as_what_was_expected_and_what_was_counted() -> None:
@@ -30,3 +32,9 @@ def test_a_failed_service_step_names_its_client_service_and_problems() -> None:
              "ok": False, "problems": ["RuntimeError: shop/store-18: nginx did not listen (see lab-report/x)"]}
     assert failed_check_text(check) == ("apps-nginx shop/shopper-21 -> shop/store-svc: RuntimeError: shop/store-18: "
                                         "nginx did not listen (see lab-report/x)")
+
+
+def test_only_the_failed_checks_of_a_run_are_listed() -> None:
+    run = SimpleNamespace(traffic=[{"protocol": "udp", "ok": True}, {"protocol": "tcp", "skipped": "memory mode"},
+                                   {"protocol": "tcp", "ok": False}])
+    assert failed_checks(run) == ["tcp - -> -: failed (see the report)"]

@@ -155,6 +155,11 @@ def failed_check_text(check: dict[str, Any], most: int = 3) -> str:
     return f"{head}: {'; '.join(why) if why else 'failed (see the report)'}"
 
 
+def failed_checks(result: Any) -> list[str]:
+    """Each failed traffic check of a run, as :func:`failed_check_text` says it."""
+    return [failed_check_text(check) for check in result.traffic if not check.get("ok", True)]
+
+
 def print_summary(result: Any, files: list[Path]) -> None:
     """The verdict, every failure, and where the report is (also bench.lab's output)."""
     print()
@@ -169,9 +174,8 @@ def print_summary(result: Any, files: list[Path]) -> None:
     for failure in result.failures:
         where = f" [{failure['node']}]" if failure.get("node") else ""
         print(f"  {failure['invariant']}{where} {failure['subject']}: {failure['detail']}")
-    for check in result.traffic:
-        if not check.get("ok", True):
-            print(f"  traffic {failed_check_text(check)}")
+    for line in failed_checks(result):
+        print(f"  traffic {line}")
     for name, memory in result.memory.items():
         if isinstance(memory, dict) and not memory["returned"]:
             print(f"  memory: {name} grew {memory['growth_mib']} MiB (tolerance {result.memory['tolerance_mib']})")
