@@ -46,10 +46,10 @@ from podmeter.model.dns import qtype_name
 from podmeter.model.drop_codes import cilium_code
 from podmeter.model.endpoints import Endpoint
 from podmeter.model.flow_records import VERDICT_DROPPED, FlowEnd, FlowRecord
+from podmeter.model.flow_series import OTHER
 from podmeter.model.flows import ICMP, ICMPV6, TCP, UDP, Observation
 from podmeter.model.hubble_metrics_config import HubbleMetricsConfig, MetricSpec
 
-OTHER = "_other_"
 # A pod's labels, flat (k1, v1, k2, v2, ...) sorted by key; () when they are not known.
 LabelSource = Callable[[Endpoint], tuple[str, ...]]
 PodKey = tuple[str, str]  # namespace, name

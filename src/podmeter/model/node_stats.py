@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-OTHER = "_other_"  # the label value of what a cap leaves out, as podmeter's other capped series name it
+from podmeter.model.flow_series import OTHER  # what a cap leaves out, as every capped series names it
+
 # The kernel's TCP states (include/net/tcp_states.h), by the number /proc/net/tcp writes in hexadecimal.
 TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT",
               7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING", 12: "NEW_SYN_RECV"}
