@@ -97,10 +97,16 @@ steps:
 """
 
 
+def _namespaces(tag: str) -> list[Path]:
+    return list(Path("/run/netns").glob(f"{tag}*")) if Path("/run/netns").is_dir() else []
+
+
+def _pins(tag: str) -> list[Path]:
+    return list(Path("/sys/fs/bpf").glob(f"{tag}*"))
+
+
 def _leftovers(tag: str) -> list[str]:
-    netns = [p.name for p in Path("/run/netns").glob(f"{tag}*")] if Path("/run/netns").is_dir() else []
-    pins = [p.name for p in Path("/sys/fs/bpf").glob(f"{tag}*")]
-    return netns + pins
+    return [p.name for p in (*_namespaces(tag), *_pins(tag))]
 
 
 def _kill_lab(lab: subprocess.Popen[bytes], kubeconfig: str) -> None:
@@ -115,9 +121,9 @@ def _kill_lab(lab: subprocess.Popen[bytes], kubeconfig: str) -> None:
             continue  # gone meanwhile
     lab.wait()
     tag = f"pmlab{lab.pid}"
-    for name in _leftovers(tag):
-        subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
-    for pin in Path("/sys/fs/bpf").glob(f"{tag}*"):
+    for namespace in _namespaces(tag):
+        subprocess.run(["ip", "netns", "delete", namespace.name], capture_output=True, check=False)
+    for pin in _pins(tag):
         shutil.rmtree(pin, ignore_errors=True)
 
 
