@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import struct
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from bpf_support import Topology, needs_root
+from podmeter.adapters.datapath.ebpf.netns import netns
 from podmeter.adapters.metrics.node_stats import FILES, NodeStatsExposition
 
 CAPTURED = Path(__file__).resolve().parent.parent / "data" / "node_stats"
@@ -87,3 +91,49 @@ def test_promtool_finds_nothing(source: Path) -> None:
     assert "networkobservability_tcp_state" in text
     done = subprocess.run([PROMTOOL, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
     assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), done
+
+
+def _socket_families(text: str) -> dict[str, float]:
+    """The series that follow the node's sockets (the interfaces' counters only grow)."""
+    families = ("networkobservability_tcp_state", "networkobservability_tcp_connection_remote",
+                "networkobservability_udp_connection_stats")
+    return {k: v for k, v in samples(text).items() if k.startswith(families)}
+
+
+@needs_root
+def test_the_socket_series_follow_the_node_and_return_to_their_baseline_after_churn(topology: Topology) -> None:
+    """A real node's namespace: 200 connections from the node to a pod, then all closed (RST, so none
+    waits in TIME_WAIT): the pod's address has its series while they are open and none after, and every
+    socket series is again what it was before; the exposition keeps nothing per address or socket."""
+    pod = topology.add_pod()
+    with netns(pod.netns_path):
+        listener = socket.socket()
+    listener.bind((pod.ip, 0))
+    listener.listen(256)
+
+    def rendered() -> dict[str, float]:
+        with topology.in_host():  # /proc/thread-self/net: the namespace of the thread that reads it
+            return _socket_families(exposition.render().decode())
+
+    exposition = NodeStatsExposition(lambda: 0, 100, 128, Path("/proc/thread-self/net"))
+    baseline = rendered()
+    clients, accepted = [], []
+    with listener:
+        for _ in range(200):
+            with topology.in_host():
+                client = socket.socket()
+            client.connect(listener.getsockname())
+            clients.append(client)
+            accepted.append(listener.accept()[0])
+        during = rendered()
+        for sock in clients:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a RST
+            sock.close()
+        for sock in accepted:
+            sock.close()
+    assert during[f'networkobservability_tcp_connection_remote{{address="{pod.ip}"}}'] == 200
+    assert during['networkobservability_tcp_state{state="ESTABLISHED"}'] >= 200
+    after = rendered()
+    assert after == baseline, (baseline, after)
+    assert set(exposition.errors) == {(f, e) for f in FILES for e in ("unreadable", "malformed")}
+    assert not any(exposition.errors.values())
