@@ -559,19 +559,9 @@ class ClusterRun(LabRun):
         assert self.driver is not None
         return self.driver
 
-    def _settle_at_end(self) -> None:
-        """Every node empty and every check clean (bounded), then ``settle`` more: the memory baselines."""
-        deadline = time.monotonic() + max(10.0, 3 * self.scenario.settle)
-        while time.monotonic() < deadline:
-            last = self._last
-            clean = not self.checker.open and not any(n.checker.open for n in self.nodes)
-            if last is not None and last.pods == 0 and last.desired == 0 and clean:
-                break
-            self._pause(0.2)
-        self._driver().stats.step = "teardown: settling"
-        self._pause(self.scenario.settle)
-        self._pause(2 * self.scenario.sample_interval)  # every failure judged
-        self.result.memory = self._memory()
+    def _settled(self) -> bool:
+        """Every node empty and every check clean (:meth:`LabRun._settle_at_end` waits for it)."""
+        return super()._settled() and not any(n.checker.open for n in self.nodes)
 
     def _memory(self) -> dict[str, Any]:
         memory: dict[str, Any] = {"tolerance_mib": self.scenario.memory_tolerance_mib}

@@ -339,16 +339,18 @@ class LabRun(Hooks):
         assert self.driver is not None
         # Bounded: a broken agent never converges, and its failures are already recorded by then.
         deadline = time.monotonic() + max(10.0, 3 * self.scenario.settle)
-        while time.monotonic() < deadline:
-            last = self._last
-            if last is not None and last.pods == 0 and not self.checker.open and last.desired == 0:
-                break
+        while time.monotonic() < deadline and not self._settled():
             self._pause(0.2)
         self.driver.stats.step = "teardown: settling"
         self._pause(self.scenario.settle)
         # Two samples after the settle time, so every failure has been judged.
         self._pause(2 * self.scenario.sample_interval)
         self.result.memory = self._memory()
+
+    def _settled(self) -> bool:
+        """The node empty (its last sample) and no check open."""
+        last = self._last
+        return last is not None and last.pods == 0 and last.desired == 0 and not self.checker.open
 
     # --- processes ---------------------------------------------------------------------------------
 
