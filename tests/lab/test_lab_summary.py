@@ -38,3 +38,11 @@ def test_only_the_failed_checks_of_a_run_are_listed() -> None:
     run = SimpleNamespace(traffic=[{"protocol": "udp", "ok": True}, {"protocol": "tcp", "skipped": "memory mode"},
                                    {"protocol": "tcp", "ok": False}])
     assert failed_checks(run) == ["tcp - -> -: failed (see the report)"]
+
+
+def test_a_failed_reuse_check_reads_each_holders_counts_in_order() -> None:
+    check = {"protocol": "udp", "kind": "reuse-during-flow", "src": "web/reuse-1 then web/reuse-2", "dst": "web/api-7",
+             "expected": [30, 10260], "src_egress": [[30, 10260], [0, 0]], "dst_ingress": [60, 20520], "ok": False}
+    assert failed_check_text(check) == (
+        "reuse-during-flow web/reuse-1 then web/reuse-2 -> web/api-7: expected 30 pkts 10,260 B, counted "
+        "src_egress 30 pkts 10,260 B then 0 pkts 0 B, dst_ingress 60 pkts 20,520 B")

@@ -131,9 +131,11 @@ def _interrupt_handler(lab: Any) -> Callable[[int, FrameType | None], None]:
 
 
 def _pair(value: Any) -> str:
-    """(packets, bytes) as people read it."""
-    if isinstance(value, (list, tuple)) and len(value) == 2:
+    """(packets, bytes) as people read it; a list of them (one per holder of a reused IP) in order."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value):
         return f"{value[0]:,} pkts {value[1]:,} B"
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (list, tuple)) for v in value):
+        return " then ".join(_pair(v) for v in value)
     return str(value)
 
 
