@@ -891,11 +891,13 @@ class LabRun(Hooks):
             return None
 
     def _agent_knows(self, pod: str, ip: str, deadline: float) -> bool:
-        """Until the agent holds ``pod`` as the owner of ``ip`` and the kernel filter has the IP: its
-        packets are counted and named from then on."""
+        """Until the agent holds ``pod`` as the owner of ``ip``, has its programs on the pod's link (a new
+        sandbox's link is attached when the agent sees it, apart from the filter) and the kernel filter has
+        the IP: its packets are counted and named from then on."""
         while time.monotonic() < deadline:
             state = self._agent_state_or_none()
-            if state is not None and state["filter"]["desired"].get(ip) == [pod]:
+            if (state is not None and state["filter"]["desired"].get(ip) == [pod]
+                    and pod not in (state.get("pods_without_link") or ())):
                 with contextlib.suppress(Exception), EbpfDatapath.open_pinned(self.bpffs) as datapath:
                     if ip in datapath.contents():
                         return True
